@@ -1,0 +1,55 @@
+// SPDX-License-Identifier: Apache-2.0
+// The host kernels' worker threads.
+#pragma once
+
+#include <tierstate/core/error.hpp>
+
+#include <cstddef>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace tierstate {
+
+/// The CPUs this process may run on (its affinity mask), at least 1.
+[[nodiscard]] std::size_t available_cpus() noexcept;
+
+/// A fixed set of std::threads that run one range-splitting job at a time.
+///
+/// `parallel_for` is safe to call from several threads at once: calls are serialized, and
+/// each blocks until its whole range is done. The calling thread runs the first part
+/// itself, so a pool of size 1 starts no thread at all.
+class thread_pool {
+ public:
+  /// `threads` workers in all, the caller included; 0 means available_cpus().
+  /// Throws tierstate::invalid_option above 4096.
+  explicit thread_pool(std::size_t threads = 0);
+  ~thread_pool();
+
+  thread_pool(thread_pool const&)            = delete;
+  thread_pool& operator=(thread_pool const&) = delete;
+
+  /// Threads that work on a job, the caller included.
+  [[nodiscard]] std::size_t size() const noexcept;
+
+  /// Calls f(begin, end) on disjoint parts that cover [0, n), in parallel, and returns when
+  /// all are done. Every boundary between parts is a multiple of `grain` (> 0), so each
+  /// part starts at a chosen alignment. Fewer parts than threads are used when n is small.
+  /// The first exception thrown by f is rethrown here, after every part has finished.
+  template <class F>
+  void parallel_for(std::size_t n, std::size_t grain, F&& f);
+
+ private:
+  struct state;
+  void run(std::size_t parts, std::size_t n, std::size_t grain,
+           std::function<void(std::size_t, std::size_t)> const& job);
+
+  std::unique_ptr<state> state_;
+};
+
+}  // namespace tierstate
+
+#include <tierstate/kernels/host/detail/thread_pool.inl>

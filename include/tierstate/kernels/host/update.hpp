@@ -1,0 +1,75 @@
+// SPDX-License-Identifier: Apache-2.0
+// The host kernel: one rule's update over a range of elements, with xsimd.
+//
+//   host::update_range<Rule, Precision, Arch>(k, arrays, begin, end)   one thread
+//   host::update<Rule, Precision, Arch>(pool, k, arrays, n)            the pool's threads
+//
+// Arch is an xsimd architecture tag; its default, xsimd::default_arch, is the best one the
+// translation unit's compiler flags allow (-march=native gives AVX-512 on such a CPU, a
+// plain x86-64 build gives SSE2). Every element goes through the same instruction sequence:
+// the tail of a range is copied into a zero-padded batch, computed like the body, and
+// copied back. So results are bit-identical for any split of the range, any thread count,
+// and any chunking a caller chooses.
+#pragma once
+
+#include <tierstate/core/concepts.hpp>
+#include <tierstate/core/error.hpp>
+#include <tierstate/core/precision.hpp>
+#include <tierstate/kernels/host/detail/simd.hpp>
+#include <tierstate/kernels/host/thread_pool.hpp>
+
+#include <array>
+#include <cstddef>
+#include <cstring>
+#include <utility>
+
+namespace tierstate {
+
+/// The arrays of one update, all indexed by the same element index.
+///
+/// `param` is read when the precision has no master (fp32 params are their own master) and
+/// always written; `master` is used only when Precision::has_master (else it may be null);
+/// `state[i]` is the rule's slot `Rule::slots[i]`.
+template <precision P, std::size_t Slots>
+struct update_arrays {
+  typename P::param_type* param = nullptr;
+  typename P::grad_type const* grad = nullptr;
+  float* master = nullptr;
+  std::array<typename P::state_type*, Slots> state{};
+};
+
+namespace host {
+
+/// The xsimd architecture name ("avx512bw", "sse2", ...) a kernel built for Arch uses.
+template <class Arch = xsimd::default_arch>
+[[nodiscard]] constexpr char const* arch_name() noexcept
+{
+  return Arch::name();
+}
+
+/// Elements per SIMD batch for Arch: range splits at multiples of this keep every part's
+/// batches aligned like the whole range's.
+template <class Arch = xsimd::default_arch>
+inline constexpr std::size_t batch_size = xsimd::batch<float, Arch>::size;
+
+/// Checks that `a` has every array the precision and rule need for `n` > 0 elements;
+/// throws tierstate::logic_error naming the missing one.
+template <precision P, std::size_t Slots>
+void check_arrays(update_arrays<P, Slots> const& a, std::size_t n);
+
+/// Updates elements [begin, end) on the calling thread.
+template <rule R, precision P, class Arch = xsimd::default_arch>
+void update_range(typename R::coefficients const& k,
+                  update_arrays<P, R::slots.size()> const& a, std::size_t begin,
+                  std::size_t end) noexcept;
+
+/// Updates elements [0, n) with the pool's threads; blocks until done. Checks the arrays
+/// first (see check_arrays).
+template <rule R, precision P, class Arch = xsimd::default_arch>
+void update(thread_pool& pool, typename R::coefficients const& k,
+            update_arrays<P, R::slots.size()> const& a, std::size_t n);
+
+}  // namespace host
+}  // namespace tierstate
+
+#include <tierstate/kernels/host/detail/update.inl>

@@ -1,0 +1,14 @@
+// SPDX-License-Identifier: Apache-2.0
+// tierstate: offloaded optimizer state for training, as a C++20 header-only library.
+// The umbrella header: everything public.
+#pragma once
+
+#include <tierstate/core/concepts.hpp>
+#include <tierstate/core/config.hpp>
+#include <tierstate/core/error.hpp>
+#include <tierstate/core/math.hpp>
+#include <tierstate/core/numeric.hpp>
+#include <tierstate/core/precision.hpp>
+#include <tierstate/kernels/host/thread_pool.hpp>
+#include <tierstate/kernels/host/update.hpp>
+#include <tierstate/rules/adam.hpp>

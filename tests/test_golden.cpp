@@ -1,0 +1,88 @@
+// SPDX-License-Identifier: Apache-2.0
+// Against values made by PyTorch itself (tests/golden/make_golden.py): the fp32 host kernel
+// after 120 steps with a changing learning rate, for Adam and AdamW with and without
+// weight decay, amsgrad and maximize.
+#include "support.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <string_view>
+
+using namespace tierstate;
+using namespace tierstate::test;
+
+namespace {
+
+struct golden_case {
+  char const* name;
+  char const* rule;
+  double lr_max, beta1, beta2, eps, weight_decay;
+  bool maximize, amsgrad;
+  int steps;
+  std::vector<float> param, exp_avg, exp_avg_sq, max_exp_avg_sq;
+};
+
+std::vector<golden_case> const golden = {
+#include "golden/adam_golden.inc"
+};
+
+template <class R>
+void run_case(golden_case const& c, std::size_t threads)
+{
+  std::size_t const n = c.param.size();
+  std::vector<float> w(n), grad(n);
+  std::vector<std::vector<float>> s(R::slot_count, std::vector<float>(n, 0.0f));
+  for (std::size_t i = 0; i < n; ++i) { w[i] = init_value(i); }
+  update_arrays<Fp32, R::slot_count> a;
+  a.param = w.data();
+  a.grad  = grad.data();
+  for (std::size_t j = 0; j < R::slot_count; ++j) { a.state[j] = s[j].data(); }
+
+  typename R::hyperparameters h;
+  h.betas        = {c.beta1, c.beta2};
+  h.eps          = c.eps;
+  h.weight_decay = c.weight_decay;
+  h.maximize     = c.maximize;
+  thread_pool pool(threads);
+  for (int t = 1; t <= c.steps; ++t) {
+    for (std::size_t i = 0; i < n; ++i) { grad[i] = grad_value(i, t); }
+    h.lr = lr_at(c.lr_max, t, c.steps);
+    host::update<R, Fp32>(pool, R::coefficients_for(h, t), a, n);
+  }
+
+  auto const close = [](float got, float want, double scale) {
+    return std::abs(static_cast<double>(got) - want) <= 1e-5 * (std::abs(want) + scale);
+  };
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    bad += !close(w[i], c.param[i], c.lr_max);
+    bad += !close(s[0][i], c.exp_avg[i], 1e-9);
+    bad += !close(s[1][i], c.exp_avg_sq[i], 1e-12);
+    if constexpr (R::amsgrad) { bad += !close(s[2][i], c.max_exp_avg_sq[i], 1e-12); }
+  }
+  INFO(c.name << " with " << threads << " threads");
+  CHECK(bad == 0);
+}
+
+}  // namespace
+
+TEST_CASE("the host kernel reproduces torch.optim after 120 steps", "[golden]")
+{
+  REQUIRE(golden.size() == 8);
+  for (auto const& c : golden) {
+    REQUIRE(c.param.size() == 37);
+    std::string_view const rule = c.rule;
+    for (std::size_t const threads : {1u, 2u}) {
+      if (rule == "adam") {
+        run_case<Adam>(c, threads);
+      } else if (rule == "adamw") {
+        run_case<AdamW>(c, threads);
+      } else if (rule == "adam_amsgrad") {
+        run_case<AdamAmsgrad>(c, threads);
+      } else {
+        REQUIRE(rule == "adamw_amsgrad");
+        run_case<AdamWAmsgrad>(c, threads);
+      }
+    }
+  }
+}

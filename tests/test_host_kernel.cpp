@@ -1,0 +1,222 @@
+// SPDX-License-Identifier: Apache-2.0
+// The host kernels against a plain double-precision reference of torch.optim's update:
+// every rule and precision, 120 steps with a changing learning rate, awkward sizes, several
+// thread counts and split points, which must all give the same bits.
+#include "support.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <utility>
+
+using namespace tierstate;
+using namespace tierstate::test;
+
+namespace {
+
+constexpr int steps = 120;
+
+/// One optimizer's arrays for n elements, initialised as a trainer would: the master from
+/// the param as stored.
+template <class R, class P>
+struct arrays_for {
+  using param_t = typename P::param_type;
+  using state_t = typename P::state_type;
+
+  std::size_t n;
+  std::vector<param_t> param;
+  std::vector<float> master;
+  std::vector<std::vector<state_t>> state;
+
+  explicit arrays_for(std::size_t size)
+    : n(size), param(size), master(P::has_master ? size : 0), state(R::slot_count)
+  {
+    for (std::size_t i = 0; i < n; ++i) {
+      param[i] = convert<param_t>(init_value(i));
+      if constexpr (P::has_master) { master[i] = static_cast<float>(param[i]); }
+    }
+    for (auto& s : state) { s.assign(n, convert<state_t>(0.0f)); }
+  }
+
+  [[nodiscard]] float weight(std::size_t i) const
+  {
+    if constexpr (P::has_master) {
+      return master[i];
+    } else {
+      return param[i];
+    }
+  }
+
+  update_arrays<P, R::slot_count> view(typename P::grad_type const* grad)
+  {
+    update_arrays<P, R::slot_count> a;
+    a.param  = param.data();
+    a.grad   = grad;
+    a.master = P::has_master ? master.data() : nullptr;
+    for (std::size_t j = 0; j < R::slot_count; ++j) { a.state[j] = state[j].data(); }
+    return a;
+  }
+
+  /// Index of the first element whose bits differ from `o`'s, or n.
+  [[nodiscard]] std::size_t first_difference(arrays_for const& o) const
+  {
+    for (std::size_t i = 0; i < n; ++i) {
+      bool same = bits(param[i]) == bits(o.param[i]);
+      if constexpr (P::has_master) { same = same && bits(master[i]) == bits(o.master[i]); }
+      for (std::size_t j = 0; j < R::slot_count; ++j) {
+        same = same && bits(state[j][i]) == bits(o.state[j][i]);
+      }
+      if (!same) { return i; }
+    }
+    return n;
+  }
+};
+
+/// The ways a run may split its work; all must give the same bits.
+enum class split { one_thread, two_threads, three_threads, five_threads, ragged_ranges };
+
+template <class R, class P>
+void check_against_reference(std::size_t n, typename R::hyperparameters const& h, double lr_max,
+                             double grad_scale)
+{
+  using grad_t = typename P::grad_type;
+  bool const bf16_state = std::is_same_v<typename P::state_type, bf16>;
+  double const tol      = bf16_state ? 1e-3 : 1e-5;
+
+  std::vector<split> const splits = {split::one_thread, split::two_threads, split::three_threads,
+                                     split::five_threads, split::ragged_ranges};
+  std::vector<arrays_for<R, P>> runs;
+  for (std::size_t k = 0; k < splits.size(); ++k) { runs.emplace_back(n); }
+  thread_pool pool2(2), pool3(3), pool5(5);
+
+  std::vector<grad_t> grad(n);
+  for (int t = 1; t <= steps; ++t) {
+    for (std::size_t i = 0; i < n; ++i) {
+      grad[i] = convert<grad_t>(static_cast<float>(grad_value(i, t) * grad_scale));
+    }
+    auto hp = h;
+    hp.lr   = lr_at(lr_max, t, steps);
+    auto const k = R::coefficients_for(hp, t, grad_scale);
+    for (std::size_t r = 0; r < splits.size(); ++r) {
+      auto const a = runs[r].view(grad.data());
+      switch (splits[r]) {
+        case split::one_thread: host::update_range<R, P>(k, a, 0, n); break;
+        case split::two_threads: host::update<R, P>(pool2, k, a, n); break;
+        case split::three_threads: host::update<R, P>(pool3, k, a, n); break;
+        case split::five_threads: host::update<R, P>(pool5, k, a, n); break;
+        case split::ragged_ranges: {
+          // Unaligned boundaries that move every step, as chunks spanning tensors would.
+          std::size_t b = 0;
+          std::size_t len = 1 + static_cast<std::size_t>(t) % 13;
+          while (b < n) {
+            std::size_t const e = std::min(n, b + len);
+            host::update_range<R, P>(k, a, b, e);
+            b   = e;
+            len = len * 3 + 5;
+          }
+          break;
+        }
+      }
+    }
+  }
+
+  for (std::size_t r = 1; r < runs.size(); ++r) {
+    INFO("split " << r << " differs from one thread at element " << runs[r].first_difference(runs[0]));
+    REQUIRE(runs[r].first_difference(runs[0]) == n);
+  }
+
+  // Every element of small arrays; of large ones the first and last 2048 (all tails and
+  // batch boundaries) and every 257th.
+  std::vector<std::size_t> checked;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (n <= 8192 || i < 2048 || i + 2048 >= n || i % 257 == 0) { checked.push_back(i); }
+  }
+  auto const opts = reference_for<R>(h, bf16_state);
+  auto const& got = runs[0];
+  std::size_t failures = 0;
+  std::size_t first_bad = n;
+  double worst_ref = 0, worst_got = 0;
+  for (std::size_t const i : checked) {
+    reference_element e;
+    e.w = static_cast<float>(convert<typename P::param_type>(init_value(i)));  // as stored
+    for (int t = 1; t <= steps; ++t) {
+      float const g = static_cast<float>(convert<grad_t>(static_cast<float>(grad_value(i, t) * grad_scale)));
+      reference_step(e, g, lr_at(lr_max, t, steps), t, grad_scale, opts);
+    }
+    double const w = got.weight(i);
+    if (!(std::abs(w - e.w) <= tol * (std::abs(e.w) + lr_max))) {
+      if (failures++ == 0) {
+        first_bad = i;
+        worst_ref = e.w;
+        worst_got = w;
+      }
+    }
+    if constexpr (P::has_master) {
+      if (bits(got.param[i]) != bits(convert<typename P::param_type>(got.master[i]))) {
+        if (failures++ == 0) {
+          first_bad = i;
+          worst_ref = static_cast<float>(convert<typename P::param_type>(got.master[i]));
+          worst_got = static_cast<float>(got.param[i]);
+        }
+      }
+    }
+  }
+  INFO(R::name << " " << P::name() << " n=" << n << ": " << failures << " of " << checked.size()
+               << " elements off; first at " << first_bad << ": reference " << worst_ref
+               << ", got " << worst_got);
+  REQUIRE(failures == 0);
+}
+
+template <class R>
+typename R::hyperparameters unusual_hyperparameters()
+{
+  typename R::hyperparameters h;
+  h.betas        = {0.3, 0.95};  // beta1 < 0.5: torch's lerp takes its other branch
+  h.eps          = 1e-6;
+  h.weight_decay = 0.1;
+  h.maximize     = true;
+  return h;
+}
+
+template <class R, class P>
+struct combo {
+  using rule      = R;
+  using precision = P;
+};
+
+}  // namespace
+
+#define TIERSTATE_RULES_X_PRECISIONS                                                              \
+  (combo<Adam, Fp32>), (combo<Adam, Bf16Mixed>), (combo<Adam, Fp16Mixed>),                         \
+    (combo<Adam, Bf16MixedBf16State>), (combo<AdamW, Fp32>), (combo<AdamW, Bf16Mixed>),            \
+    (combo<AdamW, Fp16Mixed>), (combo<AdamW, Bf16MixedBf16State>), (combo<AdamAmsgrad, Fp32>),     \
+    (combo<AdamAmsgrad, Bf16Mixed>), (combo<AdamAmsgrad, Fp16Mixed>),                              \
+    (combo<AdamAmsgrad, Bf16MixedBf16State>), (combo<AdamWAmsgrad, Fp32>),                         \
+    (combo<AdamWAmsgrad, Bf16Mixed>), (combo<AdamWAmsgrad, Fp16Mixed>),                            \
+    (combo<AdamWAmsgrad, Bf16MixedBf16State>)
+
+TEMPLATE_TEST_CASE("host kernel matches the double reference and splits give the same bits",
+                   "[host][reference]", TIERSTATE_RULES_X_PRECISIONS)
+{
+  using R = typename TestType::rule;
+  using P = typename TestType::precision;
+  // fp16 gradients are what loss scaling is for: scale them, as GradScaler would.
+  double const scale = std::is_same_v<typename P::grad_type, fp16> ? 1024.0 : 1.0;
+
+  SECTION("torch defaults")
+  {
+    typename R::hyperparameters h;
+    for (std::size_t const n : {std::size_t{1}, std::size_t{7}, std::size_t{4095}, std::size_t{4097},
+                                (std::size_t{1} << 20) + 3}) {
+      check_against_reference<R, P>(n, h, 1e-2, scale);
+    }
+  }
+  SECTION("beta1 < 0.5, weight decay, maximize, a gradient scale")
+  {
+    for (std::size_t const n : {std::size_t{1}, std::size_t{7}, std::size_t{4095}, std::size_t{4097}}) {
+      check_against_reference<R, P>(n, unusual_hyperparameters<R>(), 3e-3, 4.0 * scale);
+    }
+  }
+}

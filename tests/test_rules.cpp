@@ -1,0 +1,205 @@
+// SPDX-License-Identifier: Apache-2.0
+// The rules: hyper-parameters validated as torch.optim.AdamW validates them, slots fixed at
+// compile time, coefficients, and the scalar text equal to the SIMD text bit for bit.
+#include "support.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <limits>
+
+using namespace tierstate;
+using namespace tierstate::test;
+
+namespace {
+
+template <class R>
+void require_refused(typename R::hyperparameters const& h, std::string const& option,
+                     std::string const& value)
+{
+  try {
+    R::validate(h);
+    FAIL("accepted " << option << " = " << value);
+  } catch (invalid_option const& e) {
+    CHECK(e.option() == option);
+    CHECK(e.value() == value);
+    CHECK(std::string(e.what()).find(option + " = " + value) != std::string::npos);
+  }
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("hyper-parameters are refused exactly where torch refuses them", "[rules]",
+                   Adam, AdamW, AdamAmsgrad, AdamWAmsgrad)
+{
+  using R = TestType;
+  std::string const n(R::name);
+  double const nan = std::numeric_limits<double>::quiet_NaN();
+  double const inf = std::numeric_limits<double>::infinity();
+
+  typename R::hyperparameters h;
+  SECTION("defaults are torch's")
+  {
+    CHECK(h.lr == 1e-3);
+    CHECK(h.betas[0] == 0.9);
+    CHECK(h.betas[1] == 0.999);
+    CHECK(h.eps == 1e-8);
+    CHECK(h.weight_decay == (R::decay_mode == weight_decay_mode::decoupled ? 1e-2 : 0.0));
+    CHECK_FALSE(h.maximize);
+    CHECK_NOTHROW(R::validate(h));
+  }
+  SECTION("lr")
+  {
+    h.lr = -1e-3;
+    require_refused<R>(h, n + ".lr", "-0.001");
+    h.lr = nan;
+    require_refused<R>(h, n + ".lr", "nan");
+    h.lr = 0.0;
+    CHECK_NOTHROW(R::validate(h));
+    h.lr = inf;  // 0 <= inf: torch accepts it
+    CHECK_NOTHROW(R::validate(h));
+  }
+  SECTION("eps")
+  {
+    h.eps = -1e-8;
+    require_refused<R>(h, n + ".eps", "-1e-08");
+    h.eps = 0.0;
+    CHECK_NOTHROW(R::validate(h));
+  }
+  SECTION("betas")
+  {
+    h.betas[0] = 1.0;
+    require_refused<R>(h, n + ".betas[0]", "1");
+    h.betas[0] = -0.1;
+    require_refused<R>(h, n + ".betas[0]", "-0.1");
+    h.betas[0] = 0.0;
+    CHECK_NOTHROW(R::validate(h));
+    h.betas[1] = 1.0;
+    require_refused<R>(h, n + ".betas[1]", "1");
+    h.betas[1] = nan;
+    require_refused<R>(h, n + ".betas[1]", "nan");
+  }
+  SECTION("weight_decay")
+  {
+    h.weight_decay = -0.01;
+    require_refused<R>(h, n + ".weight_decay", "-0.01");
+    h.weight_decay = 0.0;
+    CHECK_NOTHROW(R::validate(h));
+  }
+  SECTION("step and gradient scale")
+  {
+    CHECK_THROWS_AS(R::coefficients_for(h, 0), invalid_option);
+    CHECK_THROWS_AS(R::coefficients_for(h, 1, 0.0), invalid_option);
+    CHECK_THROWS_AS(R::coefficients_for(h, 1, -2.0), invalid_option);
+    CHECK_THROWS_AS(R::coefficients_for(h, 1, nan), invalid_option);
+    CHECK_THROWS_AS(R::coefficients_for(h, 1, inf), invalid_option);
+    h.lr = -1.0;
+    CHECK_THROWS_AS(R::coefficients_for(h, 1), invalid_option);
+  }
+}
+
+TEST_CASE("slots are fixed at compile time", "[rules]")
+{
+  STATIC_REQUIRE(rule<Adam>);
+  STATIC_REQUIRE(AdamW::slot_count == 2);
+  STATIC_REQUIRE(AdamWAmsgrad::slot_count == 3);
+  STATIC_REQUIRE(AdamAmsgrad::slots[2] == slot::max_exp_avg_sq);
+  STATIC_REQUIRE(slot_name(slot::exp_avg_sq) == "exp_avg_sq");
+  STATIC_REQUIRE(Adam::name == "adam");
+  STATIC_REQUIRE(AdamWAmsgrad::name == "adamw_amsgrad");
+}
+
+TEST_CASE("coefficients are torch's scalars, computed in double", "[rules]")
+{
+  AdamW::hyperparameters h;
+  h.lr           = 0.1;
+  h.weight_decay = 0.5;
+  auto const k   = AdamW::coefficients_for(h, 3, 8.0);
+  CHECK(k.grad_mul == 0.125f);
+  CHECK(k.decay == static_cast<float>(1.0 - 0.1 * 0.5));
+  CHECK(k.neg_step_size == static_cast<float>(-(0.1 / (1.0 - 0.9 * 0.9 * 0.9))));
+  CHECK(k.bias_correction2_sqrt == static_cast<float>(std::sqrt(1.0 - std::pow(0.999, 3.0))));
+  CHECK(k.lerp_from_start);
+  h.maximize = true;
+  CHECK(AdamW::coefficients_for(h, 1, 8.0).grad_mul == -0.125f);
+  h.betas[0] = 0.25;
+  CHECK_FALSE(AdamW::coefficients_for(h, 1).lerp_from_start);
+}
+
+TEST_CASE("one step from zero state moves each weight by lr against the gradient's sign", "[rules]")
+{
+  // With m = v = 0, step 1 gives m_hat = g and v_hat = g^2: the step is lr * g / (|g| + eps).
+  Adam::hyperparameters h;
+  h.lr = 0.01;
+  auto const k = Adam::coefficients_for(h, 1);
+  for (float const g : {0.5f, -3.0f, 1e-3f}) {
+    float w        = 1.0f;
+    float s[2]     = {0.0f, 0.0f};
+    Adam::update(k, w, g, s);
+    reference_element e{1.0, 0, 0, 0};
+    reference_step_double(e, g, 0.01, 1, 1.0, reference_for<Adam>(h, false));
+    CHECK(w == Approx(e.w).epsilon(1e-7));
+    CHECK(w == Approx(1.0 - 0.01 * (g > 0 ? 1 : -1)).epsilon(1e-6));
+  }
+}
+
+namespace {
+
+template <class R, class P>
+void check_scalar_equals_simd()
+{
+  using param_t = typename P::param_type;
+  using grad_t  = typename P::grad_type;
+  using state_t = typename P::state_type;
+  std::size_t const n = 1000;
+  std::vector<param_t> param(n);
+  std::vector<float> master(n), w(n);
+  std::vector<grad_t> grad(n);
+  std::vector<std::vector<state_t>> state(R::slot_count, std::vector<state_t>(n));
+  std::vector<std::vector<float>> s(R::slot_count, std::vector<float>(n));
+  for (std::size_t i = 0; i < n; ++i) {
+    param[i]  = convert<param_t>(init_value(i));
+    master[i] = static_cast<float>(param[i]);
+    w[i]      = master[i];
+  }
+  update_arrays<P, R::slot_count> a;
+  a.param  = param.data();
+  a.grad   = grad.data();
+  a.master = master.data();
+  for (std::size_t j = 0; j < R::slot_count; ++j) { a.state[j] = state[j].data(); }
+  typename R::hyperparameters h;
+  h.weight_decay = 0.1;
+  for (int t = 1; t <= 30; ++t) {
+    for (std::size_t i = 0; i < n; ++i) { grad[i] = convert<grad_t>(grad_value(i, t) * 3.0f); }
+    auto const k = R::coefficients_for(h, t, 4.0);
+    host::update_range<R, P>(k, a, 0, n);
+    for (std::size_t i = 0; i < n; ++i) {
+      float st[R::slot_count];
+      for (std::size_t j = 0; j < R::slot_count; ++j) { st[j] = s[j][i]; }
+      R::update(k, w[i], static_cast<float>(convert<float>(grad[i])), st);
+      for (std::size_t j = 0; j < R::slot_count; ++j) {
+        s[j][i] = static_cast<float>(convert<state_t>(st[j]));  // stored as the state type
+      }
+    }
+  }
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    float const got = P::has_master ? master[i] : static_cast<float>(convert<float>(param[i]));
+    bad += bits(got) != bits(w[i]);
+    bad += bits(param[i]) != bits(convert<param_t>(w[i]));
+    for (std::size_t j = 0; j < R::slot_count; ++j) {
+      bad += bits(state[j][i]) != bits(convert<state_t>(s[j][i]));
+    }
+  }
+  INFO(R::name << " " << P::name() << " on " << host::arch_name());
+  CHECK(bad == 0);
+}
+
+}  // namespace
+
+TEST_CASE("the rule's text gives the same bits on float and on SIMD batches", "[rules][simd]")
+{
+  check_scalar_equals_simd<Adam, Fp32>();
+  check_scalar_equals_simd<AdamW, Bf16Mixed>();
+  check_scalar_equals_simd<AdamAmsgrad, Fp16Mixed>();
+  check_scalar_equals_simd<AdamWAmsgrad, Bf16MixedBf16State>();
+}

@@ -1,0 +1,73 @@
+// SPDX-License-Identifier: Apache-2.0
+#include <tierstate/kernels/host/thread_pool.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+using namespace tierstate;
+
+TEST_CASE("the default size is the affinity mask's CPU count", "[thread_pool]")
+{
+  thread_pool pool;
+  CHECK(available_cpus() >= 1);
+  CHECK(pool.size() == available_cpus());
+  CHECK_THROWS_AS(thread_pool(5000), invalid_option);
+}
+
+TEST_CASE("parallel_for covers the range once, on grain boundaries", "[thread_pool]")
+{
+  for (std::size_t const threads : {1u, 2u, 3u, 8u}) {
+    thread_pool pool(threads);
+    CHECK(pool.size() == threads);
+    for (std::size_t const n : {0u, 1u, 63u, 64u, 65u, 1000u, 100003u}) {
+      for (std::size_t const grain : {1u, 16u, 1024u}) {
+        std::vector<std::atomic<int>> hits(n);
+        std::atomic<int> parts{0};
+        std::atomic<bool> misaligned{false};
+        pool.parallel_for(n, grain, [&](std::size_t b, std::size_t e) {
+          ++parts;
+          if (b % grain != 0 || (e != n && e % grain != 0) || b >= e) { misaligned = true; }
+          for (std::size_t i = b; i < e; ++i) { ++hits[i]; }
+        });
+        INFO("threads " << threads << " n " << n << " grain " << grain);
+        CHECK_FALSE(misaligned);
+        CHECK(static_cast<std::size_t>(parts.load()) <= threads);
+        std::size_t wrong = 0;
+        for (auto const& h : hits) { wrong += h.load() != 1; }
+        CHECK(wrong == 0);
+      }
+    }
+  }
+}
+
+TEST_CASE("an exception in a part reaches the caller, and the pool keeps working", "[thread_pool]")
+{
+  thread_pool pool(4);
+  CHECK_THROWS_WITH(pool.parallel_for(4000, 1, [](std::size_t b, std::size_t) {
+                      if (b > 0) { throw std::runtime_error("part failed"); }
+                    }),
+                    "part failed");
+  std::atomic<std::size_t> sum{0};
+  pool.parallel_for(4000, 1, [&](std::size_t b, std::size_t e) { sum += e - b; });
+  CHECK(sum == 4000);
+}
+
+TEST_CASE("several threads may call parallel_for at once", "[thread_pool]")
+{
+  thread_pool pool(3);
+  std::atomic<std::size_t> total{0};
+  std::vector<std::thread> callers;
+  for (int c = 0; c < 4; ++c) {
+    callers.emplace_back([&] {
+      for (int r = 0; r < 50; ++r) {
+        pool.parallel_for(1000, 8, [&](std::size_t b, std::size_t e) { total += e - b; });
+      }
+    });
+  }
+  for (auto& t : callers) { t.join(); }
+  CHECK(total == 4u * 50u * 1000u);
+}
