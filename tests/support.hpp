@@ -111,7 +111,7 @@ inline void reference_step_bf16_state(reference_element& e, float grad, double l
     vmax   = (vmax >= v) ? vmax : v;
     second = vmax;
   }
-  float const denom = std::sqrt(second) / f(std::sqrt(1.0 - std::pow(o.beta2, step))) + f(o.eps);
+  float const denom = std::fma(std::sqrt(second), f(1.0 / std::sqrt(1.0 - std::pow(o.beta2, step))), f(o.eps));
   float const delta = (f(-(lr / (1.0 - std::pow(o.beta1, step)))) * m) / denom;
   w = o.decoupled ? std::fma(w, f(1.0 - lr * o.weight_decay), delta) : w + delta;
   e.w    = w;

@@ -117,7 +117,7 @@ TEST_CASE("coefficients are torch's scalars, computed in double", "[rules]")
   CHECK(k.grad_mul == 0.125f);
   CHECK(k.decay == static_cast<float>(1.0 - 0.1 * 0.5));
   CHECK(k.neg_step_size == static_cast<float>(-(0.1 / (1.0 - 0.9 * 0.9 * 0.9))));
-  CHECK(k.bias_correction2_sqrt == static_cast<float>(std::sqrt(1.0 - std::pow(0.999, 3.0))));
+  CHECK(k.inv_bias_correction2_sqrt == static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(0.999, 3.0))));
   CHECK(k.lerp_from_start);
   h.maximize = true;
   CHECK(AdamW::coefficients_for(h, 1, 8.0).grad_mul == -0.125f);

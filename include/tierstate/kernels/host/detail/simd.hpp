@@ -138,13 +138,17 @@ TIERSTATE_ALWAYS_INLINE float_batch<A> bf16_to_float(int_batch<A> const& h) noex
 template <class A>
 TIERSTATE_ALWAYS_INLINE int_batch<A> float_to_bf16(float_batch<A> const& x) noexcept
 {
-  using I     = int_batch<A>;
-  I const i   = xsimd::bitwise_cast<I>(x);
-  I const a   = i & I(0x7fffffff);
-  I const top = (i >> 16) & I(0xffff);  // sign, exponent and high mantissa
-  I const sign = top & I(0x8000);
-  I const rounded = ((a + I(0x7fff) + ((a >> 16) & I(1))) >> 16) | sign;
-  return xsimd::select(a > I(0x7f800000), top | I(0x0040), rounded);
+  // Round to nearest even on the raw bits. The sign rides on top: adding the rounding bias
+  // can carry into it only from a NaN, and NaNs take the other branch (quiet bit set, sign
+  // and top payload kept). Unsigned lanes make every shift logical.
+  using U         = xsimd::batch<std::uint32_t, A>;
+  using F         = float_batch<A>;
+  U const u       = xsimd::bitwise_cast<U>(x);
+  U const top     = u >> 16;
+  U const rounded = (u + U(0x7fffu) + (top & U(1u))) >> 16;
+  F const r       = xsimd::select(x == x, xsimd::bitwise_cast<F>(rounded),
+                                  xsimd::bitwise_cast<F>(top | U(0x0040u)));
+  return xsimd::bitwise_cast<int_batch<A>>(r);
 }
 
 template <class A>

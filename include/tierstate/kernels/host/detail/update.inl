@@ -90,9 +90,13 @@ void update_range(typename R::coefficients const& k, update_arrays<P, R::slots.s
                   std::size_t begin, std::size_t end) noexcept
 {
   constexpr std::size_t n = xsimd::batch<float, Arch>::size;
-  std::size_t i           = begin;
-  for (; i + n <= end; i += n) { detail::update_batch<R, P, Arch>(k, a, i); }
-  if (i < end) { detail::update_tail<R, P, Arch>(k, a, i, end - i); }
+  // Local copies: the stores below cannot alias them, so the compiler keeps the pointers
+  // and the broadcast coefficients in registers across the loop.
+  auto const kl = k;
+  auto const al = a;
+  std::size_t i = begin;
+  for (; i + n <= end; i += n) { detail::update_batch<R, P, Arch>(kl, al, i); }
+  if (i < end) { detail::update_tail<R, P, Arch>(kl, al, i, end - i); }
 }
 
 template <rule R, precision P, class Arch>
