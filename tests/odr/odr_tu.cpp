@@ -1,0 +1,54 @@
+// SPDX-License-Identifier: Apache-2.0
+// Compiled twice into one program: once for baseline x86-64 (SSE2, no FMA, no F16C) and
+// once for the build machine (-march=native). Both instantiate the same kernels through
+// the same source text; if any configuration-dependent definition shared a mangled name,
+// the linker would keep one and one side would run the other's code.
+#include "odr_tu.hpp"
+
+#include <tierstate/tierstate.hpp>
+
+#include <vector>
+
+namespace tierstate::test {
+
+odr_result ODR_FUNCTION()
+{
+  using namespace tierstate;
+  std::size_t const n = 1003;
+  std::vector<bf16> param(n), grad(n);
+  std::vector<fp16> hparam(n), hgrad(n);
+  std::vector<float> master(n), m(n), v(n), hmaster(n), hm(n), hv(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    float const w = 0.25f + static_cast<float>(i % 97) * 0.01f;
+    param[i]      = bf16(w);
+    hparam[i]     = fp16(w);
+    master[i]     = static_cast<float>(param[i]);
+    hmaster[i]    = static_cast<float>(hparam[i]);
+  }
+  update_arrays<Bf16Mixed, 2> a{param.data(), grad.data(), master.data(), {m.data(), v.data()}};
+  update_arrays<Fp16Mixed, 2> h{hparam.data(), hgrad.data(), hmaster.data(), {hm.data(), hv.data()}};
+  thread_pool pool(2);
+  AdamW::hyperparameters hp;
+  for (int t = 1; t <= 20; ++t) {
+    for (std::size_t i = 0; i < n; ++i) {
+      float const g = static_cast<float>(static_cast<int>((i * 7 + static_cast<std::size_t>(t) * 13) % 101) - 50) * 1e-3f;
+      grad[i]       = bf16(g);
+      hgrad[i]      = fp16(g * 256.0f);
+    }
+    host::update<AdamW, Bf16Mixed>(pool, AdamW::coefficients_for(hp, t), a, n);
+    host::update<AdamW, Fp16Mixed>(pool, AdamW::coefficients_for(hp, t, 256.0), h, n);
+  }
+  odr_result r;
+  r.arch = host::arch_name();
+  for (std::size_t i = 0; i < n; ++i) {
+    r.bits.push_back(param[i].bits);
+    r.bits.push_back(hparam[i].bits);
+    r.bits.push_back(detail::bits_of(master[i]));
+    r.bits.push_back(detail::bits_of(hmaster[i]));
+    r.bits.push_back(detail::bits_of(m[i]));
+    r.bits.push_back(detail::bits_of(hv[i]));
+  }
+  return r;
+}
+
+}  // namespace tierstate::test
