@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The whole test suite: every build configuration CI checks, each configured, built with
+# warnings as errors and tested, then the host_step benchmark. Prints how long each stage
+# took and ends with one line "tests: N passed, N failed, N skipped".
+#
+#   bash tests/run-all.sh            all stages
+#   bash tests/run-all.sh gcc-native clang-tsan    only those stages
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+all_stages=(gcc-native clang-native gcc-baseline clang-baseline gcc-asan-ubsan clang-tsan bench)
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=("${all_stages[@]}")
+
+passed=0 failed=0 skipped=0
+failed_stages=()
+timings=()
+
+# configure NAME CXX MESON_ARGS...: a fresh build directory build-NAME.
+configure() {
+  local name=$1 cxx=$2
+  shift 2
+  rm -rf "build-$name"
+  CXX=$cxx meson setup "build-$name" --werror "$@"
+}
+
+# test_build NAME [ENV=VALUE...]: build, run the tests, and count them.
+test_build() {
+  local name=$1
+  shift
+  meson compile -C "build-$name" || return 1
+  env "$@" meson test -C "build-$name" --print-errorlogs --num-processes 1 || true
+  local log="build-$name/meson-logs/testlog.json"
+  [ -f "$log" ] || return 1
+  local counts
+  counts=$(python3 - "$log" <<'PY'
+import json, sys
+ok = bad = skip = 0
+for line in open(sys.argv[1]):
+    r = json.loads(line)["result"]
+    if r in ("OK", "EXPECTEDFAIL"):
+        ok += 1
+    elif r == "SKIP":
+        skip += 1
+    else:
+        bad += 1
+print(ok, bad, skip)
+PY
+)
+  read -r ok bad skip <<<"$counts"
+  passed=$((passed + ok)) failed=$((failed + bad)) skipped=$((skipped + skip))
+  echo "stage $name: $ok passed, $bad failed, $skip skipped"
+  [ "$bad" -eq 0 ]
+}
+
+run_stage() {
+  local name=$1
+  case $name in
+    gcc-native) configure "$name" g++ -Darch=native && test_build "$name" ;;
+    clang-native) configure "$name" clang++ -Darch=native && test_build "$name" ;;
+    # The baseline x86-64 builds also prove that nothing needs the CUDA toolkit.
+    gcc-baseline) configure "$name" g++ -Darch=x86-64 -Dcuda=disabled && test_build "$name" ;;
+    clang-baseline) configure "$name" clang++ -Darch=x86-64 -Dcuda=disabled && test_build "$name" ;;
+    # Sanitizers: the large-size kernel test shrinks to 65539 elements (15-50x slower per
+    # element there; a larger array reaches no further code).
+    gcc-asan-ubsan)
+      configure "$name" g++ -Darch=native -Db_sanitize=address,undefined -Db_lundef=false &&
+        test_build "$name" TIERSTATE_TEST_LARGE_SIZE=65539 \
+          UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 ;;
+    # ThreadSanitizer with clang. tierstate's threads are std::threads; nothing here uses
+    # OpenMP (GCC's OpenMP runtime is invisible to TSan and gives false reports).
+    clang-tsan)
+      configure "$name" clang++ -Darch=native -Db_sanitize=thread -Db_lundef=false &&
+        test_build "$name" TIERSTATE_TEST_LARGE_SIZE=65539 TSAN_OPTIONS=halt_on_error=1 ;;
+    # The benchmark at full size: JSON lines for the record; speed is never a pass/fail.
+    bench)
+      [ -x build-gcc-native/bench/host_step ] ||
+        { configure gcc-native g++ -Darch=native && meson compile -C build-gcc-native; } || return 1
+      build-gcc-native/bench/host_step ;;
+    *) echo "unknown stage $name (stages: ${all_stages[*]})"; return 1 ;;
+  esac
+}
+
+for s in "${stages[@]}"; do
+  echo "=== stage $s"
+  start=$(date +%s)
+  if run_stage "$s"; then status=ok; else status=FAILED; failed_stages+=("$s"); fi
+  took=$(($(date +%s) - start))
+  timings+=("$(printf '%-16s %5ds  %s' "$s" "$took" "$status")")
+  echo "=== stage $s: $status in ${took}s"
+done
+
+echo
+echo "stage            time  result"
+printf '%s\n' "${timings[@]}"
+if [ ${#failed_stages[@]} -gt 0 ]; then echo "failed stages: ${failed_stages[*]}"; fi
+echo "tests: $passed passed, $failed failed, $skipped skipped"
+[ ${#failed_stages[@]} -eq 0 ] && [ "$failed" -eq 0 ]
