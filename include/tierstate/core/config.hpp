@@ -21,12 +21,17 @@
 #endif
 
 // Host kernels whose instruction selection depends on compiler flags that the xsimd
-// architecture tag does not capture (today: F16C, used for fp16 conversions on AVX and
-// AVX2) live in an inline namespace named after that configuration. Two translation units
-// built with different flags then instantiate differently-named templates, and the linker
-// can never merge a definition from one into the other (see tests/odr).
-#if defined(__F16C__)
+// architecture tag does not capture (F16C, used for fp16 conversions on AVX and AVX2, and
+// AVX512-BF16, used for bf16 rounding) live in an inline namespace named after that
+// configuration. Two translation units built with different flags then instantiate
+// differently-named templates, and the linker can never merge a definition from one into
+// the other (see tests/odr).
+#if defined(__F16C__) && defined(__AVX512BF16__)
+#define TIERSTATE_HOST_ABI abi_f16c_bf16
+#elif defined(__F16C__)
 #define TIERSTATE_HOST_ABI abi_f16c
+#elif defined(__AVX512BF16__)
+#define TIERSTATE_HOST_ABI abi_bf16
 #else
-#define TIERSTATE_HOST_ABI abi_nof16c
+#define TIERSTATE_HOST_ABI abi_base
 #endif

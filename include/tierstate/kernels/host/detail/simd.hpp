@@ -222,6 +222,18 @@ TIERSTATE_ALWAYS_INLINE void store_rounded(T* p, float_batch<A> const& x) noexce
   if constexpr (std::is_same_v<T, float>) {
     x.store_unaligned(p);
   } else if constexpr (std::is_same_v<T, bf16>) {
+#if XSIMD_WITH_AVX512DQ && defined(__AVX512BF16__)
+    if constexpr (std::is_base_of_v<xsimd::avx512dq, A>) {
+      // vcvtneps2bf16 rounds to nearest even and quiets NaN as float_to_bf16 does, but
+      // flushes subnormal inputs to zero: batches with a subnormal lane (rare: fpclass
+      // category 0x20) take the portable path, so the bits never depend on the instruction.
+      __m512 const v = x;
+      if (_mm512_fpclass_ps_mask(v, 0x20) == 0) [[likely]] {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+        return;
+      }
+    }
+#endif
     store_u16<A>(reinterpret_cast<std::uint16_t*>(p), float_to_bf16<A>(x));
   } else {
     static_assert(std::is_same_v<T, fp16>);
