@@ -12,3 +12,11 @@
 #include <tierstate/kernels/host/thread_pool.hpp>
 #include <tierstate/kernels/host/update.hpp>
 #include <tierstate/rules/adam.hpp>
+#include <tierstate/core/layout.hpp>
+#include <tierstate/core/tensor.hpp>
+#include <tierstate/kernels/host/finite.hpp>
+#include <tierstate/kernels/host/on_host.hpp>
+#include <tierstate/optimizer.hpp>
+#include <tierstate/tiers/pinned_host.hpp>
+#include <tierstate/tiers/tier.hpp>
+#include <tierstate/transfer/synchronous.hpp>

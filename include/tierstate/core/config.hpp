@@ -35,3 +35,11 @@
 #else
 #define TIERSTATE_HOST_ABI abi_base
 #endif
+
+// Code that differs when CUDA is enabled (TIERSTATE_ENABLE_CUDA: PinnedHost allocating with
+// cudaHostAlloc, the device tiers) lives in this inline namespace, for the same reason.
+#if defined(TIERSTATE_ENABLE_CUDA)
+#define TIERSTATE_CUDA_ABI abi_cuda
+#else
+#define TIERSTATE_CUDA_ABI abi_nocuda
+#endif

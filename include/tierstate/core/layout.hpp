@@ -1,0 +1,116 @@
+// SPDX-License-Identifier: Apache-2.0
+// The layout: all registered tensors packed, in registration order, into fixed-size chunks.
+//
+// Element e of the concatenation of all tensors belongs to chunk e / chunk_elements. A chunk
+// holds, one after the other, an array of chunk_elements values per slot (the fp32 master
+// first when the precision keeps one, then the rule's slots in their order), each array a
+// multiple of 4 KiB, so every chunk is one contiguous, O_DIRECT-aligned transfer. The last
+// chunk is padded to full size. A chunk may span tensors; a tensor may span chunks.
+//
+// The layout depends only on the tensors (names and counts, in order), the chunk size, the
+// precision and the rule's slots: never on the tier, the transfer or the compute. State saved
+// from one tier therefore means the same thing in another.
+#pragma once
+
+#include <tierstate/core/concepts.hpp>
+#include <tierstate/core/error.hpp>
+
+#include <cstddef>
+#include <string>
+#include <vector>
+
+namespace tierstate {
+
+/// One registered tensor's place in the layout.
+struct tensor_extent {
+  std::string name;
+  std::size_t offset = 0;  ///< first element, in the concatenation of all tensors
+  std::size_t count  = 0;
+};
+
+class layout {
+ public:
+  /// Every slot array in a chunk is a multiple of 4 KiB: chunk_elements must be a multiple of
+  /// this (2048 two-byte or 1024 four-byte values make 4 KiB).
+  static constexpr std::size_t element_granularity = 2048;
+  static constexpr std::size_t alignment           = 4096;
+
+  layout() = default;
+
+  /// `slot_bytes[i]` is the size of one element of slot i (4 for fp32, 2 for bf16).
+  layout(std::vector<tensor_extent> tensors, std::size_t chunk_elements,
+         std::vector<slot> slots, std::vector<std::size_t> slot_bytes);
+
+  [[nodiscard]] std::size_t chunk_elements() const noexcept { return chunk_elements_; }
+  [[nodiscard]] std::size_t chunk_count() const noexcept { return chunk_count_; }
+  [[nodiscard]] std::size_t chunk_bytes() const noexcept { return chunk_bytes_; }
+  [[nodiscard]] std::size_t total_elements() const noexcept { return total_elements_; }
+  [[nodiscard]] std::size_t total_bytes() const noexcept { return chunk_bytes_ * chunk_count_; }
+  [[nodiscard]] std::vector<tensor_extent> const& tensors() const noexcept { return tensors_; }
+  [[nodiscard]] std::vector<slot> const& slots() const noexcept { return slots_; }
+
+  /// Elements of chunk k that hold data (the last chunk may be partly padding).
+  [[nodiscard]] std::size_t chunk_size(std::size_t k) const noexcept;
+  /// Index of `s` in slots(); throws tierstate::logic_error when the layout has no such slot.
+  [[nodiscard]] std::size_t slot_index(slot s) const;
+  /// Byte offset, from the chunk's start, of slot i's array.
+  [[nodiscard]] std::size_t slot_offset(std::size_t i) const noexcept { return slot_offsets_[i]; }
+  [[nodiscard]] std::size_t slot_element_bytes(std::size_t i) const noexcept { return slot_bytes_[i]; }
+  /// Byte offset in the tier of element e of slot i.
+  [[nodiscard]] std::size_t byte_offset(std::size_t i, std::size_t e) const noexcept
+  {
+    return (e / chunk_elements_) * chunk_bytes_ + slot_offsets_[i] + (e % chunk_elements_) * slot_bytes_[i];
+  }
+
+ private:
+  std::vector<tensor_extent> tensors_;
+  std::size_t chunk_elements_ = 0;
+  std::vector<slot> slots_;
+  std::vector<std::size_t> slot_bytes_;
+  std::vector<std::size_t> slot_offsets_;
+  std::size_t chunk_bytes_    = 0;
+  std::size_t chunk_count_    = 0;
+  std::size_t total_elements_ = 0;
+};
+
+inline layout::layout(std::vector<tensor_extent> tensors, std::size_t chunk_elements,
+                      std::vector<slot> slots, std::vector<std::size_t> slot_bytes)
+  : tensors_(std::move(tensors)),
+    chunk_elements_(chunk_elements),
+    slots_(std::move(slots)),
+    slot_bytes_(std::move(slot_bytes))
+{
+  if (chunk_elements_ == 0 || chunk_elements_ % element_granularity != 0) {
+    throw invalid_option("chunk_elements", detail::to_text(chunk_elements_),
+                         "must be a positive multiple of 2048, so every slot array of a chunk "
+                         "is a whole number of 4 KiB blocks");
+  }
+  TIERSTATE_EXPECTS(slots_.size() == slot_bytes_.size(), "layout: one element size per slot");
+  std::size_t offset = 0;
+  for (auto& t : tensors_) {
+    t.offset = offset;
+    offset += t.count;
+  }
+  total_elements_ = offset;
+  for (std::size_t const b : slot_bytes_) {
+    slot_offsets_.push_back(chunk_bytes_);
+    chunk_bytes_ += b * chunk_elements_;
+  }
+  chunk_count_ = (total_elements_ + chunk_elements_ - 1) / chunk_elements_;
+}
+
+inline std::size_t layout::chunk_size(std::size_t k) const noexcept
+{
+  std::size_t const begin = k * chunk_elements_;
+  return begin >= total_elements_ ? 0 : std::min(chunk_elements_, total_elements_ - begin);
+}
+
+inline std::size_t layout::slot_index(slot s) const
+{
+  for (std::size_t i = 0; i < slots_.size(); ++i) {
+    if (slots_[i] == s) { return i; }
+  }
+  throw logic_error("layout has no slot " + std::string(slot_name(s)));
+}
+
+}  // namespace tierstate

@@ -1,0 +1,30 @@
+// SPDX-License-Identifier: Apache-2.0
+// Where memory lives, and the views the optimizer's API takes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace tierstate {
+
+/// Where a param or gradient array lives.
+enum class location : std::uint8_t {
+  host,    ///< memory the CPU addresses (pageable or pinned)
+  device,  ///< CUDA device memory
+};
+
+[[nodiscard]] constexpr std::string_view location_name(location l) noexcept
+{
+  return l == location::host ? "host" : "device";
+}
+
+/// A gradient handed to step(): pointer, element count and where it lives.
+template <class T>
+struct grad_view {
+  T const* data      = nullptr;
+  std::size_t size   = 0;
+  location where     = location::host;
+};
+
+}  // namespace tierstate

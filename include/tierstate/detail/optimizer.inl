@@ -1,0 +1,393 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+
+namespace tierstate {
+namespace detail {
+
+inline double seconds_since(std::chrono::steady_clock::time_point t0) noexcept
+{
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace detail
+
+#define TIERSTATE_OPTIMIZER_TEMPLATE \
+  template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+#define TIERSTATE_OPTIMIZER OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+TIERSTATE_OPTIMIZER::OffloadedOptimizer(hyperparameters const& defaults, options const& opts)
+  : opts_(opts), pool_(opts.threads)
+{
+  Rule::validate(defaults);
+  if (opts.chunk_elements == 0 || opts.chunk_elements % layout::element_granularity != 0) {
+    throw invalid_option("chunk_elements", detail::to_text(opts.chunk_elements),
+                         "must be a positive multiple of 2048, so every slot array of a chunk "
+                         "is a whole number of 4 KiB blocks");
+  }
+  groups_.push_back(defaults);
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+auto TIERSTATE_OPTIMIZER::add_tensor(std::string name, param_type* param, std::size_t count,
+                                     location where) -> tensor_id
+{
+  auto const who = "add_tensor('" + name + "')";
+  if (layout_) {
+    throw logic_error(who + ": the state already exists (after the first step or copy_state), "
+                            "so the set of tensors is fixed");
+  }
+  if (name.empty()) { throw logic_error("add_tensor: the tensor name is empty"); }
+  if (param == nullptr && count > 0) {
+    throw logic_error(who + ": param is a null pointer for " + std::to_string(count) + " elements");
+  }
+  if (where != location::host) {
+    throw logic_error(who + ": the param lives on the " + std::string(location_name(where)) +
+                      ", and this optimizer computes on the host without a CUDA transfer");
+  }
+  for (auto const& t : tensors_) {
+    if (t.name == name) { throw logic_error(who + ": a tensor of that name is already registered"); }
+  }
+  tensors_.push_back({std::move(name), param, count, 0});
+  return tensors_.size() - 1;
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+auto TIERSTATE_OPTIMIZER::add_group(hyperparameters const& h,
+                                    std::vector<std::string> const& tensor_names) -> group_id
+{
+  Rule::validate(h);
+  if (tensor_names.empty()) { throw logic_error("add_group: the group names no tensor"); }
+  std::vector<std::size_t> members;
+  for (auto const& n : tensor_names) {
+    std::size_t const t = find_tensor(n, "add_group");
+    if (tensors_[t].group != 0) {
+      throw logic_error("add_group: tensor '" + n + "' is already in group " +
+                        std::to_string(tensors_[t].group) + "; a tensor belongs to one group");
+    }
+    if (std::find(members.begin(), members.end(), t) != members.end()) {
+      throw logic_error("add_group: tensor '" + n + "' is named twice");
+    }
+    members.push_back(t);
+  }
+  groups_.push_back(h);
+  for (std::size_t const t : members) { tensors_[t].group = groups_.size() - 1; }
+  return groups_.size() - 1;
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::set_hyperparameters(group_id g, hyperparameters const& h)
+{
+  if (g >= groups_.size()) {
+    throw logic_error("set_hyperparameters: there is no group " + std::to_string(g) + " (" +
+                      std::to_string(groups_.size()) + " groups)");
+  }
+  Rule::validate(h);
+  groups_[g] = h;
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+auto TIERSTATE_OPTIMIZER::get_hyperparameters(group_id g) const -> hyperparameters const&
+{
+  if (g >= groups_.size()) {
+    throw logic_error("get_hyperparameters: there is no group " + std::to_string(g));
+  }
+  return groups_[g];
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+auto TIERSTATE_OPTIMIZER::group_of(std::string_view tensor) const -> group_id
+{
+  return tensors_[find_tensor(tensor, "group_of")].group;
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+std::size_t TIERSTATE_OPTIMIZER::find_tensor(std::string_view name, char const* caller) const
+{
+  for (std::size_t i = 0; i < tensors_.size(); ++i) {
+    if (tensors_[i].name == name) { return i; }
+  }
+  throw logic_error(std::string(caller) + ": no tensor named '" + std::string(name) +
+                    "' is registered");
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::materialize()
+{
+  if (layout_) { return; }
+  if (tensors_.empty()) { throw logic_error("no tensor is registered: add_tensor first"); }
+
+  std::vector<tensor_extent> extents;
+  for (auto const& t : tensors_) { extents.push_back({t.name, 0, t.count}); }
+  std::vector<slot> slots;
+  std::vector<std::size_t> bytes;
+  if constexpr (Precision::has_master) {
+    slots.push_back(slot::master);
+    bytes.push_back(sizeof(float));
+  }
+  for (slot const s : Rule::slots) {
+    slots.push_back(s);
+    bytes.push_back(sizeof(state_type));
+  }
+  layout lay(std::move(extents), opts_.chunk_elements, std::move(slots), std::move(bytes));
+
+  // Each tensor cut at chunk boundaries.
+  std::vector<piece> pieces;
+  std::vector<std::size_t> chunk_pieces(lay.chunk_count() + 1, 0);
+  std::size_t const ce = lay.chunk_elements();
+  for (std::size_t t = 0; t < tensors_.size(); ++t) {
+    std::size_t e         = lay.tensors()[t].offset;
+    std::size_t const end = e + tensors_[t].count;
+    while (e < end) {
+      std::size_t const k = e / ce;
+      std::size_t const n = std::min(end, (k + 1) * ce) - e;
+      pieces.push_back({t, e - lay.tensors()[t].offset, e % ce, n});
+      ++chunk_pieces[k + 1];
+      e += n;
+    }
+  }
+  for (std::size_t k = 0; k < lay.chunk_count(); ++k) { chunk_pieces[k + 1] += chunk_pieces[k]; }
+
+  StateTier tier(lay.total_bytes(), opts_.tier);
+  if constexpr (!addressable_tier<StateTier>) {
+    void* p = std::aligned_alloc(layout::alignment, lay.chunk_bytes());
+    if (p == nullptr) { throw std::bad_alloc(); }
+    staging_ = {static_cast<std::byte*>(p), [](std::byte* q) { std::free(q); }};
+  }
+
+  layout_ = std::move(lay);
+  tier_.emplace(std::move(tier));
+  pieces_       = std::move(pieces);
+  chunk_pieces_ = std::move(chunk_pieces);
+
+  // The master starts as the params are now; the slots start at zero (the tier's fill).
+  if constexpr (Precision::has_master) {
+    step_stats ignored;
+    for (std::size_t k = 0; k < layout_->chunk_count(); ++k) {
+      with_chunk(k, true, ignored, [&](std::byte* chunk) {
+        auto* master = reinterpret_cast<float*>(chunk + layout_->slot_offset(0));
+        for (std::size_t p = chunk_pieces_[k]; p < chunk_pieces_[k + 1]; ++p) {
+          auto const& pc = pieces_[p];
+          param_type const* src = tensors_[pc.tensor].param + pc.tensor_begin;
+          for (std::size_t i = 0; i < pc.count; ++i) {
+            master[pc.chunk_begin + i] = convert<float>(src[i]);
+          }
+        }
+      });
+    }
+  }
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+template <class F>
+void TIERSTATE_OPTIMIZER::with_chunk(std::size_t k, bool write_back, step_stats& stats, F&& f)
+{
+  std::size_t const bytes  = layout_->chunk_bytes();
+  std::size_t const offset = k * bytes;
+  if constexpr (addressable_tier<StateTier>) {
+    f(tier_->data() + offset);
+    stats.tier_bytes_in_place += bytes;
+  } else {
+    auto t0 = std::chrono::steady_clock::now();
+    tier_->read(offset, std::span<std::byte>(staging_.get(), bytes));
+    stats.tier_bytes_read += bytes;
+    stats.wait_seconds += detail::seconds_since(t0);
+    f(staging_.get());
+    if (write_back) {
+      t0 = std::chrono::steady_clock::now();
+      tier_->write(offset, std::span<std::byte const>(staging_.get(), bytes));
+      stats.tier_bytes_written += bytes;
+      stats.wait_seconds += detail::seconds_since(t0);
+    }
+  }
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::check_grads(std::span<grad_view<grad_type> const> grads) const
+{
+  if (tensors_.empty()) { throw logic_error("step: no tensor is registered: add_tensor first"); }
+  if (grads.size() != tensors_.size()) {
+    throw logic_error("step: " + std::to_string(grads.size()) + " gradient views for " +
+                      std::to_string(tensors_.size()) +
+                      " registered tensors (one per tensor, in registration order)");
+  }
+  for (std::size_t t = 0; t < grads.size(); ++t) {
+    auto const& g = grads[t];
+    auto const& e = tensors_[t];
+    auto const who = "step: the gradient of tensor " + std::to_string(t) + " ('" + e.name + "')";
+    if (g.size != e.count) {
+      throw logic_error(who + " has " + std::to_string(g.size) + " elements; the tensor has " +
+                        std::to_string(e.count));
+    }
+    if (g.where != location::host) {
+      throw logic_error(who + " is on the " + std::string(location_name(g.where)) +
+                        "; this optimizer computes on the host without a CUDA transfer");
+    }
+    if (g.data == nullptr && g.size > 0) { throw logic_error(who + " is a null pointer"); }
+  }
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::update_chunk(std::size_t k, std::byte* chunk,
+                                       std::span<grad_view<grad_type> const> grads,
+                                       std::vector<typename Rule::coefficients> const& coefficients)
+{
+  using arrays_t = update_arrays<Precision, Rule::slot_count>;
+  constexpr std::size_t first_rule_slot = Precision::has_master ? 1 : 0;
+  float* master = nullptr;
+  if constexpr (Precision::has_master) {
+    master = reinterpret_cast<float*>(chunk + layout_->slot_offset(0));
+  }
+  std::array<state_type*, Rule::slot_count> state{};
+  for (std::size_t j = 0; j < Rule::slot_count; ++j) {
+    state[j] = reinterpret_cast<state_type*>(chunk + layout_->slot_offset(first_rule_slot + j));
+  }
+  std::size_t const first = chunk_pieces_[k];
+  std::size_t const last  = chunk_pieces_[k + 1];
+  std::size_t const n     = layout_->chunk_size(k);
+
+  // Split the chunk's elements across the threads; each thread walks the pieces (tensor
+  // parts) that overlap its range, each with its tensor's group coefficients.
+  pool_.parallel_for(n, 64 * host::batch_size<arch>, [&](std::size_t b, std::size_t e) {
+    for (std::size_t p = first; p < last; ++p) {
+      auto const& pc         = pieces_[p];
+      std::size_t const lo   = std::max(b, pc.chunk_begin);
+      std::size_t const hi   = std::min(e, pc.chunk_begin + pc.count);
+      if (lo >= hi) { continue; }
+      std::size_t const tofs = pc.tensor_begin + (lo - pc.chunk_begin);
+      auto const& tensor     = tensors_[pc.tensor];
+      arrays_t a;
+      a.param  = tensor.param + tofs;
+      a.grad   = grads[pc.tensor].data + tofs;
+      a.master = master != nullptr ? master + lo : nullptr;
+      for (std::size_t j = 0; j < Rule::slot_count; ++j) { a.state[j] = state[j] + lo; }
+      host::update_range<Rule, Precision, arch>(coefficients[tensor.group], a, 0, hi - lo);
+    }
+  });
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+step_result TIERSTATE_OPTIMIZER::step(std::span<grad_view<grad_type> const> grads, double grad_scale)
+{
+  auto const t_start = std::chrono::steady_clock::now();
+  check_grads(grads);
+  // Every group's coefficients first: a refused hyper-parameter or scale changes nothing.
+  std::vector<typename Rule::coefficients> coefficients;
+  coefficients.reserve(groups_.size());
+  for (auto const& h : groups_) { coefficients.push_back(Rule::coefficients_for(h, step_ + 1, grad_scale)); }
+  materialize();
+
+  step_result result;
+  if (opts_.on_nonfinite != nonfinite_policy::ignore) {
+    auto const t0 = std::chrono::steady_clock::now();
+    for (std::size_t t = 0; t < grads.size() && !result.found_nonfinite; ++t) {
+      result.found_nonfinite = host::any_nonfinite(pool_, grads[t].data, grads[t].size);
+    }
+    result.stats.check_seconds = detail::seconds_since(t0);
+    if (result.found_nonfinite && opts_.on_nonfinite == nonfinite_policy::skip_step) {
+      result.skipped             = true;
+      result.step                = step_;
+      result.stats.total_seconds = detail::seconds_since(t_start);
+      return result;
+    }
+  }
+
+  for (std::size_t k = 0; k < layout_->chunk_count(); ++k) {
+    with_chunk(k, true, result.stats, [&](std::byte* chunk) {
+      auto const t0 = std::chrono::steady_clock::now();
+      update_chunk(k, chunk, grads, coefficients);
+      result.stats.compute_seconds += detail::seconds_since(t0);
+    });
+    ++result.stats.chunks;
+  }
+  result.step                = ++step_;
+  result.stats.total_seconds = detail::seconds_since(t_start);
+  return result;
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::copy_state(std::string_view tensor, slot s, std::span<float> to)
+{
+  std::size_t const t = find_tensor(tensor, "copy_state");
+  materialize();
+  std::size_t const si = layout_->slot_index(s);
+  auto const& ext      = layout_->tensors()[t];
+  if (to.size() != ext.count) {
+    throw logic_error("copy_state('" + ext.name + "'): the span has " + std::to_string(to.size()) +
+                      " elements; the tensor has " + std::to_string(ext.count));
+  }
+  std::size_t const eb = layout_->slot_element_bytes(si);
+  std::vector<std::byte> buf;
+  std::size_t done = 0;
+  while (done < ext.count) {
+    std::size_t const e = ext.offset + done;
+    std::size_t const n = std::min(ext.count - done, layout_->chunk_elements() - e % layout_->chunk_elements());
+    buf.resize(n * eb);
+    tier_->read(layout_->byte_offset(si, e), buf);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (eb == sizeof(float)) {
+        std::memcpy(&to[done + i], buf.data() + i * eb, sizeof(float));
+      } else {
+        state_type v;
+        std::memcpy(&v, buf.data() + i * eb, sizeof(v));
+        to[done + i] = convert<float>(v);
+      }
+    }
+    done += n;
+  }
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::copy_state(std::string_view tensor, slot s, std::span<float const> from)
+{
+  std::size_t const t = find_tensor(tensor, "copy_state");
+  materialize();
+  std::size_t const si = layout_->slot_index(s);
+  auto const& ext      = layout_->tensors()[t];
+  if (from.size() != ext.count) {
+    throw logic_error("copy_state('" + ext.name + "'): the span has " + std::to_string(from.size()) +
+                      " elements; the tensor has " + std::to_string(ext.count));
+  }
+  std::size_t const eb = layout_->slot_element_bytes(si);
+  std::vector<std::byte> buf;
+  std::size_t done = 0;
+  while (done < ext.count) {
+    std::size_t const e = ext.offset + done;
+    std::size_t const n = std::min(ext.count - done, layout_->chunk_elements() - e % layout_->chunk_elements());
+    buf.resize(n * eb);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (eb == sizeof(float)) {
+        std::memcpy(buf.data() + i * eb, &from[done + i], sizeof(float));
+      } else {
+        state_type const v = convert<state_type>(from[done + i]);
+        std::memcpy(buf.data() + i * eb, &v, sizeof(v));
+      }
+    }
+    tier_->write(layout_->byte_offset(si, e), buf);
+    done += n;
+  }
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+layout const& TIERSTATE_OPTIMIZER::state_layout()
+{
+  materialize();
+  return *layout_;
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+StateTier& TIERSTATE_OPTIMIZER::state_tier()
+{
+  materialize();
+  return *tier_;
+}
+
+#undef TIERSTATE_OPTIMIZER_TEMPLATE
+#undef TIERSTATE_OPTIMIZER
+
+}  // namespace tierstate

@@ -1,0 +1,22 @@
+// SPDX-License-Identifier: Apache-2.0
+// OnHost: the optimizer's update runs on the CPU, with the xsimd kernels of
+// kernels/host/update.hpp for architecture Arch, on the optimizer's thread pool.
+#pragma once
+
+#include <tierstate/kernels/host/update.hpp>
+
+#include <type_traits>
+
+namespace tierstate {
+
+template <class Arch = xsimd::default_arch>
+struct OnHost {
+  using arch = Arch;
+};
+
+template <class T>
+inline constexpr bool is_on_host_v = false;
+template <class Arch>
+inline constexpr bool is_on_host_v<OnHost<Arch>> = true;
+
+}  // namespace tierstate

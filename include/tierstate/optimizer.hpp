@@ -1,0 +1,193 @@
+// SPDX-License-Identifier: Apache-2.0
+// OffloadedOptimizer: the composition users write.
+//
+//   OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>
+//
+//   Rule       Adam, AdamW, AdamAmsgrad, AdamWAmsgrad (rules/adam.hpp)
+//   Precision  Fp32, Bf16Mixed, Fp16Mixed, Bf16MixedBf16State, or any Precision<...>
+//   StateTier  where master and slots rest between steps: PinnedHost, or a type of yours
+//              that models the `tier` concept (tiers/tier.hpp)
+//   Transfer   how chunks move between the tier and the compute: Synchronous
+//   Compute    where the rule runs: OnHost<Arch>
+//
+// Usage: register every parameter tensor (its name, its memory, its element count), group
+// tensors that need their own hyper-parameters, then call step() once per iteration with
+// one gradient view per tensor, in registration order. The state is made on the first
+// step (or the first copy_state): the fp32 master from the params as they are then, the
+// slots zero. From then on the set of tensors is fixed.
+//
+// Thread safety: one thread at a time may call the member functions of one optimizer; the
+// optimizer's own threads do the work inside step(). Different optimizers are independent.
+//
+// Failures: an invalid option or hyper-parameter throws tierstate::invalid_option before
+// anything changes; a call that breaks the contract (a count that does not match, a null
+// pointer, a duplicate name) throws tierstate::logic_error before anything changes. An
+// exception from the tier during a step leaves the chunks before it updated and the rest
+// not: the step count does not advance, and the state is known only chunk by chunk.
+#pragma once
+
+#include <tierstate/core/concepts.hpp>
+#include <tierstate/core/error.hpp>
+#include <tierstate/core/layout.hpp>
+#include <tierstate/core/precision.hpp>
+#include <tierstate/core/tensor.hpp>
+#include <tierstate/kernels/host/finite.hpp>
+#include <tierstate/kernels/host/on_host.hpp>
+#include <tierstate/kernels/host/thread_pool.hpp>
+#include <tierstate/kernels/host/update.hpp>
+#include <tierstate/tiers/pinned_host.hpp>
+#include <tierstate/tiers/tier.hpp>
+#include <tierstate/transfer/synchronous.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+namespace tierstate {
+
+/// What step() does when a gradient holds an infinity or a NaN.
+enum class nonfinite_policy : std::uint8_t {
+  skip_step,  ///< GradScaler's contract: report it and leave params, state and step count as they are
+  report,     ///< report it, and update anyway
+  ignore,     ///< do not look (saves one read of the gradients)
+};
+
+/// What one step did and cost.
+struct step_stats {
+  std::uint64_t tier_bytes_read    = 0;  ///< state bytes read from the state tier
+  std::uint64_t tier_bytes_written = 0;  ///< state bytes written to the state tier
+  std::uint64_t tier_bytes_in_place = 0;  ///< state bytes updated in place in an addressable tier
+  std::size_t chunks                = 0;
+  double check_seconds   = 0;  ///< looking for non-finite gradients
+  double compute_seconds = 0;  ///< running the rule
+  double wait_seconds    = 0;  ///< waiting for the tier's reads and writes
+  double total_seconds   = 0;
+};
+
+struct step_result {
+  bool found_nonfinite = false;  ///< a gradient held an infinity or NaN (when checked)
+  bool skipped         = false;  ///< the step was skipped for it (nonfinite_policy::skip_step)
+  std::int64_t step    = 0;      ///< the step count after this call
+  step_stats stats;
+};
+
+template <rule Rule, precision Precision = Bf16Mixed, tier StateTier = PinnedHost,
+          class Transfer = Synchronous, class Compute = OnHost<>>
+class OffloadedOptimizer {
+  static_assert(std::is_same_v<Transfer, Synchronous>,
+                "tierstate::OffloadedOptimizer: the transfers available are Synchronous.");
+  static_assert(is_on_host_v<Compute>,
+                "tierstate::OffloadedOptimizer: the computes available are OnHost<Arch>.");
+
+ public:
+  using rule_type       = Rule;
+  using precision_type  = Precision;
+  using tier_type       = StateTier;
+  using param_type      = typename Precision::param_type;
+  using grad_type       = typename Precision::grad_type;
+  using state_type      = typename Precision::state_type;
+  using hyperparameters = typename Rule::hyperparameters;
+  using arch            = typename Compute::arch;
+  using tensor_id       = std::size_t;
+  using group_id        = std::size_t;
+
+  /// The slots this composition keeps, in layout order: the master (when the precision has
+  /// one), then the rule's.
+  static constexpr std::size_t slot_count = Rule::slot_count + (Precision::has_master ? 1 : 0);
+
+  struct options {
+    /// Elements per chunk: a positive multiple of 2048 (each slot array a multiple of 4 KiB).
+    std::size_t chunk_elements = std::size_t{1} << 20;
+    /// Worker threads, the caller included; 0: the CPUs of the affinity mask.
+    std::size_t threads = 0;
+    nonfinite_policy on_nonfinite = nonfinite_policy::skip_step;
+    typename StateTier::options tier{};
+  };
+
+  /// Group 0 holds every tensor not placed in another group, with `defaults`.
+  explicit OffloadedOptimizer(hyperparameters const& defaults = {}, options const& opts = {});
+
+  /// Registers a parameter tensor; returns its index (its position in step()'s gradients).
+  /// `param` must stay valid and is updated in place by every step. Params on the device
+  /// need a CUDA transfer, which this composition does not have.
+  tensor_id add_tensor(std::string name, param_type* param, std::size_t count,
+                       location where = location::host);
+
+  /// A parameter group: moves the named tensors (from group 0) into a new group with its
+  /// own hyper-parameters, as torch.optim's param_groups do.
+  group_id add_group(hyperparameters const& h, std::vector<std::string> const& tensor_names);
+
+  /// Changes a group's hyper-parameters from the next step on (learning-rate schedules).
+  void set_hyperparameters(group_id g, hyperparameters const& h);
+  [[nodiscard]] hyperparameters const& get_hyperparameters(group_id g) const;
+  [[nodiscard]] std::size_t group_count() const noexcept { return groups_.size(); }
+  [[nodiscard]] group_id group_of(std::string_view tensor) const;
+
+  /// One optimizer step. `grads` holds one view per registered tensor, in registration
+  /// order, each with the tensor's element count and on the host. `grad_scale` is the
+  /// factor the gradients were multiplied by (GradScaler's scale; 1 when unscaled): the
+  /// update divides it out. Blocks until the step is done.
+  step_result step(std::span<grad_view<grad_type> const> grads, double grad_scale = 1.0);
+
+  /// Steps taken (skipped steps do not count), as torch.optim's state["step"].
+  [[nodiscard]] std::int64_t step_count() const noexcept { return step_; }
+
+  /// Reads slot `s` of `tensor` (every element, as float) into `to`, from any tier.
+  void copy_state(std::string_view tensor, slot s, std::span<float> to);
+  /// Writes `from` into slot `s` of `tensor`, rounded to the slot's type. Writing the
+  /// master does not change the param: the next step writes it from the master.
+  void copy_state(std::string_view tensor, slot s, std::span<float const> from);
+
+  /// The layout (made on first use, like the state).
+  [[nodiscard]] layout const& state_layout();
+  /// The tier holding the state (made on first use).
+  [[nodiscard]] StateTier& state_tier();
+  [[nodiscard]] std::size_t tensor_count() const noexcept { return tensors_.size(); }
+  [[nodiscard]] thread_pool& pool() noexcept { return pool_; }
+
+ private:
+  struct tensor_entry {
+    std::string name;
+    param_type* param = nullptr;
+    std::size_t count = 0;
+    group_id group    = 0;
+  };
+  /// The part of a tensor that falls in one chunk.
+  struct piece {
+    std::size_t tensor;
+    std::size_t tensor_begin;  ///< first element, within the tensor
+    std::size_t chunk_begin;   ///< first element, within the chunk
+    std::size_t count;
+  };
+
+  void materialize();
+  std::size_t find_tensor(std::string_view name, char const* caller) const;
+  void check_grads(std::span<grad_view<grad_type> const> grads) const;
+  template <class F>
+  void with_chunk(std::size_t k, bool write_back, step_stats& stats, F&& f);
+  void update_chunk(std::size_t k, std::byte* chunk, std::span<grad_view<grad_type> const> grads,
+                    std::vector<typename Rule::coefficients> const& coefficients);
+
+  options opts_;
+  std::vector<hyperparameters> groups_;
+  std::vector<tensor_entry> tensors_;
+  std::int64_t step_ = 0;
+  thread_pool pool_;
+
+  // Made by materialize().
+  std::optional<layout> layout_;
+  std::optional<StateTier> tier_;
+  std::vector<piece> pieces_;
+  std::vector<std::size_t> chunk_pieces_;  ///< pieces of chunk k: [chunk_pieces_[k], chunk_pieces_[k + 1])
+  std::unique_ptr<std::byte[], void (*)(std::byte*)> staging_{nullptr, [](std::byte*) {}};
+};
+
+}  // namespace tierstate
+
+#include <tierstate/detail/optimizer.inl>
