@@ -8,7 +8,8 @@
 //   pattern  the step's exact memory traffic (same arrays, same reads, same in-place
 //            writes) with no arithmetic beyond an add: the roofline.
 // It prints one JSON line per rule x precision with the medians; roofline_ratio is
-// step / pattern. Usage: host_step [--elements N] [--reps R] [--threads T]
+// step / pattern. A last line per precision ("variant":"optimizer") times the whole
+// OffloadedOptimizer<AdamW>::step() over a model-like set of tensors the same way. Usage: host_step [--elements N] [--reps R] [--threads T]
 //                                  [--rule NAME] [--precision p/g/m/s]
 #include <tierstate/tierstate.hpp>
 
@@ -318,6 +319,100 @@ void run(options const& o, thread_pool& pool, arrays<P>& arr, double triad)
   std::fflush(stdout);
 }
 
+/// The full OffloadedOptimizer::step() over a model-like set of tensors (state in
+/// PinnedHost), against the bare kernel and the pattern over the same element count,
+/// interleaved: with the non-finite check (the default; bytes_per_elem then includes its
+/// read of the grads, which the pattern does not make) and without.
+template <class R, class P>
+void run_optimizer(options const& o, thread_pool& pool, arrays<P>& arr, double triad, bool check)
+{
+  if (!o.rule.empty() && o.rule != R::name) { return; }
+  std::size_t const n = arr.n;
+  // A transformer-like mix: large matrices, small biases and norms.
+  std::vector<std::size_t> sizes;
+  std::size_t const pattern_sizes[] = {std::size_t{1} << 22, 4096, 1024, 1024, std::size_t{1} << 22, 1024};
+  for (std::size_t total = 0, i = 0; total < n; ++i) {
+    std::size_t const s = std::min(pattern_sizes[i % 6], n - total);
+    sizes.push_back(s);
+    total += s;
+  }
+  buffer<typename P::param_type> param(n);
+  buffer<typename P::grad_type> grad(n);
+  pool.parallel_for(n, 4096, [&](std::size_t b, std::size_t e) {
+    for (std::size_t i = b; i < e; ++i) {
+      param.get()[i] = convert<typename P::param_type>(0.5f + static_cast<float>(i % 1000) * 1e-4f);
+      grad.get()[i]  = arr.grad.get()[i];
+    }
+  });
+  typename OffloadedOptimizer<R, P>::options opts;
+  opts.threads      = pool.size();
+  opts.on_nonfinite = check ? nonfinite_policy::skip_step : nonfinite_policy::ignore;
+  OffloadedOptimizer<R, P> opt({}, opts);
+  std::vector<grad_view<typename P::grad_type>> views;
+  for (std::size_t t = 0, off = 0; t < sizes.size(); off += sizes[t], ++t) {
+    std::string name = "t";  // (not "t" + ...: GCC 12 -Wrestrict false positive, bug 105329)
+    name += std::to_string(t);
+    opt.add_tensor(std::move(name), param.get() + off, sizes[t]);
+    views.push_back({grad.get() + off, sizes[t], location::host});
+  }
+
+  std::size_t const grain = 64 * host::batch_size<>;
+  auto const a            = arr.template view<R>();
+  typename R::hyperparameters h;
+  h.lr = 1e-4;
+  std::int64_t step = 0;
+  using param_raw = raw_t<typename P::param_type>;
+  using grad_raw  = raw_t<typename P::grad_type>;
+  using state_raw = raw_t<typename P::state_type>;
+  auto optimizer = [&] { opt.step(views); };
+  auto kernel    = [&] { host::update<R, P>(pool, R::coefficients_for(h, ++step), a, n); };
+  auto pattern   = [&] {
+    pool.parallel_for(n, grain, [&](std::size_t b, std::size_t e) {
+      pattern_step<R, P>(reinterpret_cast<param_raw*>(arr.param.get()),
+                         reinterpret_cast<grad_raw const*>(arr.grad.get()), arr.master.get(),
+                         reinterpret_cast<state_raw*>(arr.state[0].get()),
+                         reinterpret_cast<state_raw*>(arr.state[1].get()),
+                         reinterpret_cast<state_raw*>(arr.state[1].get()), b, e);
+    });
+  };
+  optimizer();  // makes the state
+  kernel();
+  pattern();
+  std::vector<double> t_opt, t_kernel, t_pattern;
+  for (int r = 0; r < o.reps; ++r) {
+    for (int k = 0; k < 3; ++k) {
+      int const which = (r + k) % 3;
+      auto const t0   = clock_type::now();
+      if (which == 0) {
+        optimizer();
+        t_opt.push_back(seconds_since(t0));
+      } else if (which == 1) {
+        kernel();
+        t_kernel.push_back(seconds_since(t0));
+      } else {
+        pattern();
+        t_pattern.push_back(seconds_since(t0));
+      }
+    }
+  }
+  double const s        = median(t_opt);
+  double const gelem    = static_cast<double>(n) / s / 1e9;
+  double const kernel_g = static_cast<double>(n) / median(t_kernel) / 1e9;
+  double const patt_g   = static_cast<double>(n) / median(t_pattern) / 1e9;
+  std::size_t const bpe = bytes_per_element<P>(R::slot_count) + (check ? sizeof(typename P::grad_type) : 0);
+  std::printf(
+    "{\"bench\":\"host_step\",\"variant\":\"optimizer\",\"rule\":\"%s\",\"precision\":\"%s\","
+    "\"arch\":\"%s\",\"elements\":%zu,\"tensors\":%zu,\"chunk_elements\":%zu,\"threads\":%zu,"
+    "\"reps\":%d,\"nonfinite_check\":%s,\"seconds_per_step\":%.6g,\"gelem_per_s\":%.4g,"
+    "\"bytes_per_elem\":%zu,\"gb_per_s\":%.4g,\"kernel_gelem_per_s\":%.4g,"
+    "\"pattern_gelem_per_s\":%.4g,\"roofline_ratio\":%.4f,\"kernel_ratio\":%.4f,"
+    "\"triad_gb_s\":%.4g}\n",
+    std::string(R::name).c_str(), P::name().c_str(), host::arch_name(), n, sizes.size(),
+    opts.chunk_elements, pool.size(), o.reps, check ? "true" : "false", s, gelem, bpe, gelem * static_cast<double>(bpe),
+    kernel_g, patt_g, gelem / patt_g, gelem / kernel_g, triad);
+  std::fflush(stdout);
+}
+
 template <class P>
 void run_precision(options const& o, thread_pool& pool, double triad)
 {
@@ -327,6 +422,8 @@ void run_precision(options const& o, thread_pool& pool, double triad)
   run<AdamW, P>(o, pool, arr, triad);
   run<AdamAmsgrad, P>(o, pool, arr, triad);
   run<AdamWAmsgrad, P>(o, pool, arr, triad);
+  run_optimizer<AdamW, P>(o, pool, arr, triad, true);
+  run_optimizer<AdamW, P>(o, pool, arr, triad, false);
 }
 
 }  // namespace

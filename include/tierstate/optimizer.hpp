@@ -171,8 +171,10 @@ class OffloadedOptimizer {
   void check_grads(std::span<grad_view<grad_type> const> grads) const;
   template <class F>
   void with_chunk(std::size_t k, bool write_back, step_stats& stats, F&& f);
-  void update_chunk(std::size_t k, std::byte* chunk, std::span<grad_view<grad_type> const> grads,
-                    std::vector<typename Rule::coefficients> const& coefficients);
+  /// Updates elements [b, e) of chunk k (whose bytes start at `chunk`) on this thread.
+  void update_chunk_range(std::size_t k, std::byte* chunk, std::size_t b, std::size_t e,
+                          std::span<grad_view<grad_type> const> grads,
+                          std::vector<typename Rule::coefficients> const& coefficients);
 
   options opts_;
   std::vector<hyperparameters> groups_;

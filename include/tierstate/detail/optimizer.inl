@@ -2,6 +2,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -233,9 +234,9 @@ void TIERSTATE_OPTIMIZER::check_grads(std::span<grad_view<grad_type> const> grad
 }
 
 TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::update_chunk(std::size_t k, std::byte* chunk,
-                                       std::span<grad_view<grad_type> const> grads,
-                                       std::vector<typename Rule::coefficients> const& coefficients)
+void TIERSTATE_OPTIMIZER::update_chunk_range(std::size_t k, std::byte* chunk, std::size_t b, std::size_t e,
+                                             std::span<grad_view<grad_type> const> grads,
+                                             std::vector<typename Rule::coefficients> const& coefficients)
 {
   using arrays_t = update_arrays<Precision, Rule::slot_count>;
   constexpr std::size_t first_rule_slot = Precision::has_master ? 1 : 0;
@@ -247,28 +248,21 @@ void TIERSTATE_OPTIMIZER::update_chunk(std::size_t k, std::byte* chunk,
   for (std::size_t j = 0; j < Rule::slot_count; ++j) {
     state[j] = reinterpret_cast<state_type*>(chunk + layout_->slot_offset(first_rule_slot + j));
   }
-  std::size_t const first = chunk_pieces_[k];
-  std::size_t const last  = chunk_pieces_[k + 1];
-  std::size_t const n     = layout_->chunk_size(k);
-
-  // Split the chunk's elements across the threads; each thread walks the pieces (tensor
-  // parts) that overlap its range, each with its tensor's group coefficients.
-  pool_.parallel_for(n, 64 * host::batch_size<arch>, [&](std::size_t b, std::size_t e) {
-    for (std::size_t p = first; p < last; ++p) {
-      auto const& pc         = pieces_[p];
-      std::size_t const lo   = std::max(b, pc.chunk_begin);
-      std::size_t const hi   = std::min(e, pc.chunk_begin + pc.count);
-      if (lo >= hi) { continue; }
-      std::size_t const tofs = pc.tensor_begin + (lo - pc.chunk_begin);
-      auto const& tensor     = tensors_[pc.tensor];
-      arrays_t a;
-      a.param  = tensor.param + tofs;
-      a.grad   = grads[pc.tensor].data + tofs;
-      a.master = master != nullptr ? master + lo : nullptr;
-      for (std::size_t j = 0; j < Rule::slot_count; ++j) { a.state[j] = state[j] + lo; }
-      host::update_range<Rule, Precision, arch>(coefficients[tensor.group], a, 0, hi - lo);
-    }
-  });
+  // The pieces (tensor parts) of chunk k that overlap [b, e), each with its tensor's group.
+  for (std::size_t p = chunk_pieces_[k]; p < chunk_pieces_[k + 1]; ++p) {
+    auto const& pc       = pieces_[p];
+    std::size_t const lo = std::max(b, pc.chunk_begin);
+    std::size_t const hi = std::min(e, pc.chunk_begin + pc.count);
+    if (lo >= hi) { continue; }
+    std::size_t const tofs = pc.tensor_begin + (lo - pc.chunk_begin);
+    auto const& tensor     = tensors_[pc.tensor];
+    arrays_t a;
+    a.param  = tensor.param + tofs;
+    a.grad   = grads[pc.tensor].data + tofs;
+    a.master = master != nullptr ? master + lo : nullptr;
+    for (std::size_t j = 0; j < Rule::slot_count; ++j) { a.state[j] = state[j] + lo; }
+    host::update_range<Rule, Precision, arch>(coefficients[tensor.group], a, 0, hi - lo);
+  }
 }
 
 TIERSTATE_OPTIMIZER_TEMPLATE
@@ -285,9 +279,23 @@ step_result TIERSTATE_OPTIMIZER::step(std::span<grad_view<grad_type> const> grad
   step_result result;
   if (opts_.on_nonfinite != nonfinite_policy::ignore) {
     auto const t0 = std::chrono::steady_clock::now();
-    for (std::size_t t = 0; t < grads.size() && !result.found_nonfinite; ++t) {
-      result.found_nonfinite = host::any_nonfinite(pool_, grads[t].data, grads[t].size);
-    }
+    // One parallel pass over the gradients of all tensors, as laid out.
+    auto const& ext = layout_->tensors();
+    std::atomic<bool> found{false};
+    pool_.parallel_for(layout_->total_elements(), 16384, [&](std::size_t b, std::size_t e) {
+      auto t = static_cast<std::size_t>(
+        std::upper_bound(ext.begin(), ext.end(), b,
+                         [](std::size_t x, tensor_extent const& te) { return x < te.offset + te.count; }) -
+        ext.begin());
+      for (; t < ext.size() && ext[t].offset < e && !found.load(std::memory_order_relaxed); ++t) {
+        std::size_t const lo = std::max(b, ext[t].offset);
+        std::size_t const hi = std::min(e, ext[t].offset + ext[t].count);
+        if (lo < hi && host::any_nonfinite(grads[t].data + (lo - ext[t].offset), hi - lo)) {
+          found.store(true, std::memory_order_relaxed);
+        }
+      }
+    });
+    result.found_nonfinite = found.load();
     result.stats.check_seconds = detail::seconds_since(t0);
     if (result.found_nonfinite && opts_.on_nonfinite == nonfinite_policy::skip_step) {
       result.skipped             = true;
@@ -297,13 +305,33 @@ step_result TIERSTATE_OPTIMIZER::step(std::span<grad_view<grad_type> const> grad
     }
   }
 
-  for (std::size_t k = 0; k < layout_->chunk_count(); ++k) {
-    with_chunk(k, true, result.stats, [&](std::byte* chunk) {
-      auto const t0 = std::chrono::steady_clock::now();
-      update_chunk(k, chunk, grads, coefficients);
-      result.stats.compute_seconds += detail::seconds_since(t0);
+  std::size_t const ce    = layout_->chunk_elements();
+  std::size_t const grain = 64 * host::batch_size<arch>;
+  if constexpr (addressable_tier<StateTier>) {
+    // In place: one parallel pass over all elements; a thread's range may cross chunks.
+    auto const t0 = std::chrono::steady_clock::now();
+    pool_.parallel_for(layout_->total_elements(), grain, [&](std::size_t b, std::size_t e) {
+      for (std::size_t k = b / ce; k * ce < e; ++k) {
+        std::byte* chunk = tier_->data() + k * layout_->chunk_bytes();
+        update_chunk_range(k, chunk, std::max(b, k * ce) - k * ce, std::min(e, (k + 1) * ce) - k * ce,
+                           grads, coefficients);
+      }
     });
-    ++result.stats.chunks;
+    result.stats.compute_seconds = detail::seconds_since(t0);
+    result.stats.chunks          = layout_->chunk_count();
+    result.stats.tier_bytes_in_place = layout_->total_bytes();
+  } else {
+    // Staged: each chunk read, updated by all threads, written back.
+    for (std::size_t k = 0; k < layout_->chunk_count(); ++k) {
+      with_chunk(k, true, result.stats, [&](std::byte* chunk) {
+        auto const t0 = std::chrono::steady_clock::now();
+        pool_.parallel_for(layout_->chunk_size(k), grain, [&](std::size_t b, std::size_t e) {
+          update_chunk_range(k, chunk, b, e, grads, coefficients);
+        });
+        result.stats.compute_seconds += detail::seconds_since(t0);
+      });
+      ++result.stats.chunks;
+    }
   }
   result.step                = ++step_;
   result.stats.total_seconds = detail::seconds_since(t_start);
