@@ -142,7 +142,7 @@ class OffloadedOptimizer {
   void copy_state(std::string_view tensor, slot s, std::span<float> to);
   /// Writes `from` into slot `s` of `tensor`, rounded to the slot's type. Writing the
   /// master does not change the param: the next step writes it from the master.
-  void copy_state(std::string_view tensor, slot s, std::span<float const> from);
+  void write_state(std::string_view tensor, slot s, std::span<float const> from);
 
   /// The layout (made on first use, like the state).
   [[nodiscard]] layout const& state_layout();

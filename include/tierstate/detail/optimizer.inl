@@ -371,14 +371,14 @@ void TIERSTATE_OPTIMIZER::copy_state(std::string_view tensor, slot s, std::span<
 }
 
 TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::copy_state(std::string_view tensor, slot s, std::span<float const> from)
+void TIERSTATE_OPTIMIZER::write_state(std::string_view tensor, slot s, std::span<float const> from)
 {
-  std::size_t const t = find_tensor(tensor, "copy_state");
+  std::size_t const t = find_tensor(tensor, "write_state");
   materialize();
   std::size_t const si = layout_->slot_index(s);
   auto const& ext      = layout_->tensors()[t];
   if (from.size() != ext.count) {
-    throw logic_error("copy_state('" + ext.name + "'): the span has " + std::to_string(from.size()) +
+    throw logic_error("write_state('" + ext.name + "'): the span has " + std::to_string(from.size()) +
                       " elements; the tensor has " + std::to_string(ext.count));
   }
   std::size_t const eb = layout_->slot_element_bytes(si);
