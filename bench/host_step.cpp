@@ -14,6 +14,7 @@
 #include <tierstate/tierstate.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -98,6 +99,32 @@ double median(std::vector<double> v)
   std::sort(v.begin(), v.end());
   std::size_t const m = v.size() / 2;
   return v.size() % 2 ? v[m] : (v[m - 1] + v[m]) / 2;
+}
+
+/// Runs each of three loops once to warm up, then `reps` times interleaved, rotating the
+/// order every repetition; returns the median seconds of each.
+template <class A, class B, class C>
+std::array<double, 3> interleaved_medians(int reps, A&& a, B&& b, C&& c)
+{
+  a();
+  b();
+  c();
+  std::array<std::vector<double>, 3> t;
+  for (int r = 0; r < reps; ++r) {
+    for (int k = 0; k < 3; ++k) {
+      int const which = (r + k) % 3;
+      auto const t0   = clock_type::now();
+      if (which == 0) {
+        a();
+      } else if (which == 1) {
+        b();
+      } else {
+        c();
+      }
+      t[which].push_back(seconds_since(t0));
+    }
+  }
+  return {median(t[0]), median(t[1]), median(t[2])};
 }
 
 /// The storage type as raw bits for the pattern loop: 16-bit types are added as integers.
@@ -281,31 +308,10 @@ void run(options const& o, thread_pool& pool, arrays<P>& arr, double triad)
     });
   };
 
-  // Warm up each once, then interleave, rotating the order every repetition.
-  lib();
-  plain();
-  pattern();
-  std::vector<double> t_lib, t_plain, t_pattern;
-  for (int r = 0; r < o.reps; ++r) {
-    for (int k = 0; k < 3; ++k) {
-      int const which = (r + k) % 3;
-      auto const t0   = clock_type::now();
-      if (which == 0) {
-        lib();
-        t_lib.push_back(seconds_since(t0));
-      } else if (which == 1) {
-        plain();
-        t_plain.push_back(seconds_since(t0));
-      } else {
-        pattern();
-        t_pattern.push_back(seconds_since(t0));
-      }
-    }
-  }
-  double const s       = median(t_lib);
+  auto const [s, plain_s, pattern_s] = interleaved_medians(o.reps, lib, plain, pattern);
   double const gelem   = static_cast<double>(n) / s / 1e9;
-  double const plain_g = static_cast<double>(n) / median(t_plain) / 1e9;
-  double const patt_g  = static_cast<double>(n) / median(t_pattern) / 1e9;
+  double const plain_g = static_cast<double>(n) / plain_s / 1e9;
+  double const patt_g  = static_cast<double>(n) / pattern_s / 1e9;
   std::size_t const bpe = bytes_per_element<P>(R::slot_count);
   std::printf(
     "{\"bench\":\"host_step\",\"rule\":\"%s\",\"precision\":\"%s\",\"arch\":\"%s\","
@@ -375,30 +381,10 @@ void run_optimizer(options const& o, thread_pool& pool, arrays<P>& arr, double t
                          reinterpret_cast<state_raw*>(arr.state[1].get()), b, e);
     });
   };
-  optimizer();  // makes the state
-  kernel();
-  pattern();
-  std::vector<double> t_opt, t_kernel, t_pattern;
-  for (int r = 0; r < o.reps; ++r) {
-    for (int k = 0; k < 3; ++k) {
-      int const which = (r + k) % 3;
-      auto const t0   = clock_type::now();
-      if (which == 0) {
-        optimizer();
-        t_opt.push_back(seconds_since(t0));
-      } else if (which == 1) {
-        kernel();
-        t_kernel.push_back(seconds_since(t0));
-      } else {
-        pattern();
-        t_pattern.push_back(seconds_since(t0));
-      }
-    }
-  }
-  double const s        = median(t_opt);
+  auto const [s, kernel_s, pattern_s] = interleaved_medians(o.reps, optimizer, kernel, pattern);
   double const gelem    = static_cast<double>(n) / s / 1e9;
-  double const kernel_g = static_cast<double>(n) / median(t_kernel) / 1e9;
-  double const patt_g   = static_cast<double>(n) / median(t_pattern) / 1e9;
+  double const kernel_g = static_cast<double>(n) / kernel_s / 1e9;
+  double const patt_g   = static_cast<double>(n) / pattern_s / 1e9;
   std::size_t const bpe = bytes_per_element<P>(R::slot_count) + (check ? sizeof(typename P::grad_type) : 0);
   std::printf(
     "{\"bench\":\"host_step\",\"variant\":\"optimizer\",\"rule\":\"%s\",\"precision\":\"%s\","
