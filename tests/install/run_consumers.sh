@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Installs tierstate into a temporary prefix and builds the tiny consumer three ways:
+# pkg-config, CMake find_package, and a Meson subproject. Exits 77 (skip) only when a tool
+# the test needs is missing, saying which.
+#   run_consumers.sh SOURCE_DIR CXX
+set -euo pipefail
+src=$1
+cxx=$2
+for tool in cmake pkg-config meson ninja; do
+  if ! command -v "$tool" >/dev/null; then
+    echo "SKIP: $tool is not installed (apt-get install $tool)"
+    exit 77
+  fi
+done
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+prefix=$work/prefix
+
+echo "== meson install into $prefix"
+CXX=$cxx meson setup "$work/build" "$src" --prefix="$prefix" -Dtests=false -Dbenchmarks=false \
+  -Dexamples=false -Dcuda=disabled >/dev/null
+meson install -C "$work/build" >/dev/null
+pc=$(dirname "$(find "$prefix" -name tierstate.pc | head -1)")
+cm=$(dirname "$(find "$prefix" -name tierstateConfig.cmake | head -1)")
+echo "installed: $(find "$prefix" -name '*.hpp' | wc -l) headers, $pc/tierstate.pc, $cm/tierstateConfig.cmake"
+
+echo "== pkg-config"
+# shellcheck disable=SC2046
+"$cxx" -O2 "$src/tests/install/consumer.cpp" -o "$work/consumer_pc" \
+  $(PKG_CONFIG_PATH=$pc pkg-config --cflags --libs tierstate)
+"$work/consumer_pc"
+
+echo "== CMake find_package"
+CXX=$cxx cmake -S "$src/tests/install/cmake" -B "$work/cmake" -DCMAKE_PREFIX_PATH="$prefix" \
+  -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$work/cmake" >/dev/null
+"$work/cmake/consumer"
+
+echo "== Meson subproject"
+mkdir -p "$work/sub/subprojects"
+cp "$src/tests/install/meson/meson.build" "$src/tests/install/consumer.cpp" "$work/sub/"
+sed -i "s|'../consumer.cpp'|'consumer.cpp'|" "$work/sub/meson.build"
+ln -s "$(cd "$src" && pwd)" "$work/sub/subprojects/tierstate"
+CXX=$cxx meson setup "$work/sub/build" "$work/sub" -Dtierstate:tests=false \
+  -Dtierstate:benchmarks=false -Dtierstate:examples=false -Dtierstate:cuda=disabled >/dev/null
+meson compile -C "$work/sub/build" >/dev/null
+"$work/sub/build/consumer"
+echo "all three consumers built and ran"
