@@ -103,6 +103,7 @@ class OffloadedOptimizer {
 
   struct options {
     /// Elements per chunk: a positive multiple of 2048 (each slot array a multiple of 4 KiB).
+    /// A model with fewer elements gets one chunk of its own size, rounded up to 2048.
     std::size_t chunk_elements = std::size_t{1} << 20;
     /// Worker threads, the caller included; 0: the CPUs of the affinity mask.
     std::size_t threads = 0;

@@ -135,7 +135,13 @@ void TIERSTATE_OPTIMIZER::materialize()
     slots.push_back(s);
     bytes.push_back(sizeof(state_type));
   }
-  layout lay(std::move(extents), opts_.chunk_elements, std::move(slots), std::move(bytes));
+  // A model smaller than one chunk gets one chunk of its own size (rounded up to the 4 KiB
+  // granularity), not a mostly empty chunk of the requested size.
+  std::size_t total = 0;
+  for (auto const& t : tensors_) { total += t.count; }
+  std::size_t const g     = layout::element_granularity;
+  std::size_t const chunk = std::min(opts_.chunk_elements, std::max(g, (total + g - 1) / g * g));
+  layout lay(std::move(extents), chunk, std::move(slots), std::move(bytes));
 
   // Each tensor cut at chunk boundaries.
   std::vector<piece> pieces;

@@ -1,0 +1,285 @@
+// SPDX-License-Identifier: Apache-2.0
+// The demo: a character-level MLP language model (a window of previous characters, their
+// embeddings, one tanh hidden layer, a softmax over the next character), with forward and
+// backward written out by hand, trained on a text file from this repository. Its bf16
+// weights live in the "model"; tierstate's OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost>
+// keeps their fp32 master copy and Adam moments off to the side, as it would for a GPU.
+//
+//   build/examples/char_mlp [--text FILE] [--steps N] [--batch B] [--threads T]
+#include <tierstate/tierstate.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <random>
+#include <string>
+#include <vector>
+
+#ifndef TIERSTATE_SOURCE_DIR
+#define TIERSTATE_SOURCE_DIR "."
+#endif
+
+namespace {
+
+using namespace tierstate;
+
+constexpr int context = 8;    // characters of context
+constexpr int embed   = 16;   // embedding width
+constexpr int hidden  = 512;  // hidden units
+
+struct options {
+  std::string text = std::string(TIERSTATE_SOURCE_DIR) + "/README.md";
+  int steps        = 400;
+  int batch        = 128;
+  std::size_t threads = 0;
+};
+
+[[noreturn]] void usage(std::string const& why)
+{
+  std::fprintf(stderr, "char_mlp: %s\nusage: char_mlp [--text FILE] [--steps N >= 1] [--batch B >= 1] [--threads T]\n",
+               why.c_str());
+  std::exit(2);
+}
+
+options parse(int argc, char** argv)
+{
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string const a = argv[i];
+    if (i + 1 >= argc) { usage("missing value after " + a); }
+    std::string const v = argv[++i];
+    char* end           = nullptr;
+    long const n        = std::strtol(v.c_str(), &end, 10);
+    bool const numeric  = !v.empty() && *end == '\0';
+    if (a == "--text") {
+      o.text = v;
+    } else if (a == "--steps" && numeric && n >= 1) {
+      o.steps = static_cast<int>(n);
+    } else if (a == "--batch" && numeric && n >= 1) {
+      o.batch = static_cast<int>(n);
+    } else if (a == "--threads" && numeric && n >= 0) {
+      o.threads = static_cast<std::size_t>(n);
+    } else {
+      usage("bad argument " + a + " " + v);
+    }
+  }
+  return o;
+}
+
+/// One parameter tensor of the model: bf16 weights and their bf16 gradient, plus an fp32
+/// gradient accumulator for the backward pass.
+struct param {
+  std::string name;
+  std::vector<bf16> w, g;
+  std::vector<float> acc;
+  param(std::string n, std::size_t size, float scale, std::mt19937& rng) : name(std::move(n)), w(size), g(size), acc(size)
+  {
+    std::normal_distribution<float> d(0.0f, scale);
+    for (auto& x : w) { x = bf16(scale == 0.0f ? 0.0f : d(rng)); }
+  }
+  std::vector<float> weights() const
+  {
+    std::vector<float> f(w.size());
+    for (std::size_t i = 0; i < w.size(); ++i) { f[i] = static_cast<float>(w[i]); }
+    return f;
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv)
+{
+  options const o = parse(argc, argv);
+  std::ifstream in(o.text, std::ios::binary);
+  if (!in) {
+    std::fprintf(stderr, "char_mlp: cannot read the text file %s\n", o.text.c_str());
+    return 1;
+  }
+  std::string const text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (text.size() < static_cast<std::size_t>(context) + 2) {
+    std::fprintf(stderr, "char_mlp: %s has %zu bytes; need more than %d\n", o.text.c_str(), text.size(), context + 1);
+    return 1;
+  }
+  // Vocabulary: the bytes that occur.
+  std::vector<int> index(256, -1);
+  std::vector<unsigned char> chars;
+  for (unsigned char c : text) {
+    if (index[c] < 0) {
+      index[c] = static_cast<int>(chars.size());
+      chars.push_back(c);
+    }
+  }
+  int const vocab = static_cast<int>(chars.size());
+  std::vector<int> ids(text.size());
+  for (std::size_t i = 0; i < text.size(); ++i) { ids[i] = index[static_cast<unsigned char>(text[i])]; }
+
+  std::mt19937 rng(1234);
+  int const in_width = context * embed;
+  std::vector<param> params;
+  params.emplace_back("embedding", static_cast<std::size_t>(vocab) * embed, 1.0f, rng);
+  params.emplace_back("hidden.weight", static_cast<std::size_t>(in_width) * hidden, 1.0f / std::sqrt(float(in_width)), rng);
+  params.emplace_back("hidden.bias", hidden, 0.0f, rng);
+  params.emplace_back("out.weight", static_cast<std::size_t>(hidden) * vocab, 1.0f / std::sqrt(float(hidden)), rng);
+  params.emplace_back("out.bias", vocab, 0.0f, rng);
+  auto& E = params[0]; auto& W1 = params[1]; auto& b1 = params[2]; auto& W2 = params[3]; auto& b2 = params[4];
+
+  using Optimizer = OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost>;
+  Optimizer::options opt_options;
+  opt_options.threads = o.threads;
+  Optimizer opt({.lr = 3e-3, .weight_decay = 0.01}, opt_options);
+  std::size_t n_params = 0;
+  for (auto& p : params) {
+    opt.add_tensor(p.name, p.w.data(), p.w.size());
+    n_params += p.w.size();
+  }
+  opt.add_group({.lr = 3e-3, .weight_decay = 0.0}, {"hidden.bias", "out.bias", "embedding"});
+
+  std::size_t const state_bytes = opt.state_layout().total_bytes();
+  std::printf("char_mlp: %zu parameters (bf16, %zu bytes) over %zu characters of %s (vocabulary %d)\n",
+              n_params, n_params * sizeof(bf16), text.size(), o.text.c_str(), vocab);
+  std::printf("optimizer state: %zu bytes (fp32 master, exp_avg, exp_avg_sq) in %s, %zu chunk%s of %zu elements; %zu threads\n",
+              state_bytes, std::string(PinnedHost::name).c_str(), opt.state_layout().chunk_count(),
+              opt.state_layout().chunk_count() == 1 ? "" : "s", opt.state_layout().chunk_elements(), opt.pool().size());
+
+  int const B = o.batch;
+  std::vector<float> x(static_cast<std::size_t>(B) * in_width), h(static_cast<std::size_t>(B) * hidden),
+    logits(static_cast<std::size_t>(B) * vocab), dh(static_cast<std::size_t>(B) * hidden), dx(static_cast<std::size_t>(B) * in_width);
+  std::vector<int> ctx(static_cast<std::size_t>(B) * context), target(B);
+  std::uniform_int_distribution<std::size_t> pick(0, text.size() - context - 1);
+
+  double first_loss = 0, running = 0, optimizer_seconds = 0;
+  auto const t_start = std::chrono::steady_clock::now();
+  for (int step = 1; step <= o.steps; ++step) {
+    auto const ew = E.weights(), w1 = W1.weights(), bb1 = b1.weights(), w2 = W2.weights(), bb2 = b2.weights();
+    for (auto& p : params) { std::fill(p.acc.begin(), p.acc.end(), 0.0f); }
+    double loss = 0;
+    // Forward.
+    for (int s = 0; s < B; ++s) {
+      std::size_t const at = pick(rng);
+      for (int c = 0; c < context; ++c) {
+        int const id = ids[at + c];
+        ctx[s * context + c] = id;
+        std::copy_n(&ew[static_cast<std::size_t>(id) * embed], embed, &x[static_cast<std::size_t>(s) * in_width + c * embed]);
+      }
+      target[s] = ids[at + context];
+      float* hs = &h[static_cast<std::size_t>(s) * hidden];
+      std::copy(bb1.begin(), bb1.end(), hs);
+      for (int i = 0; i < in_width; ++i) {
+        float const xi  = x[static_cast<std::size_t>(s) * in_width + i];
+        float const* wr = &w1[static_cast<std::size_t>(i) * hidden];
+        for (int j = 0; j < hidden; ++j) { hs[j] += xi * wr[j]; }
+      }
+      for (int j = 0; j < hidden; ++j) { hs[j] = std::tanh(hs[j]); }
+      float* ls = &logits[static_cast<std::size_t>(s) * vocab];
+      std::copy(bb2.begin(), bb2.end(), ls);
+      for (int j = 0; j < hidden; ++j) {
+        float const hj  = hs[j];
+        float const* wr = &w2[static_cast<std::size_t>(j) * vocab];
+        for (int k = 0; k < vocab; ++k) { ls[k] += hj * wr[k]; }
+      }
+      float const mx = *std::max_element(ls, ls + vocab);
+      double sum     = 0;
+      for (int k = 0; k < vocab; ++k) { sum += std::exp(static_cast<double>(ls[k] - mx)); }
+      loss += std::log(sum) - (ls[target[s]] - mx);
+      // dlogits = (softmax - onehot) / B, in place.
+      for (int k = 0; k < vocab; ++k) {
+        ls[k] = static_cast<float>(std::exp(static_cast<double>(ls[k] - mx)) / sum) / static_cast<float>(B);
+      }
+      ls[target[s]] -= 1.0f / static_cast<float>(B);
+    }
+    loss /= B;
+    // Backward.
+    for (int s = 0; s < B; ++s) {
+      float const* ls = &logits[static_cast<std::size_t>(s) * vocab];
+      float const* hs = &h[static_cast<std::size_t>(s) * hidden];
+      float* dhs      = &dh[static_cast<std::size_t>(s) * hidden];
+      for (int k = 0; k < vocab; ++k) { b2.acc[k] += ls[k]; }
+      for (int j = 0; j < hidden; ++j) {
+        float* gw       = &W2.acc[static_cast<std::size_t>(j) * vocab];
+        float const* wr = &w2[static_cast<std::size_t>(j) * vocab];
+        float d         = 0;
+        for (int k = 0; k < vocab; ++k) {
+          gw[k] += hs[j] * ls[k];
+          d += wr[k] * ls[k];
+        }
+        dhs[j] = d * (1.0f - hs[j] * hs[j]);
+        b1.acc[j] += dhs[j];
+      }
+      float* dxs       = &dx[static_cast<std::size_t>(s) * in_width];
+      float const* xs  = &x[static_cast<std::size_t>(s) * in_width];
+      for (int i = 0; i < in_width; ++i) {
+        float* gw       = &W1.acc[static_cast<std::size_t>(i) * hidden];
+        float const* wr = &w1[static_cast<std::size_t>(i) * hidden];
+        float d         = 0;
+        for (int j = 0; j < hidden; ++j) {
+          gw[j] += xs[i] * dhs[j];
+          d += wr[j] * dhs[j];
+        }
+        dxs[i] = d;
+      }
+      for (int c = 0; c < context; ++c) {
+        float* ge = &E.acc[static_cast<std::size_t>(ctx[s * context + c]) * embed];
+        for (int e = 0; e < embed; ++e) { ge[e] += dxs[c * embed + e]; }
+      }
+    }
+    // Hand the gradients over as bf16, as a mixed-precision backward would produce them.
+    std::vector<grad_view<bf16>> grads;
+    for (auto& p : params) {
+      for (std::size_t i = 0; i < p.acc.size(); ++i) { p.g[i] = bf16(p.acc[i]); }
+      grads.push_back({p.g.data(), p.g.size()});
+    }
+    // A cosine learning-rate schedule, set on both groups every step.
+    double const lr = 3e-3 * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(3.141592653589793 * (step - 1) / o.steps)));
+    opt.set_hyperparameters(0, {.lr = lr, .weight_decay = 0.01});
+    opt.set_hyperparameters(1, {.lr = lr, .weight_decay = 0.0});
+    step_result const r = opt.step(grads);
+    optimizer_seconds += r.stats.total_seconds;
+
+    if (step == 1) { first_loss = loss; running = loss; }
+    running = 0.95 * running + 0.05 * loss;
+    if (step == 1 || step % 50 == 0 || step == o.steps) {
+      double const elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+      std::printf("step %5d  loss %.4f  (smoothed %.4f)  %8.0f chars/s  optimizer step %.3f ms%s\n", step, loss,
+                  running, static_cast<double>(step) * B / elapsed, 1e3 * r.stats.total_seconds,
+                  r.skipped ? "  [skipped: non-finite gradients]" : "");
+    }
+  }
+  double const elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  std::printf("%d steps in %.2f s (optimizer %.1f%% of it); loss %.4f -> %.4f (uniform guess: %.4f)\n", o.steps,
+              elapsed, 100.0 * optimizer_seconds / elapsed, first_loss, running, std::log(static_cast<double>(vocab)));
+  // What it learned: continue the text's first characters, sampling from the model.
+  auto const ew = E.weights(), w1 = W1.weights(), bb1 = b1.weights(), w2 = W2.weights(), bb2 = b2.weights();
+  std::vector<int> window(ids.begin(), ids.begin() + context);
+  std::string sample;
+  for (int n = 0; n < 160; ++n) {
+    std::vector<float> hv(bb1), lv(bb2);
+    for (int c = 0; c < context; ++c) {
+      for (int e = 0; e < embed; ++e) {
+        float const xi  = ew[static_cast<std::size_t>(window[c]) * embed + e];
+        float const* wr = &w1[static_cast<std::size_t>(c * embed + e) * hidden];
+        for (int j = 0; j < hidden; ++j) { hv[j] += xi * wr[j]; }
+      }
+    }
+    for (int j = 0; j < hidden; ++j) {
+      float const hj = std::tanh(hv[j]);
+      for (int k = 0; k < vocab; ++k) { lv[k] += hj * w2[static_cast<std::size_t>(j) * vocab + k]; }
+    }
+    float const mx = *std::max_element(lv.begin(), lv.end());
+    std::vector<double> p(vocab);
+    for (int k = 0; k < vocab; ++k) { p[k] = std::exp(static_cast<double>(lv[k] - mx) * 1.5); }
+    int const next = std::discrete_distribution<int>(p.begin(), p.end())(rng);
+    sample += static_cast<char>(chars[next]);
+    window.erase(window.begin());
+    window.push_back(next);
+  }
+  std::printf("sample: %s%s\n", text.substr(0, context).c_str(), sample.c_str());
+  if (!(running < first_loss - 0.5)) {
+    std::fprintf(stderr, "char_mlp: the loss did not fall by 0.5 nats\n");
+    return 1;
+  }
+  return 0;
+}
