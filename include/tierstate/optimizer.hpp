@@ -22,8 +22,9 @@
 // Failures: an invalid option or hyper-parameter throws tierstate::invalid_option before
 // anything changes; a call that breaks the contract (a count that does not match, a null
 // pointer, a duplicate name) throws tierstate::logic_error before anything changes. An
-// exception from the tier during a step leaves the chunks before it updated and the rest
-// not: the step count does not advance, and the state is known only chunk by chunk.
+// exception from the tier while the state is first made leaves no state (the next call
+// makes it afresh); during a step it leaves the chunks before it updated and the rest not:
+// the step count does not advance, and the state is known only chunk by chunk.
 #pragma once
 
 #include <tierstate/core/concepts.hpp>

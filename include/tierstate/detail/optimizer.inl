@@ -173,19 +173,30 @@ void TIERSTATE_OPTIMIZER::materialize()
   chunk_pieces_ = std::move(chunk_pieces);
 
   // The master starts as the params are now; the slots start at zero (the tier's fill).
+  // If the tier fails on the way, the optimizer goes back to having no state, so the next
+  // call starts over instead of stepping on a half-made master.
   if constexpr (Precision::has_master) {
-    step_stats ignored;
-    for (std::size_t k = 0; k < layout_->chunk_count(); ++k) {
-      with_chunk(k, true, ignored, [&](std::byte* chunk) {
-        auto* master = reinterpret_cast<float*>(chunk + layout_->slot_offset(0));
-        for (std::size_t p = chunk_pieces_[k]; p < chunk_pieces_[k + 1]; ++p) {
-          auto const& pc = pieces_[p];
-          param_type const* src = tensors_[pc.tensor].param + pc.tensor_begin;
-          for (std::size_t i = 0; i < pc.count; ++i) {
-            master[pc.chunk_begin + i] = convert<float>(src[i]);
+    try {
+      step_stats ignored;
+      for (std::size_t k = 0; k < layout_->chunk_count(); ++k) {
+        with_chunk(k, true, ignored, [&](std::byte* chunk) {
+          auto* master = reinterpret_cast<float*>(chunk + layout_->slot_offset(0));
+          for (std::size_t p = chunk_pieces_[k]; p < chunk_pieces_[k + 1]; ++p) {
+            auto const& pc        = pieces_[p];
+            param_type const* src = tensors_[pc.tensor].param + pc.tensor_begin;
+            for (std::size_t i = 0; i < pc.count; ++i) {
+              master[pc.chunk_begin + i] = convert<float>(src[i]);
+            }
           }
-        }
-      });
+        });
+      }
+    } catch (...) {
+      tier_.reset();
+      layout_.reset();
+      pieces_.clear();
+      chunk_pieces_.clear();
+      staging_.reset();
+      throw;
     }
   }
 }
