@@ -20,3 +20,5 @@
 #include <tierstate/tiers/pinned_host.hpp>
 #include <tierstate/tiers/tier.hpp>
 #include <tierstate/transfer/synchronous.hpp>
+#include <tierstate/io/error.hpp>
+#include <tierstate/io/uring_engine.hpp>

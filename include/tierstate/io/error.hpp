@@ -1,0 +1,43 @@
+// SPDX-License-Identifier: Apache-2.0
+// tierstate::io_error: every I/O failure, naming path, offset, length, operation and errno.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <system_error>
+
+namespace tierstate {
+
+/// An I/O operation that failed. code() holds the errno; what() reads, for example,
+/// "tierstate: write of 1048576 bytes at offset 4194304 of /scratch/opt.state failed: No
+/// space left on device".
+class io_error : public std::system_error {
+ public:
+  io_error(int err, std::string path, std::string_view operation, std::uint64_t offset = 0,
+           std::uint64_t length = 0)
+    : std::system_error(err, std::generic_category(),
+                        length == 0 ? "tierstate: " + std::string(operation) + " of " + path + " failed"
+                                    : "tierstate: " + std::string(operation) + " of " +
+                                        std::to_string(length) + " bytes at offset " +
+                                        std::to_string(offset) + " of " + path + " failed"),
+      path_(std::move(path)),
+      operation_(operation),
+      offset_(offset),
+      length_(length)
+  {
+  }
+
+  [[nodiscard]] std::string const& path() const noexcept { return path_; }
+  [[nodiscard]] std::string const& operation() const noexcept { return operation_; }
+  [[nodiscard]] std::uint64_t offset() const noexcept { return offset_; }
+  [[nodiscard]] std::uint64_t length() const noexcept { return length_; }
+
+ private:
+  std::string path_;
+  std::string operation_;
+  std::uint64_t offset_;
+  std::uint64_t length_;
+};
+
+}  // namespace tierstate
