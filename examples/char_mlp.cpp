@@ -89,6 +89,32 @@ struct param {
   }
 };
 
+/// The model's weights widened to float once per step, for the forward and backward passes.
+struct weights {
+  std::vector<float> embedding, w1, b1, w2, b2;
+};
+
+/// Forward for one window of `context` character ids: fills x (the concatenated
+/// embeddings), h (the tanh hidden layer) and logits.
+void forward(weights const& w, int const* window, int vocab, float* x, float* h, float* logits)
+{
+  int const in_width = context * embed;
+  for (int c = 0; c < context; ++c) {
+    std::copy_n(&w.embedding[static_cast<std::size_t>(window[c]) * embed], embed, x + c * embed);
+  }
+  std::copy(w.b1.begin(), w.b1.end(), h);
+  for (int i = 0; i < in_width; ++i) {
+    float const* wr = &w.w1[static_cast<std::size_t>(i) * hidden];
+    for (int j = 0; j < hidden; ++j) { h[j] += x[i] * wr[j]; }
+  }
+  for (int j = 0; j < hidden; ++j) { h[j] = std::tanh(h[j]); }
+  std::copy(w.b2.begin(), w.b2.end(), logits);
+  for (int j = 0; j < hidden; ++j) {
+    float const* wr = &w.w2[static_cast<std::size_t>(j) * vocab];
+    for (int k = 0; k < vocab; ++k) { logits[k] += h[j] * wr[k]; }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv)
@@ -154,33 +180,19 @@ int main(int argc, char** argv)
   double first_loss = 0, running = 0, optimizer_seconds = 0;
   auto const t_start = std::chrono::steady_clock::now();
   for (int step = 1; step <= o.steps; ++step) {
-    auto const ew = E.weights(), w1 = W1.weights(), bb1 = b1.weights(), w2 = W2.weights(), bb2 = b2.weights();
+    weights const wt{E.weights(), W1.weights(), b1.weights(), W2.weights(), b2.weights()};
+    auto const& w1 = wt.w1;
+    auto const& w2 = wt.w2;
     for (auto& p : params) { std::fill(p.acc.begin(), p.acc.end(), 0.0f); }
     double loss = 0;
     // Forward.
     for (int s = 0; s < B; ++s) {
       std::size_t const at = pick(rng);
-      for (int c = 0; c < context; ++c) {
-        int const id = ids[at + c];
-        ctx[s * context + c] = id;
-        std::copy_n(&ew[static_cast<std::size_t>(id) * embed], embed, &x[static_cast<std::size_t>(s) * in_width + c * embed]);
-      }
+      std::copy_n(&ids[at], context, &ctx[static_cast<std::size_t>(s) * context]);
       target[s] = ids[at + context];
-      float* hs = &h[static_cast<std::size_t>(s) * hidden];
-      std::copy(bb1.begin(), bb1.end(), hs);
-      for (int i = 0; i < in_width; ++i) {
-        float const xi  = x[static_cast<std::size_t>(s) * in_width + i];
-        float const* wr = &w1[static_cast<std::size_t>(i) * hidden];
-        for (int j = 0; j < hidden; ++j) { hs[j] += xi * wr[j]; }
-      }
-      for (int j = 0; j < hidden; ++j) { hs[j] = std::tanh(hs[j]); }
       float* ls = &logits[static_cast<std::size_t>(s) * vocab];
-      std::copy(bb2.begin(), bb2.end(), ls);
-      for (int j = 0; j < hidden; ++j) {
-        float const hj  = hs[j];
-        float const* wr = &w2[static_cast<std::size_t>(j) * vocab];
-        for (int k = 0; k < vocab; ++k) { ls[k] += hj * wr[k]; }
-      }
+      forward(wt, &ctx[static_cast<std::size_t>(s) * context], vocab, &x[static_cast<std::size_t>(s) * in_width],
+              &h[static_cast<std::size_t>(s) * hidden], ls);
       float const mx = *std::max_element(ls, ls + vocab);
       double sum     = 0;
       for (int k = 0; k < vocab; ++k) { sum += std::exp(static_cast<double>(ls[k] - mx)); }
@@ -252,22 +264,12 @@ int main(int argc, char** argv)
   std::printf("%d steps in %.2f s (optimizer %.1f%% of it); loss %.4f -> %.4f (uniform guess: %.4f)\n", o.steps,
               elapsed, 100.0 * optimizer_seconds / elapsed, first_loss, running, std::log(static_cast<double>(vocab)));
   // What it learned: continue the text's first characters, sampling from the model.
-  auto const ew = E.weights(), w1 = W1.weights(), bb1 = b1.weights(), w2 = W2.weights(), bb2 = b2.weights();
+  weights const wt{E.weights(), W1.weights(), b1.weights(), W2.weights(), b2.weights()};
   std::vector<int> window(ids.begin(), ids.begin() + context);
+  std::vector<float> xv(static_cast<std::size_t>(in_width)), hv(hidden), lv(vocab);
   std::string sample;
   for (int n = 0; n < 160; ++n) {
-    std::vector<float> hv(bb1), lv(bb2);
-    for (int c = 0; c < context; ++c) {
-      for (int e = 0; e < embed; ++e) {
-        float const xi  = ew[static_cast<std::size_t>(window[c]) * embed + e];
-        float const* wr = &w1[static_cast<std::size_t>(c * embed + e) * hidden];
-        for (int j = 0; j < hidden; ++j) { hv[j] += xi * wr[j]; }
-      }
-    }
-    for (int j = 0; j < hidden; ++j) {
-      float const hj = std::tanh(hv[j]);
-      for (int k = 0; k < vocab; ++k) { lv[k] += hj * w2[static_cast<std::size_t>(j) * vocab + k]; }
-    }
+    forward(wt, window.data(), vocab, xv.data(), hv.data(), lv.data());
     float const mx = *std::max_element(lv.begin(), lv.end());
     std::vector<double> p(vocab);
     for (int k = 0; k < vocab; ++k) { p[k] = std::exp(static_cast<double>(lv[k] - mx) * 1.5); }
