@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include <tierstate/kernels/host/thread_pool.hpp>
+#include <tierstate/core/thread_pool.hpp>
 
 #include <catch2/catch.hpp>
 

@@ -5,9 +5,10 @@
 //
 //   Rule       Adam, AdamW, AdamAmsgrad, AdamWAmsgrad (rules/adam.hpp)
 //   Precision  Fp32, Bf16Mixed, Fp16Mixed, Bf16MixedBf16State, or any Precision<...>
-//   StateTier  where master and slots rest between steps: PinnedHost, or a type of yours
-//              that models the `tier` concept (tiers/tier.hpp)
-//   Transfer   how chunks move between the tier and the compute: Synchronous
+//   StateTier  where master and slots rest between steps: PinnedHost, NvmeFile, or a type
+//              of yours that models the `tier` concept (tiers/tier.hpp)
+//   Transfer   how chunks move between the tier and the compute: Synchronous, or
+//              Pipelined<Depth> to overlap a tier's I/O with compute
 //   Compute    where the rule runs: OnHost<Arch>
 //
 // Usage: register every parameter tensor (its name, its memory, its element count), group
@@ -22,9 +23,16 @@
 // Failures: an invalid option or hyper-parameter throws tierstate::invalid_option before
 // anything changes; a call that breaks the contract (a count that does not match, a null
 // pointer, a duplicate name) throws tierstate::logic_error before anything changes. An
-// exception from the tier while the state is first made leaves no state (the next call
-// makes it afresh); during a step it leaves the chunks before it updated and the rest not:
-// the step count does not advance, and the state is known only chunk by chunk.
+// exception from the tier (tierstate::io_error for NvmeFile)
+//   - while the state is first made leaves no state: the next call makes it afresh;
+//   - in a step before any chunk was updated (the first read failed) leaves params, state
+//     and step count as they were: the step may be retried;
+//   - in a step after a chunk was updated, or in write_state, leaves the state part old,
+//     part new: the optimizer is then *lost*, and every later step(), copy_state() and
+//     write_state() throws tierstate::state_lost naming the first failure, until the state
+//     is restored (from a checkpoint) or the optimizer rebuilt. It never steps on from a
+//     state that is silently half-updated.
+// The exception is thrown after every transfer in flight has finished.
 #pragma once
 
 #include <tierstate/core/concepts.hpp>
@@ -34,10 +42,12 @@
 #include <tierstate/core/tensor.hpp>
 #include <tierstate/kernels/host/finite.hpp>
 #include <tierstate/kernels/host/on_host.hpp>
-#include <tierstate/kernels/host/thread_pool.hpp>
+#include <tierstate/core/thread_pool.hpp>
 #include <tierstate/kernels/host/update.hpp>
 #include <tierstate/tiers/pinned_host.hpp>
 #include <tierstate/tiers/tier.hpp>
+#include <tierstate/transfer/detail/io_worker.hpp>
+#include <tierstate/transfer/pipelined.hpp>
 #include <tierstate/transfer/synchronous.hpp>
 
 #include <cstddef>
@@ -81,8 +91,9 @@ struct step_result {
 template <rule Rule, precision Precision = Bf16Mixed, tier StateTier = PinnedHost,
           class Transfer = Synchronous, class Compute = OnHost<>>
 class OffloadedOptimizer {
-  static_assert(std::is_same_v<Transfer, Synchronous>,
-                "tierstate::OffloadedOptimizer: the transfers available are Synchronous.");
+  static_assert(std::is_same_v<Transfer, Synchronous> || is_pipelined_v<Transfer>,
+                "tierstate::OffloadedOptimizer: the transfers available are Synchronous and "
+                "Pipelined<Depth>.");
   static_assert(is_on_host_v<Compute>,
                 "tierstate::OffloadedOptimizer: the computes available are OnHost<Arch>.");
 
@@ -90,6 +101,7 @@ class OffloadedOptimizer {
   using rule_type       = Rule;
   using precision_type  = Precision;
   using tier_type       = StateTier;
+  using transfer_type   = Transfer;
   using param_type      = typename Precision::param_type;
   using grad_type       = typename Precision::grad_type;
   using state_type      = typename Precision::state_type;
@@ -151,6 +163,12 @@ class OffloadedOptimizer {
   /// The tier holding the state (made on first use).
   [[nodiscard]] StateTier& state_tier();
   [[nodiscard]] std::size_t tensor_count() const noexcept { return tensors_.size(); }
+  /// Host memory used to stage chunks of a tier that is not addressable: the transfer's
+  /// staging_buffers x the layout's chunk bytes (0 for an addressable tier), made with the
+  /// state. A fixed amount: it does not grow with the model.
+  [[nodiscard]] std::size_t staging_bytes() const noexcept { return staging_ ? staging_->size() : 0; }
+  /// Whether a failed step left the state part updated (see "Failures" above).
+  [[nodiscard]] bool state_lost() const noexcept { return !lost_.empty(); }
   [[nodiscard]] thread_pool& pool() noexcept { return pool_; }
 
  private:
@@ -173,6 +191,17 @@ class OffloadedOptimizer {
   void check_grads(std::span<grad_view<grad_type> const> grads) const;
   template <class F>
   void with_chunk(std::size_t k, bool write_back, step_stats& stats, F&& f);
+  void step_staged(std::span<grad_view<grad_type> const> grads,
+                   std::vector<typename Rule::coefficients> const& coefficients, step_stats& stats,
+                   bool& changed);
+  void step_pipelined(std::span<grad_view<grad_type> const> grads,
+                      std::vector<typename Rule::coefficients> const& coefficients, step_stats& stats,
+                      bool& changed);
+  void check_not_lost(char const* call) const;
+  [[nodiscard]] std::byte* staging(std::size_t buffer) noexcept
+  {
+    return staging_->data() + buffer * layout_->chunk_bytes();
+  }
   /// Updates elements [b, e) of chunk k (whose bytes start at `chunk`) on this thread.
   void update_chunk_range(std::size_t k, std::byte* chunk, std::size_t b, std::size_t e,
                           std::span<grad_view<grad_type> const> grads,
@@ -189,7 +218,9 @@ class OffloadedOptimizer {
   std::optional<StateTier> tier_;
   std::vector<piece> pieces_;
   std::vector<std::size_t> chunk_pieces_;  ///< pieces of chunk k: [chunk_pieces_[k], chunk_pieces_[k + 1])
-  std::unique_ptr<std::byte[], void (*)(std::byte*)> staging_{nullptr, [](std::byte*) {}};
+  std::optional<PinnedHost> staging_;  ///< staging_buffers chunks, for tiers that are not addressable
+  std::unique_ptr<detail::io_worker<StateTier>> io_;  ///< Pipelined's I/O thread (declared after tier_)
+  std::string lost_;  ///< the failure that left the state part updated, or empty
 };
 
 }  // namespace tierstate

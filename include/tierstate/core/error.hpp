@@ -5,6 +5,8 @@
 //                              it names the option and the value that was refused.
 //   tierstate::logic_error     a call that breaks the library's contract (a size mismatch,
 //                              a null pointer); the message says which argument.
+//   tierstate::state_lost      the optimizer's state was damaged by a failure it reported
+//                              earlier; it refuses to go on until its state is restored.
 //
 // TIERSTATE_EXPECTS(cond, message) throws tierstate::logic_error with file:line when cond
 // is false; the message is built only on failure.
@@ -43,6 +45,29 @@ class invalid_option : public std::invalid_argument {
 class logic_error : public std::logic_error {
  public:
   using std::logic_error::logic_error;
+};
+
+/// Thrown by every call that needs an optimizer's state after a failed step left that state
+/// part updated. `cause()` is the message of the failure that lost it.
+class state_lost : public std::runtime_error {
+ public:
+  explicit state_lost(std::string const& call, std::string cause)
+    : std::runtime_error(describe(call, cause)), cause_(std::move(cause))
+  {
+  }
+  [[nodiscard]] std::string const& cause() const noexcept { return cause_; }
+
+ private:
+  static std::string describe(std::string const& call, std::string const& cause)
+  {
+    // Appended piece by piece: GCC 12 warns falsely (-Wrestrict) on "literal" + string.
+    std::string text = "tierstate: ";
+    text.append(call).append(" refused: the optimizer's state was lost when an earlier step failed part-way (");
+    text.append(cause).append("); restore it from a checkpoint or build a new optimizer");
+    return text;
+  }
+
+  std::string cause_;
 };
 
 namespace detail {

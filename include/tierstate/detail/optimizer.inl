@@ -161,16 +161,22 @@ void TIERSTATE_OPTIMIZER::materialize()
   for (std::size_t k = 0; k < lay.chunk_count(); ++k) { chunk_pieces[k + 1] += chunk_pieces[k]; }
 
   StateTier tier(lay.total_bytes(), opts_.tier);
+  std::optional<PinnedHost> staging;
   if constexpr (!addressable_tier<StateTier>) {
-    void* p = std::aligned_alloc(layout::alignment, lay.chunk_bytes());
-    if (p == nullptr) { throw std::bad_alloc(); }
-    staging_ = {static_cast<std::byte*>(p), [](std::byte* q) { std::free(q); }};
+    staging.emplace(Transfer::staging_buffers * lay.chunk_bytes());
   }
 
   layout_ = std::move(lay);
   tier_.emplace(std::move(tier));
+  staging_      = std::move(staging);
   pieces_       = std::move(pieces);
   chunk_pieces_ = std::move(chunk_pieces);
+  if constexpr (staging_aware_tier<StateTier>) {
+    (void)tier_->register_staging({staging_->data(), staging_->size()});  // refusal is announced
+  }
+  if constexpr (!addressable_tier<StateTier> && is_pipelined_v<Transfer>) {
+    io_ = std::make_unique<detail::io_worker<StateTier>>(*tier_);
+  }
 
   // The master starts as the params are now; the slots start at zero (the tier's fill).
   // If the tier fails on the way, the optimizer goes back to having no state, so the next
@@ -191,6 +197,7 @@ void TIERSTATE_OPTIMIZER::materialize()
         });
       }
     } catch (...) {
+      io_.reset();
       tier_.reset();
       layout_.reset();
       pieces_.clear();
@@ -212,13 +219,13 @@ void TIERSTATE_OPTIMIZER::with_chunk(std::size_t k, bool write_back, step_stats&
     stats.tier_bytes_in_place += bytes;
   } else {
     auto t0 = std::chrono::steady_clock::now();
-    tier_->read(offset, std::span<std::byte>(staging_.get(), bytes));
+    tier_->read(offset, std::span<std::byte>(staging(0), bytes));
     stats.tier_bytes_read += bytes;
     stats.wait_seconds += detail::seconds_since(t0);
-    f(staging_.get());
+    f(staging(0));
     if (write_back) {
       t0 = std::chrono::steady_clock::now();
-      tier_->write(offset, std::span<std::byte const>(staging_.get(), bytes));
+      tier_->write(offset, std::span<std::byte const>(staging(0), bytes));
       stats.tier_bytes_written += bytes;
       stats.wait_seconds += detail::seconds_since(t0);
     }
@@ -286,6 +293,7 @@ TIERSTATE_OPTIMIZER_TEMPLATE
 step_result TIERSTATE_OPTIMIZER::step(std::span<grad_view<grad_type> const> grads, double grad_scale)
 {
   auto const t_start = std::chrono::steady_clock::now();
+  check_not_lost("step");
   check_grads(grads);
   // Every group's coefficients first: a refused hyper-parameter or scale changes nothing.
   std::vector<typename Rule::coefficients> coefficients;
@@ -338,16 +346,19 @@ step_result TIERSTATE_OPTIMIZER::step(std::span<grad_view<grad_type> const> grad
     result.stats.chunks          = layout_->chunk_count();
     result.stats.tier_bytes_in_place = layout_->total_bytes();
   } else {
-    // Staged: each chunk read, updated by all threads, written back.
-    for (std::size_t k = 0; k < layout_->chunk_count(); ++k) {
-      with_chunk(k, true, result.stats, [&](std::byte* chunk) {
-        auto const t0 = std::chrono::steady_clock::now();
-        pool_.parallel_for(layout_->chunk_size(k), grain, [&](std::size_t b, std::size_t e) {
-          update_chunk_range(k, chunk, b, e, grads, coefficients);
-        });
-        result.stats.compute_seconds += detail::seconds_since(t0);
-      });
-      ++result.stats.chunks;
+    bool changed = false;  // whether a chunk's params and state began to change
+    try {
+      if constexpr (is_pipelined_v<Transfer>) {
+        step_pipelined(grads, coefficients, result.stats, changed);
+      } else {
+        step_staged(grads, coefficients, result.stats, changed);
+      }
+    } catch (std::exception const& e) {
+      if (changed) { lost_ = e.what(); }
+      throw;
+    } catch (...) {
+      if (changed) { lost_ = "an exception that is not a std::exception"; }
+      throw;
     }
   }
   result.step                = ++step_;
@@ -356,8 +367,82 @@ step_result TIERSTATE_OPTIMIZER::step(std::span<grad_view<grad_type> const> grad
 }
 
 TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::step_staged(std::span<grad_view<grad_type> const> grads,
+                                      std::vector<typename Rule::coefficients> const& coefficients,
+                                      step_stats& stats, bool& changed)
+{
+  // Each chunk read, updated by all threads, written back, before the next is read.
+  std::size_t const grain = 64 * host::batch_size<arch>;
+  for (std::size_t k = 0; k < layout_->chunk_count(); ++k) {
+    with_chunk(k, true, stats, [&](std::byte* chunk) {
+      changed       = true;
+      auto const t0 = std::chrono::steady_clock::now();
+      pool_.parallel_for(layout_->chunk_size(k), grain, [&](std::size_t b, std::size_t e) {
+        update_chunk_range(k, chunk, b, e, grads, coefficients);
+      });
+      stats.compute_seconds += detail::seconds_since(t0);
+    });
+    ++stats.chunks;
+  }
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::step_pipelined(std::span<grad_view<grad_type> const> grads,
+                                         std::vector<typename Rule::coefficients> const& coefficients,
+                                         step_stats& stats, bool& changed)
+{
+  // Chunk k uses staging buffer k % B. Reads run Depth chunks ahead of the compute; chunk
+  // k + Depth + 1 is read into the buffer of chunk k - 1, queued after k - 1's write (the
+  // I/O thread never batches two jobs on one buffer, so the write finishes first).
+  constexpr unsigned B     = Transfer::staging_buffers;
+  std::size_t const n      = layout_->chunk_count();
+  std::size_t const bytes  = layout_->chunk_bytes();
+  std::size_t const grain  = 64 * host::batch_size<arch>;
+  std::vector<std::uint64_t> read_ticket(n);
+  std::uint64_t last_ticket = 0;
+  auto read = [&](std::size_t j) {
+    read_ticket[j] = io_->enqueue({j * bytes, staging(j % B), bytes, false}, static_cast<unsigned>(j % B));
+    stats.tier_bytes_read += bytes;
+  };
+  try {
+    for (std::size_t j = 0; j < std::min<std::size_t>(n, Transfer::depth + 1); ++j) { read(j); }
+    for (std::size_t k = 0; k < n; ++k) {
+      auto t0 = std::chrono::steady_clock::now();
+      io_->wait(read_ticket[k]);
+      stats.wait_seconds += detail::seconds_since(t0);
+
+      changed         = true;
+      std::byte* const chunk = staging(k % B);
+      t0 = std::chrono::steady_clock::now();
+      pool_.parallel_for(layout_->chunk_size(k), grain, [&](std::size_t b, std::size_t e) {
+        update_chunk_range(k, chunk, b, e, grads, coefficients);
+      });
+      stats.compute_seconds += detail::seconds_since(t0);
+
+      last_ticket = io_->enqueue({k * bytes, chunk, bytes, true}, static_cast<unsigned>(k % B));
+      stats.tier_bytes_written += bytes;
+      ++stats.chunks;
+      if (k + Transfer::depth + 1 < n) { read(k + Transfer::depth + 1); }
+    }
+    auto const t0 = std::chrono::steady_clock::now();
+    io_->wait(last_ticket);
+    stats.wait_seconds += detail::seconds_since(t0);
+  } catch (...) {
+    io_->drain();  // no staging buffer in the tier's hands when the exception leaves
+    throw;
+  }
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::check_not_lost(char const* call) const
+{
+  if (!lost_.empty()) { throw tierstate::state_lost(call, lost_); }
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::copy_state(std::string_view tensor, slot s, std::span<float> to)
 {
+  check_not_lost("copy_state");
   std::size_t const t = find_tensor(tensor, "copy_state");
   materialize();
   std::size_t const si = layout_->slot_index(s);
@@ -390,6 +475,7 @@ void TIERSTATE_OPTIMIZER::copy_state(std::string_view tensor, slot s, std::span<
 TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::write_state(std::string_view tensor, slot s, std::span<float const> from)
 {
+  check_not_lost("write_state");
   std::size_t const t = find_tensor(tensor, "write_state");
   materialize();
   std::size_t const si = layout_->slot_index(s);
@@ -413,7 +499,12 @@ void TIERSTATE_OPTIMIZER::write_state(std::string_view tensor, slot s, std::span
         std::memcpy(buf.data() + i * eb, &v, sizeof(v));
       }
     }
-    tier_->write(layout_->byte_offset(si, e), buf);
+    try {
+      tier_->write(layout_->byte_offset(si, e), buf);
+    } catch (std::exception const& x) {
+      lost_ = x.what();  // a failed write may have landed in part
+      throw;
+    }
     done += n;
   }
 }

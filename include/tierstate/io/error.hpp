@@ -14,13 +14,10 @@ namespace tierstate {
 /// space left on device".
 class io_error : public std::system_error {
  public:
+  /// `hint`, when given, says what the failure means for the user (put in parentheses).
   io_error(int err, std::string path, std::string_view operation, std::uint64_t offset = 0,
-           std::uint64_t length = 0)
-    : std::system_error(err, std::generic_category(),
-                        length == 0 ? "tierstate: " + std::string(operation) + " of " + path + " failed"
-                                    : "tierstate: " + std::string(operation) + " of " +
-                                        std::to_string(length) + " bytes at offset " +
-                                        std::to_string(offset) + " of " + path + " failed"),
+           std::uint64_t length = 0, std::string_view hint = {})
+    : std::system_error(err, std::generic_category(), describe(path, operation, offset, length, hint)),
       path_(std::move(path)),
       operation_(operation),
       offset_(offset),
@@ -34,6 +31,20 @@ class io_error : public std::system_error {
   [[nodiscard]] std::uint64_t length() const noexcept { return length_; }
 
  private:
+  static std::string describe(std::string const& path, std::string_view operation, std::uint64_t offset,
+                              std::uint64_t length, std::string_view hint)
+  {
+    // Appended piece by piece: GCC 12 warns falsely (-Wrestrict) on "literal" + string.
+    std::string text = "tierstate: ";
+    text.append(operation).append(" of ");
+    if (length != 0) {
+      text.append(std::to_string(length)).append(" bytes at offset ").append(std::to_string(offset)).append(" of ");
+    }
+    text.append(path).append(" failed");
+    if (!hint.empty()) { text.append(" (").append(hint).append(")"); }
+    return text;
+  }
+
   std::string path_;
   std::string operation_;
   std::uint64_t offset_;

@@ -1,136 +1,190 @@
 // SPDX-License-Identifier: Apache-2.0
-// The I/O engine on liburing: batched reads and writes of large, aligned ranges.
-//
-// A batch of requests is cut into block_size pieces and kept queue_depth deep in one ring;
-// a short read or write is requeued for its remainder until done (a read that reaches the
-// end of the file fails with ENODATA: state files are preallocated); the first failure becomes a
-// tierstate::io_error naming path, offset, length, operation and errno, after every piece
-// in flight has completed, so no buffer is still in use by the kernel when it is thrown.
-// Inside the ring results are -errno values; exceptions only leave through submit().
-//
-// Thread safety: one thread at a time per engine.
+// The io_uring backend (see io/engine.hpp for the contract). Each of `rings` rings keeps
+// up to queue_depth pieces in flight; with several rings, each is driven by its own thread
+// during a batch, the pieces dealt out round-robin. Inside the rings results are -errno
+// values; exceptions leave only through submit(), after every ring has drained.
 #pragma once
 
-#include <tierstate/core/error.hpp>
-#include <tierstate/io/error.hpp>
+#include <tierstate/core/thread_pool.hpp>
+#include <tierstate/io/detail/pieces.hpp>
+#include <tierstate/io/request.hpp>
 
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <vector>
 
 #include <liburing.h>
+#include <sys/uio.h>
 
 namespace tierstate::io {
-
-struct engine_options {
-  unsigned queue_depth   = 32;               ///< pieces in flight at once, 1..4096
-  std::size_t block_size = std::size_t{1} << 20;  ///< largest piece, a multiple of 4096
-};
-
-/// One range of one file to read into or write from memory.
-struct request {
-  int fd                = -1;
-  std::uint64_t offset  = 0;
-  std::byte* data       = nullptr;
-  std::size_t length    = 0;
-  bool write            = false;
-  std::string const* path = nullptr;  ///< for error messages
-};
 
 class uring_engine {
  public:
   /// Throws tierstate::invalid_option for bad options, and io_error (operation
-  /// "io_uring_queue_init") where io_uring is unavailable: ENOSYS on kernels without it,
-  /// EPERM where a seccomp filter or sysctl forbids it.
-  explicit uring_engine(engine_options const& o = {}) : opts_(o)
+  /// "io_uring_queue_init") where io_uring is unavailable.
+  explicit uring_engine(engine_options const& o = {})
+    : opts_((o.validate(), o)), rings_(o.rings), pool_(o.rings)
   {
-    if (o.queue_depth == 0 || o.queue_depth > 4096) {
-      throw invalid_option("queue_depth", detail::to_text(o.queue_depth), "must be in 1..4096");
-    }
-    if (o.block_size == 0 || o.block_size % 4096 != 0) {
-      throw invalid_option("block_size", detail::to_text(o.block_size),
-                           "must be a positive multiple of 4096");
-    }
-    int const r = io_uring_queue_init(o.queue_depth, &ring_, 0);
-    if (r < 0) {
-      // ENOSYS: no kernel support; EPERM: forbidden (seccomp, kernel.io_uring_disabled).
-      throw io_error(-r, "an io_uring of " + std::to_string(o.queue_depth) + " entries",
-                     "io_uring_queue_init");
+    for (unsigned i = 0; i < o.rings; ++i) {
+      int const r = io_uring_queue_init(o.queue_depth, &rings_[i].ring, 0);
+      if (r < 0) {
+        for (unsigned j = 0; j < i; ++j) { io_uring_queue_exit(&rings_[j].ring); }
+        throw io_error(-r, "an io_uring of " + std::to_string(o.queue_depth) + " entries",
+                       "io_uring_queue_init", 0, 0,
+                       std::string(r == -ENOSYS  ? "io_uring is not in this kernel"
+                                   : r == -EPERM ? "io_uring is forbidden here, by a seccomp filter "
+                                                   "or kernel.io_uring_disabled"
+                                                 : "io_uring is unavailable") +
+                         "; engine_options::backend = psync uses pread/pwrite instead");
+      }
     }
   }
-  ~uring_engine() { io_uring_queue_exit(&ring_); }
+  ~uring_engine()
+  {
+    for (auto& r : rings_) { io_uring_queue_exit(&r.ring); }
+  }
   uring_engine(uring_engine const&)            = delete;
   uring_engine& operator=(uring_engine const&) = delete;
 
   [[nodiscard]] engine_options const& options() const noexcept { return opts_; }
 
-  /// Runs every request to completion; returns when all are done. On failure throws the
-  /// first io_error, after all pieces in flight have completed.
-  void submit(std::span<request const> requests)
+  /// Registers one region as fixed buffer 0 of every ring (replacing any earlier one).
+  /// Returns 0 or the refusing errno (ENOMEM: over RLIMIT_MEMLOCK); on refusal nothing
+  /// stays registered and transfers go on unregistered.
+  int register_buffer(std::span<std::byte> region)
   {
-    struct piece {
-      std::size_t request;
-      std::uint64_t offset;
-      std::byte* data;
-      std::size_t length;
-    };
-    std::deque<piece> todo;
-    for (std::size_t i = 0; i < requests.size(); ++i) {
-      auto const& r = requests[i];
-      for (std::size_t done = 0; done < r.length; done += opts_.block_size) {
-        std::size_t const n = std::min(opts_.block_size, r.length - done);
-        todo.push_back({i, r.offset + done, r.data + done, n});
+    unregister();
+    if (region.empty()) { return 0; }
+    iovec const v{region.data(), region.size()};
+    for (std::size_t i = 0; i < rings_.size(); ++i) {
+      int const r = io_uring_register_buffers(&rings_[i].ring, &v, 1);
+      if (r < 0) {
+        for (std::size_t j = 0; j < i; ++j) { io_uring_unregister_buffers(&rings_[j].ring); }
+        return -r;
       }
     }
-    std::vector<piece> slots(opts_.queue_depth);
+    registered_ = region;
+    return 0;
+  }
+  [[nodiscard]] std::span<std::byte> registered() const noexcept { return registered_; }
+
+  void submit(std::span<request const> requests)
+  {
+    std::vector<detail::piece> const pieces = detail::cut(requests, opts_.block_size);
+    if (pieces.empty()) { return; }
+    std::mutex m;
+    detail::first_failure failure;
+    std::size_t const used = std::min<std::size_t>(rings_.size(), pieces.size());
+    pool_.parallel_for(used, 1, [&](std::size_t b, std::size_t e) {
+      for (std::size_t i = b; i < e; ++i) {
+        std::deque<detail::piece> todo;
+        for (std::size_t p = i; p < pieces.size(); p += used) { todo.push_back(pieces[p]); }
+        detail::first_failure f = drive(rings_[i].ring, requests, std::move(todo));
+        if (f.error != 0) {
+          std::scoped_lock lock(m);
+          failure.note(f.error, f.where);
+        }
+      }
+    });
+    failure.rethrow(requests);
+  }
+
+ private:
+  struct ring_holder {
+    io_uring ring{};
+  };
+
+  void unregister() noexcept
+  {
+    if (registered_.empty()) { return; }
+    for (auto& r : rings_) { io_uring_unregister_buffers(&r.ring); }
+    registered_ = {};
+  }
+
+  [[nodiscard]] bool is_fixed(detail::piece const& p) const noexcept
+  {
+    return !registered_.empty() && p.data >= registered_.data() &&
+           p.data + p.length <= registered_.data() + registered_.size();
+  }
+
+  /// Runs `todo` through one ring; returns its first failure (after draining).
+  detail::first_failure drive(io_uring& ring, std::span<request const> requests,
+                              std::deque<detail::piece> todo) noexcept
+  {
+    std::vector<detail::piece> slots(opts_.queue_depth);
     std::vector<unsigned> free_slots;
     for (unsigned s = opts_.queue_depth; s-- > 0;) { free_slots.push_back(s); }
     unsigned in_flight = 0;
-    int first_error    = 0;
-    piece failed{};
+    detail::first_failure failure;
 
-    while ((!todo.empty() && first_error == 0) || in_flight > 0) {
+    while ((!todo.empty() && failure.error == 0) || in_flight > 0) {
       // Fill the ring (no new work once something failed).
-      unsigned queued = 0;
-      while (first_error == 0 && !todo.empty() && !free_slots.empty()) {
-        io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+      while (failure.error == 0 && !todo.empty() && !free_slots.empty()) {
+        detail::piece p = todo.front();
+        auto const& r   = requests[p.request];
+        std::size_t n   = p.length;
+        if (opts_.faults) {
+          auto const d = opts_.faults->next(r.write ? op::write : op::read, n);
+          if (d.error != 0) {
+            todo.pop_front();
+            failure.note(d.error, p);
+            break;
+          }
+          n = d.length;
+        }
+        io_uring_sqe* sqe = io_uring_get_sqe(&ring);
         if (sqe == nullptr) { break; }
+        todo.pop_front();
         unsigned const s = free_slots.back();
         free_slots.pop_back();
-        slots[s]        = todo.front();
-        todo.pop_front();
-        auto const& r = requests[slots[s].request];
-        if (r.write) {
-          io_uring_prep_write(sqe, r.fd, slots[s].data, static_cast<unsigned>(slots[s].length), slots[s].offset);
+        slots[s] = p;
+        auto const len = static_cast<unsigned>(n);
+        if (is_fixed(p)) {
+          if (r.write) {
+            io_uring_prep_write_fixed(sqe, r.fd, p.data, len, p.offset, 0);
+          } else {
+            io_uring_prep_read_fixed(sqe, r.fd, p.data, len, p.offset, 0);
+          }
+        } else if (r.write) {
+          io_uring_prep_write(sqe, r.fd, p.data, len, p.offset);
         } else {
-          io_uring_prep_read(sqe, r.fd, slots[s].data, static_cast<unsigned>(slots[s].length), slots[s].offset);
+          io_uring_prep_read(sqe, r.fd, p.data, len, p.offset);
         }
         io_uring_sqe_set_data64(sqe, s);
-        ++queued;
+        ++in_flight;
       }
-      in_flight += queued;
-      int const w = io_uring_submit_and_wait(&ring_, in_flight > 0 ? 1 : 0);
-      if (w < 0 && w != -EINTR && w != -EAGAIN) {
-        // The ring itself failed: nothing more can be waited for reliably.
-        throw io_error(-w, "the io_uring", "io_uring_submit_and_wait");
+      if (in_flight == 0) { continue; }
+      int const w = io_uring_submit_and_wait(&ring, 1);
+      if (w < 0 && w != -EINTR && w != -EAGAIN && w != -EBUSY) {
+        // The ring itself failed. Pieces may still be in flight: wait for them without
+        // submitting more, so no buffer is left in the kernel's hands.
+        failure.note(-w, slots[0]);
+        io_uring_cqe* cqe = nullptr;
+        while (in_flight > 0 && io_uring_wait_cqe(&ring, &cqe) == 0) {
+          io_uring_cqe_seen(&ring, cqe);
+          --in_flight;
+        }
+        return failure;
       }
       io_uring_cqe* cqe = nullptr;
-      while (io_uring_peek_cqe(&ring_, &cqe) == 0 && cqe != nullptr) {
-        auto const s   = static_cast<unsigned>(io_uring_cqe_get_data64(cqe));
-        int const res  = cqe->res;
-        io_uring_cqe_seen(&ring_, cqe);
+      while (io_uring_peek_cqe(&ring, &cqe) == 0 && cqe != nullptr) {
+        auto const s  = static_cast<unsigned>(io_uring_cqe_get_data64(cqe));
+        int const res = cqe->res;
+        io_uring_cqe_seen(&ring, cqe);
         --in_flight;
-        piece p = slots[s];
+        detail::piece const p = slots[s];
         free_slots.push_back(s);
-        if (res < 0 || (res == 0 && p.length > 0)) {
-          if (first_error == 0) {
-            first_error = res < 0 ? -res : ENODATA;  // 0 bytes: past the end of the file
-            failed      = p;
-          }
+        bool const write = requests[p.request].write;
+        if (res < 0) {
+          failure.note(-res, p);
+        } else if (res == 0) {
+          failure.note(detail::no_progress_error(write), p);
         } else if (static_cast<std::size_t>(res) < p.length) {
           // Short transfer: requeue the remainder, first.
           auto const n = static_cast<std::size_t>(res);
@@ -138,16 +192,13 @@ class uring_engine {
         }
       }
     }
-    if (first_error != 0) {
-      auto const& r = requests[failed.request];
-      throw io_error(first_error, r.path != nullptr ? *r.path : std::string("(fd ") + std::to_string(r.fd) + ")",
-                     r.write ? "write" : "read", failed.offset, failed.length);
-    }
+    return failure;
   }
 
- private:
   engine_options opts_;
-  io_uring ring_{};
+  std::vector<ring_holder> rings_;
+  thread_pool pool_;
+  std::span<std::byte> registered_;
 };
 
 }  // namespace tierstate::io

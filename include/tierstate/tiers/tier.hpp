@@ -18,6 +18,16 @@
 //
 // read and write throw on failure (tierstate::io_error for I/O) and leave the rest of the
 // tier unchanged.
+//
+// Two optional members let a transfer drive a tier faster:
+//
+//     void transfer(std::span<tier_io const> ops);   // batched: many reads and writes at once
+//     int register_staging(std::span<std::byte>);     // the staging ring, told once; 0 or errno
+//
+// `transfer` runs independent reads and writes (no two touch the same bytes) together and
+// returns when all are done, throwing the first failure after all have finished.
+// `register_staging` lets a tier prepare for transfers to and from one memory region (for
+// NvmeFile: io_uring fixed buffers); refusing it must not stop transfers from working.
 #pragma once
 
 #include <concepts>
@@ -26,6 +36,14 @@
 #include <string_view>
 
 namespace tierstate {
+
+/// One read or write of a batch (see `batched_tier`).
+struct tier_io {
+  std::size_t offset = 0;
+  std::byte* data    = nullptr;
+  std::size_t length = 0;
+  bool write         = false;
+};
 
 template <class T>
 concept tier = std::constructible_from<T, std::size_t, typename T::options const&> &&
@@ -41,6 +59,16 @@ concept tier = std::constructible_from<T, std::size_t, typename T::options const
 template <class T>
 concept addressable_tier = tier<T> && requires(T& t) {
   { t.data() } -> std::same_as<std::byte*>;
+};
+
+/// A tier that runs a batch of independent reads and writes at once.
+template <class T>
+concept batched_tier = tier<T> && requires(T& t, std::span<tier_io const> ops) { t.transfer(ops); };
+
+/// A tier that wants to know the staging memory its transfers will use.
+template <class T>
+concept staging_aware_tier = tier<T> && requires(T& t, std::span<std::byte> region) {
+  { t.register_staging(region) } -> std::same_as<int>;
 };
 
 }  // namespace tierstate

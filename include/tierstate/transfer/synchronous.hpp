@@ -7,8 +7,10 @@
 namespace tierstate {
 
 struct Synchronous {
-  /// Chunks staged at once (for tiers that are not addressable).
-  static constexpr unsigned depth = 1;
+  /// Chunks being read ahead while one is computed.
+  static constexpr unsigned depth = 0;
+  /// Staging buffers of one chunk each (for tiers that are not addressable).
+  static constexpr unsigned staging_buffers = 1;
 };
 
 }  // namespace tierstate

@@ -4,7 +4,7 @@
 #pragma once
 
 #include <tierstate/core/numeric.hpp>
-#include <tierstate/kernels/host/thread_pool.hpp>
+#include <tierstate/core/thread_pool.hpp>
 
 #include <atomic>
 #include <cstddef>

@@ -16,7 +16,7 @@
 #include <tierstate/core/error.hpp>
 #include <tierstate/core/precision.hpp>
 #include <tierstate/kernels/host/detail/simd.hpp>
-#include <tierstate/kernels/host/thread_pool.hpp>
+#include <tierstate/core/thread_pool.hpp>
 
 #include <array>
 #include <cstddef>

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The host kernels' worker threads.
+// Worker threads: the host kernels' and the I/O engines'.
 #pragma once
 
 #include <tierstate/core/error.hpp>
@@ -52,4 +52,4 @@ class thread_pool {
 
 }  // namespace tierstate
 
-#include <tierstate/kernels/host/detail/thread_pool.inl>
+#include <tierstate/core/detail/thread_pool.inl>

@@ -1,0 +1,77 @@
+// SPDX-License-Identifier: Apache-2.0
+// The I/O engine: batched reads and writes of large, aligned ranges of files.
+//
+// A batch of requests is cut into pieces of at most block_size bytes, kept queue_depth deep
+// in flight, and run to completion. A short read or write is requeued for its remainder; a
+// transfer that makes no progress (a read at the end of the file: state files are
+// preallocated, so this means the file was cut short behind the library's back) fails
+// instead of being retried forever. The first failure becomes a tierstate::io_error naming
+// path, offset, length, operation and errno, thrown after every piece in flight has
+// completed, so the kernel holds no buffer of the batch when submit() returns or throws.
+//
+// Two backends, chosen by the user, never silently:
+//   io_uring  (the default) liburing rings; `rings` rings, each with its own thread during a
+//             batch. Where io_uring is unavailable (ENOSYS: the kernel lacks it; EPERM: a
+//             seccomp filter or kernel.io_uring_disabled forbids it) construction fails with
+//             an io_error that says so and names the psync backend.
+//   psync     pread/pwrite on queue_depth threads: slower, works everywhere.
+//
+// Thread safety: one thread at a time per engine.
+#pragma once
+
+#include <tierstate/io/psync_engine.hpp>
+#include <tierstate/io/request.hpp>
+#include <tierstate/io/uring_engine.hpp>
+
+#include <optional>
+#include <span>
+
+namespace tierstate::io {
+
+/// The backend the options name, behind one interface.
+class engine {
+ public:
+  explicit engine(engine_options const& o = {})
+  {
+    o.validate();
+    if (o.backend == backend::io_uring) {
+      uring_.emplace(o);
+    } else {
+      psync_.emplace(o);
+    }
+  }
+
+  [[nodiscard]] engine_options const& options() const noexcept
+  {
+    return uring_ ? uring_->options() : psync_->options();
+  }
+
+  /// Runs every request to completion (see the file comment).
+  void submit(std::span<request const> requests)
+  {
+    if (uring_) {
+      uring_->submit(requests);
+    } else {
+      psync_->submit(requests);
+    }
+  }
+
+  /// Registers [region] as a fixed buffer, so transfers inside it skip the per-I/O page
+  /// pinning. Returns 0, or the errno that refused it (ENOMEM: RLIMIT_MEMLOCK is too small);
+  /// transfers work either way. The psync backend has nothing to register and returns 0.
+  int register_buffer(std::span<std::byte> region)
+  {
+    return uring_ ? uring_->register_buffer(region) : 0;
+  }
+  /// The region registered, or an empty span.
+  [[nodiscard]] std::span<std::byte> registered() const noexcept
+  {
+    return uring_ ? uring_->registered() : std::span<std::byte>{};
+  }
+
+ private:
+  std::optional<uring_engine> uring_;
+  std::optional<psync_engine> psync_;
+};
+
+}  // namespace tierstate::io

@@ -1,0 +1,285 @@
+// SPDX-License-Identifier: Apache-2.0
+// NvmeFile: optimizer state in a scratch file on an NVMe drive, the ZeRO-Infinity placement.
+//
+// The state lives in one file inside a directory the user names (it may be reached through
+// a symlink, like a /scratch mount). The file is
+//   - created with mode 0600 and O_CREAT | O_EXCL | O_NOFOLLOW: a file or link already there
+//     under its name is an error, never reused, never removed;
+//   - reserved to its full size with fallocate when the tier is made, so a full disk is an
+//     error when the optimizer builds its state, not ten thousand steps later; if anything
+//     in construction fails, the file is removed before the error leaves;
+//   - read and written with O_DIRECT (no page cache: host memory stays flat however large
+//     the state) through the I/O engine of io/engine.hpp; where the filesystem refuses
+//     O_DIRECT (tmpfs answers EINVAL) it falls back to buffered I/O and says so once per
+//     directory (a notice, core/notice.hpp), unless `require_direct` makes that an error;
+//   - removed when the tier is destroyed. It is scratch space, not a checkpoint.
+//
+// Whole, aligned ranges (offset, length and address multiples of 4 KiB: what the layout's
+// chunks are) go to the disk as they are; any other range goes through a 1 MiB bounce
+// buffer, read-modify-write for writes.
+//
+// Thread safety: one thread at a time per tier.
+#pragma once
+
+#include <tierstate/core/error.hpp>
+#include <tierstate/core/notice.hpp>
+#include <tierstate/io/engine.hpp>
+#include <tierstate/io/error.hpp>
+#include <tierstate/tiers/tier.hpp>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <sys/resource.h>
+#include <utility>
+#include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+namespace tierstate {
+
+class NvmeFile {
+ public:
+  struct options {
+    /// Where the scratch file goes: an existing, writable directory, ideally on NVMe.
+    std::filesystem::path directory;
+    /// The file's name in it; empty: "tierstate-<pid>-<n>.state", n counting tiers made
+    /// by this process.
+    std::string file_name;
+    /// Make a filesystem that refuses O_DIRECT an error instead of a buffered fallback.
+    bool require_direct = false;
+    io::engine_options io{};
+  };
+  static constexpr std::string_view name = "NvmeFile";
+  static constexpr std::size_t alignment  = 4096;
+
+  /// Creates and reserves the scratch file. Throws tierstate::invalid_option for bad
+  /// options, and tierstate::io_error (naming the path and errno) when the directory is
+  /// missing or not writable, the name is taken, the disk is too small, or io_uring is
+  /// unavailable; nothing is left behind.
+  NvmeFile(std::size_t bytes, options const& o) : size_(bytes)
+  {
+    if (o.directory.empty()) {
+      throw invalid_option("NvmeFile.directory", "\"\"",
+                           "name the directory for the scratch file (on the NVMe drive)");
+    }
+    std::string const file = o.file_name.empty() ? default_file_name() : o.file_name;
+    if (file == "." || file == ".." || file.find('/') != std::string::npos || file.find('\0') != std::string::npos) {
+      throw invalid_option("NvmeFile.file_name", "\"" + file + "\"",
+                           "must be a plain file name, without '/'");
+    }
+    o.io.validate();
+    directory_ = o.directory.string();
+    path_      = (o.directory / file).string();
+    name_      = file;
+
+    dir_ = ::open(directory_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (dir_ < 0) { throw io_error(errno, directory_, "open", 0, 0, "the directory for NvmeFile's scratch file"); }
+    fd_ = ::openat(dir_, name_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd_ < 0) {
+      int const err = errno;
+      ::close(std::exchange(dir_, -1));
+      if (err == EEXIST) {
+        throw io_error(err, path_, "create", 0, 0,
+                       "a file or link of that name is already there: tierstate never reuses or "
+                       "removes a file it did not create");
+      }
+      throw io_error(err, path_, "create", 0, 0, "NvmeFile's scratch file");
+    }
+    try {
+      std::size_t const reserved = round_up(bytes);
+      if (reserved > 0) {
+        // Every byte reserved now: a full disk fails here, not in the middle of training.
+        int const err = ::posix_fallocate(fd_, 0, static_cast<off_t>(reserved));
+        if (err != 0) { throw io_error(err, path_, "fallocate", 0, reserved, "reserving the scratch file's full size"); }
+      }
+      int const flags = ::fcntl(fd_, F_GETFL);
+      if (flags < 0 || ::fcntl(fd_, F_SETFL, flags | O_DIRECT) < 0) {
+        int const err = errno;
+        if (err != EINVAL || o.require_direct) {
+          throw io_error(err, path_, "fcntl(O_DIRECT)", 0, 0,
+                         err == EINVAL ? "this filesystem refuses O_DIRECT and NvmeFile.require_direct is set"
+                                       : "enabling O_DIRECT");
+        }
+        notify_once("NvmeFile.buffered:" + directory_,
+                    directory_ + " refuses O_DIRECT (EINVAL, as tmpfs does): NvmeFile uses "
+                                 "buffered I/O there, through the page cache");
+      } else {
+        direct_ = true;
+      }
+      engine_ = std::make_unique<io::engine>(o.io);
+    } catch (...) {
+      remove();
+      throw;
+    }
+  }
+
+  ~NvmeFile() { remove(); }
+  NvmeFile(NvmeFile&& o) noexcept
+    : size_(std::exchange(o.size_, 0)),
+      directory_(std::move(o.directory_)),
+      path_(std::move(o.path_)),
+      name_(std::move(o.name_)),
+      dir_(std::exchange(o.dir_, -1)),
+      fd_(std::exchange(o.fd_, -1)),
+      direct_(o.direct_),
+      engine_(std::move(o.engine_))
+  {
+  }
+  NvmeFile& operator=(NvmeFile&&)      = delete;
+  NvmeFile(NvmeFile const&)            = delete;
+  NvmeFile& operator=(NvmeFile const&) = delete;
+
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// The scratch file's path.
+  [[nodiscard]] std::string const& path() const noexcept { return path_; }
+  /// Whether I/O bypasses the page cache (false after the buffered fallback).
+  [[nodiscard]] bool direct() const noexcept { return direct_; }
+  [[nodiscard]] io::engine const& engine() const noexcept { return *engine_; }
+
+  void read(std::size_t offset, std::span<std::byte> to) const
+  {
+    check(offset, to.size());
+    if (aligned(offset, to.data(), to.size())) {
+      io::request const r{fd_, offset, to.data(), to.size(), false, &path_};
+      engine_->submit({&r, 1});
+      return;
+    }
+    bounce(offset, to.size(), [&](std::size_t at, std::byte const* src, std::size_t n) {
+      std::memcpy(to.data() + (at - offset), src, n);
+    }, nullptr);
+  }
+
+  void write(std::size_t offset, std::span<std::byte const> from)
+  {
+    check(offset, from.size());
+    if (aligned(offset, from.data(), from.size())) {
+      // The engine's requests carry mutable pointers for reads; a write never changes them.
+      io::request const r{fd_, offset, const_cast<std::byte*>(from.data()), from.size(), true, &path_};
+      engine_->submit({&r, 1});
+      return;
+    }
+    bounce(offset, from.size(), nullptr, [&](std::size_t at, std::byte* dst, std::size_t n) {
+      std::memcpy(dst, from.data() + (at - offset), n);
+    });
+  }
+
+  /// Independent reads and writes in one batch (the pipelined transfer's path).
+  void transfer(std::span<tier_io const> ops)
+  {
+    std::vector<io::request> requests;
+    requests.reserve(ops.size());
+    for (auto const& op : ops) {
+      check(op.offset, op.length);
+      if (!aligned(op.offset, op.data, op.length)) {
+        // Rare (the layout's chunks are aligned): one at a time through the bounce buffer.
+        if (op.write) {
+          write(op.offset, {op.data, op.length});
+        } else {
+          read(op.offset, {op.data, op.length});
+        }
+        continue;
+      }
+      requests.push_back({fd_, op.offset, op.data, op.length, op.write, &path_});
+    }
+    engine_->submit(requests);
+  }
+
+  /// Registers the staging region as an io_uring fixed buffer. Where RLIMIT_MEMLOCK (8 MiB
+  /// for ordinary users) refuses it, says so once and goes on with unregistered buffers.
+  /// Returns 0 or the errno that refused it.
+  int register_staging(std::span<std::byte> region)
+  {
+    int const err = engine_->register_buffer(region);
+    if (err != 0) {
+      rlimit lim{};
+      ::getrlimit(RLIMIT_MEMLOCK, &lim);
+      notify_once("NvmeFile.unregistered",
+                  "io_uring refused to register " + std::to_string(region.size()) +
+                    " bytes of staging buffers (" + std::strerror(err) +
+                    (err == ENOMEM ? "; RLIMIT_MEMLOCK is " + std::to_string(lim.rlim_cur) + " bytes" : std::string()) +
+                    "): NvmeFile transfers through unregistered buffers, which costs a little "
+                    "CPU per transfer");
+    }
+    return err;
+  }
+
+ private:
+  static std::string default_file_name()
+  {
+    static std::atomic<std::uint64_t> made{0};
+    return "tierstate-" + std::to_string(::getpid()) + "-" + std::to_string(made++) + ".state";
+  }
+  static constexpr std::size_t round_up(std::size_t n) noexcept
+  {
+    return (n + alignment - 1) / alignment * alignment;
+  }
+  static bool aligned(std::size_t offset, void const* p, std::size_t n) noexcept
+  {
+    return offset % alignment == 0 && n % alignment == 0 &&
+           reinterpret_cast<std::uintptr_t>(p) % alignment == 0;
+  }
+
+  void check(std::size_t offset, std::size_t n) const
+  {
+    TIERSTATE_EXPECTS(offset <= size_ && n <= size_ - offset,
+                      "NvmeFile: bytes [" + std::to_string(offset) + ", " + std::to_string(offset + n) +
+                        ") are outside its " + std::to_string(size_) + " bytes");
+  }
+
+  /// Walks [offset, offset + n) in aligned windows of at most 1 MiB: reads each window, hands
+  /// the part inside the range to `out(at, bytes, count)` (reads) or lets `in(at, bytes,
+  /// count)` fill it and writes the window back (writes).
+  template <class Out, class In>
+  void bounce(std::size_t offset, std::size_t n, Out out, In in) const
+  {
+    constexpr std::size_t window = std::size_t{1} << 20;
+    std::unique_ptr<std::byte, decltype(&std::free)> buf(
+      static_cast<std::byte*>(std::aligned_alloc(alignment, window)), &std::free);
+    if (!buf) { throw std::bad_alloc(); }
+    std::size_t const end = offset + n;
+    for (std::size_t lo = offset / alignment * alignment; lo < end; lo += window) {
+      std::size_t const hi  = std::min(lo + window, round_up(end));
+      std::size_t const len = hi - lo;
+      io::request r{fd_, lo, buf.get(), len, false, &path_};
+      engine_->submit({&r, 1});
+      std::size_t const a = std::max(lo, offset), b = std::min(hi, end);
+      if constexpr (std::is_same_v<In, std::nullptr_t>) {
+        out(a, buf.get() + (a - lo), b - a);
+      } else {
+        in(a, buf.get() + (a - lo), b - a);
+        r.write = true;
+        engine_->submit({&r, 1});
+      }
+    }
+  }
+
+  void remove() noexcept
+  {
+    engine_.reset();
+    if (fd_ >= 0) {
+      ::close(std::exchange(fd_, -1));
+      ::unlinkat(dir_, name_.c_str(), 0);
+    }
+    if (dir_ >= 0) { ::close(std::exchange(dir_, -1)); }
+  }
+
+  std::size_t size_ = 0;
+  std::string directory_, path_, name_;
+  int dir_     = -1;  ///< the directory, held open: the file is removed from where it was made
+  int fd_      = -1;
+  bool direct_ = false;
+  std::unique_ptr<io::engine> engine_;
+};
+
+static_assert(batched_tier<NvmeFile> && staging_aware_tier<NvmeFile> && !addressable_tier<NvmeFile>);
+
+}  // namespace tierstate
