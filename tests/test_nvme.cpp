@@ -1,0 +1,419 @@
+// SPDX-License-Identifier: Apache-2.0
+// NvmeFile and Pipelined<Depth>: bit for bit what PinnedHost + Synchronous gives, for every
+// depth, chunk size and I/O backend; scratch files that are private, never reused, and
+// gone afterwards; and every I/O failure either harmless or loudly fatal, never silent.
+#include "nvme_support.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+#include <fstream>
+#include <string>
+
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+using namespace tierstate;
+using namespace tierstate::test;
+
+namespace {
+
+
+
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("NvmeFile + Pipelined<Depth> gives PinnedHost + Synchronous's bits over 50 steps",
+                   "[nvme]", Fp32, Bf16Mixed)
+{
+  using P = TestType;
+  int const steps = 50;
+  scratch_dir d;
+  for (std::size_t const chunk : {std::size_t{2048}, std::size_t{6144}, std::size_t{1} << 20}) {
+    INFO("chunk_elements " << chunk);
+    run_result const want = reference<P>(steps, chunk);
+    CHECK(on_nvme<P, Pipelined<1>>(steps, chunk, in(d)) == want);
+    CHECK(on_nvme<P, Pipelined<2>>(steps, chunk, in(d)) == want);
+    CHECK(on_nvme<P, Pipelined<3>>(steps, chunk, in(d), 1) == want);
+    CHECK(on_nvme<P, Pipelined<4>>(steps, chunk, in(d), 3) == want);
+    CHECK(on_nvme<P, Synchronous>(steps, chunk, in(d)) == want);
+    CHECK(d.entries().empty());  // every scratch file removed with its optimizer
+  }
+}
+
+TEST_CASE("every engine configuration gives the same bits: psync, several rings, small blocks", "[nvme][io]")
+{
+  int const steps = 12;
+  scratch_dir d;
+  run_result const want = reference<Bf16Mixed>(steps, 4096);
+  auto o = in(d);
+  SECTION("psync") { o.io.backend = io::backend::psync; }
+  SECTION("three rings, 4 KiB blocks, depth 2")
+  {
+    o.io.rings       = 3;
+    o.io.block_size  = 4096;
+    o.io.queue_depth = 2;
+  }
+  SECTION("short reads and writes everywhere, requeued")
+  {
+    o.io.faults = std::make_shared<io::fault_plan>();
+    for (std::uint64_t k = 1; k < 400; k += 7) {
+      o.io.faults->shorten(io::op::read, k, 4096 * (k % 3));
+      o.io.faults->shorten(io::op::write, k + 3, 4096 * (k % 2));
+    }
+    // 0 bytes would be "no progress" (an error); only remainders of at least 4 KiB here.
+    o.io.faults->clear();
+    for (std::uint64_t k = 1; k < 400; k += 7) {
+      o.io.faults->shorten(io::op::read, k, 4096);
+      o.io.faults->shorten(io::op::write, k + 3, 8192);
+    }
+  }
+  CHECK(on_nvme<Bf16Mixed, Pipelined<2>>(steps, 4096, o) == want);
+  if (o.io.faults) { CHECK(o.io.faults->applied() > 50); }
+}
+
+namespace {
+
+/// PinnedHost is addressable (computed in place); this user's tier hides that.
+struct HiddenHost {
+    struct options {};
+    static constexpr std::string_view name = "HiddenHost";
+    HiddenHost(std::size_t bytes, options const&) : mem(bytes) {}
+    [[nodiscard]] std::size_t size() const { return mem.size(); }
+    void read(std::size_t off, std::span<std::byte> to) const { mem.read(off, to); }
+    void write(std::size_t off, std::span<std::byte const> from) { mem.write(off, from); }
+    PinnedHost mem;
+};
+
+}  // namespace
+
+TEST_CASE("a user's tier without batches or a pointer goes through the same pipeline", "[nvme][tier]")
+{
+  static_assert(!addressable_tier<HiddenHost> && !batched_tier<HiddenHost>);
+  using Opt = OffloadedOptimizer<AdamW, Bf16Mixed, HiddenHost, Pipelined<3>>;
+  typename Opt::options o;
+  o.chunk_elements = 2048;
+  CHECK(train<Opt>(20, o) == reference<Bf16Mixed>(20, 2048));
+}
+
+TEST_CASE("a step moves the layout's bytes, and says how long it computed and waited", "[nvme]")
+{
+  scratch_dir d;
+  nvme_model<Bf16Mixed> m;
+  NvmeOpt<Bf16Mixed, Pipelined<3>>::options o;
+  o.chunk_elements = 4096;
+  o.tier           = in(d);
+  NvmeOpt<Bf16Mixed, Pipelined<3>> opt({}, o);
+  register_model(opt, m);
+  m.fill_grads(1);
+  auto const views = m.views();
+  opt.step(views);
+  auto const r = opt.step(views);
+  auto const& lay = opt.state_layout();
+  CHECK(r.stats.tier_bytes_read == lay.total_bytes());
+  CHECK(r.stats.tier_bytes_written == lay.total_bytes());
+  CHECK(r.stats.tier_bytes_in_place == 0);
+  CHECK(r.stats.chunks == lay.chunk_count());
+  CHECK(r.stats.compute_seconds > 0);
+  CHECK(r.stats.total_seconds >= r.stats.compute_seconds + r.stats.wait_seconds * 0.999);
+  // Staging is (Depth + 2) chunks, fixed: it does not depend on the model's size.
+  CHECK(opt.staging_bytes() == 5 * lay.chunk_bytes());
+  CHECK(lay.chunk_bytes() == 4096 * 12);
+}
+
+TEST_CASE("the scratch file is private, reserved in full, and removed with the optimizer", "[nvme][files]")
+{
+  scratch_dir d;
+  std::string path;
+  {
+    NvmeFile::options o = in(d);
+    NvmeFile f(12345 * 4096 + 100, o);
+    path = f.path();
+    struct stat st{};
+    REQUIRE(::stat(path.c_str(), &st) == 0);
+    CHECK((st.st_mode & 0777) == 0600);
+    CHECK(S_ISREG(st.st_mode));
+    CHECK(static_cast<std::size_t>(st.st_size) == 12346 * 4096);       // rounded to 4 KiB
+    CHECK(static_cast<std::size_t>(st.st_blocks) * 512 >= 12346 * 4096);  // really allocated
+    CHECK(f.direct());  // /tmp here is a disk filesystem
+    CHECK(std::filesystem::path(path).filename().string().rfind("tierstate-" + std::to_string(::getpid()) + "-", 0) == 0);
+    // Unaligned ranges go through the bounce buffer, both ways, and read back.
+    std::vector<std::byte> out(10000), back(10000);
+    for (std::size_t i = 0; i < out.size(); ++i) { out[i] = static_cast<std::byte>(i * 13); }
+    f.write(4093, out);
+    f.read(4093, back);
+    CHECK(out == back);
+    std::vector<std::byte> zero(3), expect_zero(3, std::byte{0});
+    f.read(4090, zero);  // untouched bytes before the range: still the reservation's zeros
+    CHECK(zero == expect_zero);
+    CHECK_THROWS_AS(f.read(12345 * 4096, std::span<std::byte>(back)), logic_error);
+  }
+  CHECK_FALSE(std::filesystem::exists(path));
+  CHECK(d.entries().empty());
+}
+
+TEST_CASE("a directory reached through a symlink works; the file name can be chosen", "[nvme][files]")
+{
+  scratch_dir d, link_parent;
+  auto const link = link_parent.path / "scratch";
+  std::filesystem::create_directory_symlink(d.path, link);
+  NvmeFile::options o;
+  o.directory = link;
+  o.file_name = "opt.state";
+  {
+    NvmeFile f(8192, o);
+    CHECK(std::filesystem::exists(d.path / "opt.state"));
+    // A second tier under the same name is refused while the first lives.
+    CHECK_THROWS_AS(NvmeFile(8192, o), io_error);
+  }
+  CHECK(d.entries().empty());
+}
+
+TEST_CASE("NvmeFile uses O_DIRECT exactly where the filesystem takes it", "[nvme][files]")
+{
+  // On kernels before 6.6, tmpfs refuses O_DIRECT and this checks the fallback; later ones
+  // take it. The fallback itself is checked on a ramfs in test_nvme_mounts, which needs root.
+  for (char const* parent : {"/tmp", "/dev/shm"}) {
+    if (!std::filesystem::is_directory(parent)) { continue; }
+    scratch_dir d(parent);
+    INFO(parent);
+    bool const takes = filesystem_takes_o_direct(d.path);
+    if (takes) {
+      notice_capture notices;
+      NvmeFile f(8192, in(d));
+      CHECK(f.direct());
+      CHECK(notices.told.empty());
+    } else {
+      check_buffered_fallback(d);
+    }
+  }
+}
+
+TEST_CASE("bad places for the scratch file are clear errors, and nothing there is touched", "[nvme][errors]")
+{
+  scratch_dir d;
+  NvmeFile::options o = in(d);
+
+  SECTION("no directory named")
+  {
+    o.directory.clear();
+    CHECK_THROWS_WITH(NvmeFile(4096, o), Catch::Contains("NvmeFile.directory"));
+  }
+  SECTION("a file name with a slash")
+  {
+    o.file_name = "a/b";
+    CHECK_THROWS_WITH(NvmeFile(4096, o), Catch::Contains("NvmeFile.file_name = \"a/b\""));
+  }
+  SECTION("bad engine options")
+  {
+    o.io.queue_depth = 0;
+    CHECK_THROWS_WITH(NvmeFile(4096, o), Catch::Contains("io.queue_depth = 0"));
+  }
+  SECTION("the directory is missing")
+  {
+    o.directory = d.path / "missing";
+    try {
+      NvmeFile f(4096, o);
+      FAIL("a missing directory was accepted");
+    } catch (io_error const& e) {
+      CHECK(e.code().value() == ENOENT);
+      CHECK(e.path() == o.directory.string());
+      CHECK_THAT(e.what(), Catch::Contains(o.directory.string()) && Catch::Contains("No such file"));
+    }
+  }
+  SECTION("the directory is a file")
+  {
+    std::ofstream(d.path / "plain") << "x";
+    o.directory = d.path / "plain";
+    CHECK_THROWS_MATCHES(NvmeFile(4096, o), io_error,
+                         Catch::Predicate<io_error>([](io_error const& e) { return e.code().value() == ENOTDIR; }));
+  }
+  SECTION("a file already has the name")
+  {
+    o.file_name = "taken.state";
+    std::ofstream(d.path / "taken.state") << "someone else's data";
+    try {
+      NvmeFile f(4096, o);
+      FAIL("an existing file was reused");
+    } catch (io_error const& e) {
+      CHECK(e.code().value() == EEXIST);
+      CHECK_THAT(e.what(), Catch::Contains("taken.state") && Catch::Contains("never reuses or removes"));
+    }
+    std::ifstream back(d.path / "taken.state");
+    std::string content((std::istreambuf_iterator<char>(back)), {});
+    CHECK(content == "someone else's data");
+  }
+  SECTION("a symlink already has the name")
+  {
+    o.file_name = "link.state";
+    std::ofstream(d.path / "target") << "precious";
+    std::filesystem::create_symlink(d.path / "target", d.path / "link.state");
+    CHECK_THROWS_MATCHES(NvmeFile(4096, o), io_error,
+                         Catch::Predicate<io_error>([](io_error const& e) { return e.code().value() == EEXIST; }));
+    CHECK(std::filesystem::is_symlink(d.path / "link.state"));
+    CHECK(std::filesystem::file_size(d.path / "target") == 8);
+    std::filesystem::remove(d.path / "link.state");
+    std::filesystem::remove(d.path / "target");
+    CHECK(d.entries().empty());
+  }
+}
+
+TEST_CASE("a reservation that fails leaves no file behind, and the optimizer can try again", "[nvme][errors]")
+{
+  // RLIMIT_FSIZE makes fallocate fail (EFBIG) as a full disk would (ENOSPC): the loop-mounted
+  // ext4 test (test_nvme_enospc) does the real thing where it can mount.
+  scratch_dir d;
+  rlimit old{};
+  REQUIRE(::getrlimit(RLIMIT_FSIZE, &old) == 0);
+  auto const old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit small = old;
+  small.rlim_cur = 1 << 20;
+  REQUIRE(::setrlimit(RLIMIT_FSIZE, &small) == 0);
+
+  std::vector<bf16> w(200'000, bf16(0.5f)), g(w.size(), bf16(0.25f));  // 2.4 MB of state
+  NvmeOpt<Bf16Mixed>::options o;
+  o.chunk_elements = 8192;
+  o.tier           = in(d);
+  NvmeOpt<Bf16Mixed> opt({}, o);
+  opt.add_tensor("w", w.data(), w.size());
+  std::vector<grad_view<bf16>> const views = {{g.data(), g.size()}};
+  try {
+    opt.step(views);
+    FAIL("the reservation succeeded past RLIMIT_FSIZE");
+  } catch (io_error const& e) {
+    CHECK(e.code().value() == EFBIG);
+    CHECK(e.operation() == "fallocate");
+    CHECK_THAT(e.what(), Catch::Contains(d.path.string()) && Catch::Contains("full size"));
+  }
+  CHECK(d.entries().empty());
+  CHECK_FALSE(opt.state_lost());
+  std::size_t changed = 0;
+  for (auto const x : w) { changed += x.bits != bf16(0.5f).bits; }
+  CHECK(changed == 0);  // params untouched
+
+  REQUIRE(::setrlimit(RLIMIT_FSIZE, &old) == 0);
+  std::signal(SIGXFSZ, old_handler);
+  CHECK(opt.step(views).step == 1);  // the state is made afresh now
+  CHECK(d.entries().size() == 1);
+}
+
+namespace {
+
+/// An optimizer over the test model with planted faults, and the step that trips them.
+struct faulty_run {
+  scratch_dir d;
+  std::shared_ptr<io::fault_plan> faults = std::make_shared<io::fault_plan>();
+  nvme_model<Bf16Mixed> m;
+  std::unique_ptr<NvmeOpt<Bf16Mixed, Pipelined<2>>> opt;
+
+  explicit faulty_run(unsigned queue_depth = 32)
+  {
+    NvmeOpt<Bf16Mixed, Pipelined<2>>::options o;
+    o.chunk_elements     = 2048;
+    o.tier               = in(d);
+    o.tier.io.faults     = faults;
+    o.tier.io.queue_depth = queue_depth;
+    opt = std::make_unique<NvmeOpt<Bf16Mixed, Pipelined<2>>>(schedule<NvmeOpt<Bf16Mixed, Pipelined<2>>>(1), o);
+    register_model(*opt, m);
+  }
+  step_result step(int t)
+  {
+    m.fill_grads(t);
+    opt->set_hyperparameters(0, schedule<NvmeOpt<Bf16Mixed, Pipelined<2>>>(t));
+    auto const views = m.views();
+    return opt->step(views);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("an I/O error in the middle of a step throws, and the optimizer refuses to go on", "[nvme][errors]")
+{
+  int const err = GENERATE(EIO, ENOSPC);
+  INFO("errno " << err);
+  faulty_run run;
+  run.step(1);
+  std::size_t const chunks = run.opt->state_layout().chunk_count();
+  REQUIRE(chunks > 10);
+  // The write of a chunk half-way through the next step fails.
+  run.faults->fail(io::op::write, run.faults->seen(io::op::write) + chunks / 2, err);
+  try {
+    run.step(2);
+    FAIL("the failed write went unnoticed");
+  } catch (io_error const& e) {
+    CHECK(e.code().value() == err);
+    CHECK(e.operation() == "write");
+    CHECK(e.path().find(run.d.path.string()) == 0);
+    CHECK(e.length() > 0);
+    CHECK_THAT(e.what(), Catch::Contains("write of") && Catch::Contains(std::strerror(err)));
+  }
+  CHECK(run.opt->state_lost());
+  CHECK(run.opt->step_count() == 1);
+  // From now on, nothing that reads or steps the state goes through.
+  CHECK_THROWS_AS(run.step(3), state_lost);
+  CHECK_THROWS_WITH(run.step(3), Catch::Contains("state was lost") && Catch::Contains(std::strerror(err)));
+  std::vector<float> buf(nvme_sizes[0]);
+  CHECK_THROWS_AS(run.opt->copy_state("t0", slot::exp_avg, buf), state_lost);
+  CHECK_THROWS_AS(run.opt->write_state("t0", slot::exp_avg, buf), state_lost);
+}
+
+TEST_CASE("a failed first read of a step changes nothing, and the step can be retried", "[nvme][errors]")
+{
+  faulty_run run;
+  run.step(1);
+  auto const before = snapshot(*run.opt, run.m);
+  run.faults->fail(io::op::read, run.faults->seen(io::op::read) + 1, EIO);
+  CHECK_THROWS_AS(run.step(2), io_error);
+  CHECK_FALSE(run.opt->state_lost());
+  CHECK(snapshot(*run.opt, run.m) == before);  // params and state as they were
+  for (int t = 2; t <= 10; ++t) { run.step(t); }
+  // The same as a run that never failed.
+  typename HostOpt<Bf16Mixed>::options o;
+  o.chunk_elements = 2048;
+  CHECK(snapshot(*run.opt, run.m) == train<HostOpt<Bf16Mixed>>(10, o));
+}
+
+TEST_CASE("a read failing later in a step, or a file cut short, loses the state loudly", "[nvme][errors]")
+{
+  faulty_run run;
+  run.step(1);
+  SECTION("EIO on a read in the middle")
+  {
+    run.faults->fail(io::op::read, run.faults->seen(io::op::read) + 9, EIO);
+    CHECK_THROWS_AS(run.step(2), io_error);
+  }
+  SECTION("the file truncated behind the library's back: a read at the end of the file")
+  {
+    auto const files = run.d.entries();
+    REQUIRE(files.size() == 1);
+    std::filesystem::resize_file(run.d.path / files[0], run.opt->state_layout().total_bytes() / 2);
+    try {
+      run.step(2);
+      FAIL("a truncated state file went unnoticed");
+    } catch (io_error const& e) {
+      CHECK(e.code().value() == ENODATA);
+      CHECK(e.operation() == "read");
+      CHECK(e.offset() >= run.opt->state_layout().total_bytes() / 2);
+    }
+  }
+  CHECK(run.opt->state_lost());
+  CHECK_THROWS_AS(run.step(2), state_lost);
+}
+
+TEST_CASE("a failed write_state loses the state; a failed copy_state does not", "[nvme][errors]")
+{
+  faulty_run run;
+  run.step(1);
+  std::vector<float> buf(nvme_sizes[4], 0.5f);
+  run.faults->fail(io::op::read, run.faults->seen(io::op::read) + 1, EIO);
+  CHECK_THROWS_AS(run.opt->copy_state("t4", slot::exp_avg, buf), io_error);
+  CHECK_FALSE(run.opt->state_lost());
+  run.step(2);
+  run.faults->fail(io::op::write, run.faults->seen(io::op::write) + 2, EIO);
+  CHECK_THROWS_AS(run.opt->write_state("t4", slot::exp_avg, buf), io_error);
+  CHECK(run.opt->state_lost());
+  CHECK_THROWS_AS(run.step(3), state_lost);
+}
