@@ -23,8 +23,12 @@
 #include <tierstate/io/request.hpp>
 #include <tierstate/io/uring_engine.hpp>
 
+#include <cstdint>
+#include <exception>
 #include <optional>
 #include <span>
+#include <utility>
+#include <vector>
 
 namespace tierstate::io {
 
@@ -56,6 +60,38 @@ class engine {
     }
   }
 
+  /// Streaming (see io/uring_engine.hpp): start requests one at a time, and let progress()
+  /// report each as it finishes. The psync backend runs what was started as one batch in
+  /// progress().
+  void start(request const& r, std::uint64_t tag)
+  {
+    if (uring_) {
+      uring_->start(r, tag);
+    } else {
+      started_.push_back({r, tag});
+    }
+  }
+  [[nodiscard]] std::size_t active() const noexcept { return uring_ ? uring_->active() : started_.size(); }
+  template <class Done>
+  void progress(bool wait, Done&& done)
+  {
+    if (uring_) {
+      uring_->progress(wait, done);
+      return;
+    }
+    if (started_.empty()) { return; }
+    std::vector<request> batch;
+    for (auto const& s : started_) { batch.push_back(s.first); }
+    std::exception_ptr error;
+    try {
+      psync_->submit(batch);
+    } catch (...) {
+      error = std::current_exception();  // which request failed is not kept: all of them report it
+    }
+    auto const finished = std::exchange(started_, {});
+    for (auto const& s : finished) { done(s.second, error); }
+  }
+
   /// Registers [region] as a fixed buffer, so transfers inside it skip the per-I/O page
   /// pinning. Returns 0, or the errno that refused it (ENOMEM: RLIMIT_MEMLOCK is too small);
   /// transfers work either way. The psync backend has nothing to register and returns 0.
@@ -72,6 +108,7 @@ class engine {
  private:
   std::optional<uring_engine> uring_;
   std::optional<psync_engine> psync_;
+  std::vector<std::pair<request, std::uint64_t>> started_;  ///< psync's streamed requests
 };
 
 }  // namespace tierstate::io

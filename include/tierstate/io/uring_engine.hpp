@@ -1,8 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 // The io_uring backend (see io/engine.hpp for the contract). Each of `rings` rings keeps
-// up to queue_depth pieces in flight; with several rings, each is driven by its own thread
-// during a batch, the pieces dealt out round-robin. Inside the rings results are -errno
-// values; exceptions leave only through submit(), after every ring has drained.
+// up to queue_depth pieces in flight. Two ways in:
+//   submit()    a batch, run to completion; with several rings each is driven by its own
+//               thread, the pieces dealt out round-robin;
+//   start() / progress() / active()
+//               streaming: requests are started one at a time and finish one at a time, as
+//               their last piece completes, while the rings stay full (the pipelined
+//               transfer's I/O thread lives here, so the disk never idles between chunks).
+// Inside the rings results are -errno values; a failure leaves as an io_error, from submit()
+// after every ring has drained, or handed to progress()'s callback for its request.
+// Streaming and submit() are not mixed: submit() needs active() == 0.
 #pragma once
 
 #include <tierstate/core/thread_pool.hpp>
@@ -13,6 +20,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -76,6 +84,7 @@ class uring_engine {
 
   void submit(std::span<request const> requests)
   {
+    TIERSTATE_EXPECTS(active_ == 0, "uring_engine::submit: streamed requests are still active");
     std::vector<detail::piece> const pieces = detail::cut(requests, opts_.block_size);
     if (pieces.empty()) { return; }
     std::mutex m;
@@ -95,10 +104,201 @@ class uring_engine {
     failure.rethrow(requests);
   }
 
+  // --- streaming ----------------------------------------------------------------------
+
+  /// Queues `r` under `tag`; it is submitted by the next progress().
+  void start(request const& r, std::uint64_t tag)
+  {
+    std::size_t index;
+    if (free_requests_.empty()) {
+      index = requests_.size();
+      requests_.emplace_back();
+    } else {
+      index = free_requests_.back();
+      free_requests_.pop_back();
+    }
+    auto& s      = requests_[index];
+    s            = {r, tag, 0, {}};
+    request const one[] = {r};
+    for (auto p : detail::cut(one, opts_.block_size)) {
+      p.request = index;
+      waiting_.push_back(p);
+      ++s.pieces_left;
+    }
+    ++active_;
+    if (s.pieces_left == 0) { finished_now_.push_back(index); }
+  }
+
+  /// Started requests that have not finished.
+  [[nodiscard]] std::size_t active() const noexcept { return active_; }
+
+  /// Fills the rings, then handles every completion there is, waiting for at least one when
+  /// `wait` is set and a piece is in flight. Calls done(tag, error) once per request as it
+  /// finishes: error is null, or an io_error (its first failed piece) as an exception_ptr.
+  /// Throws io_error only if a ring itself fails.
+  template <class Done>
+  void progress(bool wait, Done&& done)
+  {
+    fill();
+    bool any = reap_all(done);
+    if (!any && wait && in_flight_total() > 0) {
+      if (rings_.size() == 1) {
+        io_uring_cqe* cqe = nullptr;
+        int r;
+        do { r = io_uring_wait_cqe(&rings_[0].ring, &cqe); } while (r == -EINTR);
+        if (r < 0) { throw io_error(-r, "the io_uring", "io_uring_wait_cqe"); }
+      } else {
+        // Several rings and one thread: wait on each in turn, briefly.
+        __kernel_timespec ts{0, 100'000};
+        for (std::size_t i = 0;; i = (i + 1) % rings_.size()) {
+          if (rings_[i].in_flight == 0) { continue; }
+          io_uring_cqe* cqe = nullptr;
+          if (io_uring_wait_cqe_timeout(&rings_[i].ring, &cqe, &ts) == 0) { break; }
+        }
+      }
+      reap_all(done);
+    }
+    for (std::size_t const index : finished_now_) { finish(index, done); }
+    finished_now_.clear();
+  }
+
  private:
   struct ring_holder {
     io_uring ring{};
+    std::vector<detail::piece> slots;  ///< streaming: the piece in each slot
+    std::vector<unsigned> free;        ///< streaming: free slots
+    unsigned in_flight = 0;
   };
+  struct stream_request {
+    request r;
+    std::uint64_t tag       = 0;
+    std::size_t pieces_left = 0;
+    detail::first_failure failure;
+  };
+
+  [[nodiscard]] unsigned in_flight_total() const noexcept
+  {
+    unsigned n = 0;
+    for (auto const& r : rings_) { n += r.in_flight; }
+    return n;
+  }
+
+  /// Moves waiting pieces into the rings (round-robin) and submits them.
+  void fill()
+  {
+    for (auto& h : rings_) {
+      if (h.slots.empty()) {
+        h.slots.resize(opts_.queue_depth);
+        for (unsigned s = opts_.queue_depth; s-- > 0;) { h.free.push_back(s); }
+      }
+    }
+    bool placed = true;
+    while (!waiting_.empty() && placed) {
+      placed = false;
+      for (auto& h : rings_) {
+        if (waiting_.empty()) { break; }
+        if (h.free.empty()) { continue; }
+        detail::piece p = waiting_.front();
+        auto& sr        = requests_[p.request];
+        std::size_t n   = p.length;
+        if (sr.failure.error == 0 && opts_.faults) {
+          auto const d = opts_.faults->next(sr.r.write ? op::write : op::read, n);
+          if (d.error != 0) { sr.failure.note(d.error, p); }
+          n = d.length;
+        }
+        if (sr.failure.error != 0) {
+          // The request has failed: its remaining pieces are not submitted.
+          waiting_.pop_front();
+          if (--sr.pieces_left == 0) { finished_now_.push_back(p.request); }
+          placed = true;
+          continue;
+        }
+        io_uring_sqe* sqe = io_uring_get_sqe(&h.ring);
+        if (sqe == nullptr) { continue; }
+        waiting_.pop_front();
+        unsigned const s = h.free.back();
+        h.free.pop_back();
+        h.slots[s] = p;
+        prep(sqe, sr.r, p, n);
+        io_uring_sqe_set_data64(sqe, s);
+        ++h.in_flight;
+        placed = true;
+      }
+    }
+    for (auto& h : rings_) {
+      if (h.in_flight == 0) { continue; }
+      int r;
+      do { r = io_uring_submit(&h.ring); } while (r == -EINTR);
+      if (r < 0 && r != -EAGAIN && r != -EBUSY) { throw io_error(-r, "the io_uring", "io_uring_submit"); }
+    }
+  }
+
+  void prep(io_uring_sqe* sqe, request const& r, detail::piece const& p, std::size_t n) const noexcept
+  {
+    auto const len = static_cast<unsigned>(n);
+    if (is_fixed(p)) {
+      if (r.write) {
+        io_uring_prep_write_fixed(sqe, r.fd, p.data, len, p.offset, 0);
+      } else {
+        io_uring_prep_read_fixed(sqe, r.fd, p.data, len, p.offset, 0);
+      }
+    } else if (r.write) {
+      io_uring_prep_write(sqe, r.fd, p.data, len, p.offset);
+    } else {
+      io_uring_prep_read(sqe, r.fd, p.data, len, p.offset);
+    }
+  }
+
+  /// Handles every completion waiting in every ring; returns whether there was one.
+  template <class Done>
+  bool reap_all(Done& done)
+  {
+    bool any = false;
+    for (auto& h : rings_) {
+      io_uring_cqe* cqe = nullptr;
+      while (io_uring_peek_cqe(&h.ring, &cqe) == 0 && cqe != nullptr) {
+        any           = true;
+        auto const s  = static_cast<unsigned>(io_uring_cqe_get_data64(cqe));
+        int const res = cqe->res;
+        io_uring_cqe_seen(&h.ring, cqe);
+        --h.in_flight;
+        detail::piece const p = h.slots[s];
+        h.free.push_back(s);
+        auto& sr = requests_[p.request];
+        if (res < 0) {
+          sr.failure.note(-res, p);
+        } else if (res == 0) {
+          sr.failure.note(detail::no_progress_error(sr.r.write), p);
+        } else if (static_cast<std::size_t>(res) < p.length && sr.failure.error == 0) {
+          auto const n = static_cast<std::size_t>(res);
+          waiting_.push_front({p.request, p.offset + n, p.data + n, p.length - n});
+          continue;  // the remainder stands in for this piece
+        }
+        if (--sr.pieces_left == 0) { finish(p.request, done); }
+      }
+    }
+    return any;
+  }
+
+  template <class Done>
+  void finish(std::size_t index, Done& done)
+  {
+    auto& sr = requests_[index];
+    std::exception_ptr error;
+    if (sr.failure.error != 0) {
+      try {
+        request const one[] = {sr.r};
+        detail::first_failure f = sr.failure;
+        f.where.request         = 0;
+        f.rethrow(one);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    free_requests_.push_back(index);
+    --active_;
+    done(sr.tag, error);
+  }
 
   void unregister() noexcept
   {
@@ -199,6 +399,12 @@ class uring_engine {
   std::vector<ring_holder> rings_;
   thread_pool pool_;
   std::span<std::byte> registered_;
+  // Streaming.
+  std::vector<stream_request> requests_;
+  std::vector<std::size_t> free_requests_;
+  std::deque<detail::piece> waiting_;
+  std::vector<std::size_t> finished_now_;  ///< finished without a completion (empty, or failed early)
+  std::size_t active_ = 0;
 };
 
 }  // namespace tierstate::io

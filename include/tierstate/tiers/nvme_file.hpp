@@ -193,6 +193,22 @@ class NvmeFile {
     engine_->submit(requests);
   }
 
+  /// Streaming (the pipelined transfer's path): reads and writes start one at a time and
+  /// finish one at a time while the engine keeps the disk busy. Ranges must be aligned.
+  void stream_start(tier_io const& op, std::uint64_t tag)
+  {
+    check(op.offset, op.length);
+    TIERSTATE_EXPECTS(aligned(op.offset, op.data, op.length),
+                      "NvmeFile::stream_start: ranges must be 4 KiB-aligned in offset, length and address");
+    engine_->start({fd_, op.offset, op.data, op.length, op.write, &path_}, tag);
+  }
+  template <class Done>
+  void stream_progress(bool wait, Done&& done)
+  {
+    engine_->progress(wait, done);
+  }
+  [[nodiscard]] std::size_t stream_active() const noexcept { return engine_->active(); }
+
   /// Registers the staging region as an io_uring fixed buffer. Where RLIMIT_MEMLOCK (8 MiB
   /// for ordinary users) refuses it, says so once and goes on with unregistered buffers.
   /// Returns 0 or the errno that refused it.
@@ -280,6 +296,7 @@ class NvmeFile {
   std::unique_ptr<io::engine> engine_;
 };
 
-static_assert(batched_tier<NvmeFile> && staging_aware_tier<NvmeFile> && !addressable_tier<NvmeFile>);
+static_assert(batched_tier<NvmeFile> && streaming_tier<NvmeFile> && staging_aware_tier<NvmeFile> &&
+              !addressable_tier<NvmeFile>);
 
 }  // namespace tierstate

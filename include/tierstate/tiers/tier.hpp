@@ -19,10 +19,13 @@
 // read and write throw on failure (tierstate::io_error for I/O) and leave the rest of the
 // tier unchanged.
 //
-// Two optional members let a transfer drive a tier faster:
+// Optional members let a transfer drive a tier faster:
 //
 //     void transfer(std::span<tier_io const> ops);   // batched: many reads and writes at once
 //     int register_staging(std::span<std::byte>);     // the staging ring, told once; 0 or errno
+//     void stream_start(tier_io const&, std::uint64_t tag);          // streaming: start one,
+//     void stream_progress(bool wait, Done done);  // done(tag, exception_ptr) as each finishes
+//     std::size_t stream_active() const;           // started and not finished
 //
 // `transfer` runs independent reads and writes (no two touch the same bytes) together and
 // returns when all are done, throwing the first failure after all have finished.
@@ -32,6 +35,8 @@
 
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
+#include <exception>
 #include <span>
 #include <string_view>
 
@@ -64,6 +69,16 @@ concept addressable_tier = tier<T> && requires(T& t) {
 /// A tier that runs a batch of independent reads and writes at once.
 template <class T>
 concept batched_tier = tier<T> && requires(T& t, std::span<tier_io const> ops) { t.transfer(ops); };
+
+/// A tier whose reads and writes can be started one by one and finish one by one.
+template <class T>
+concept streaming_tier =
+  tier<T> && requires(T& t, T const& ct, tier_io const& op, std::uint64_t tag,
+                      void (*done)(std::uint64_t, std::exception_ptr)) {
+    t.stream_start(op, tag);
+    t.stream_progress(true, done);
+    { ct.stream_active() } -> std::convertible_to<std::size_t>;
+  };
 
 /// A tier that wants to know the staging memory its transfers will use.
 template <class T>

@@ -1,6 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
 // The pipelined transfer's I/O thread: runs a tier's reads and writes in the order they are
-// queued, batching those that use different staging buffers.
+// queued; a job never starts while an earlier job on the same staging buffer is unfinished.
+//   - a streaming tier (NvmeFile) gets every job as soon as its buffer is free, and reports
+//     each as it finishes: the disk stays busy across chunk boundaries;
+//   - a batched tier gets the longest run of queued jobs on distinct buffers, as one batch;
+//   - any other tier gets them one at a time.
 #pragma once
 
 #include <tierstate/tiers/tier.hpp>
@@ -11,6 +15,8 @@
 #include <deque>
 #include <exception>
 #include <mutex>
+#include <set>
+#include <utility>
 #include <thread>
 #include <vector>
 
@@ -46,12 +52,12 @@ class io_worker {
     return ticket;
   }
 
-  /// Blocks until job `ticket` and all before it are done; rethrows the first failure of any
-  /// job (once a job fails, the jobs after it are dropped, not run).
+  /// Blocks until job `ticket` is done; rethrows the first failure of any job (once a job
+  /// fails, the jobs queued after it are dropped, not run).
   void wait(std::uint64_t ticket)
   {
     std::unique_lock lock(mutex_);
-    done_cv_.wait(lock, [&] { return done_ >= ticket || error_ != nullptr; });
+    done_cv_.wait(lock, [&] { return is_done(ticket) || error_ != nullptr; });
     if (error_) { std::rethrow_exception(error_); }
   }
 
@@ -70,7 +76,84 @@ class io_worker {
     unsigned buffer;
   };
 
+  [[nodiscard]] bool is_done(std::uint64_t ticket) const { return ticket <= done_ || finished_.count(ticket) > 0; }
+
+  /// Marks `ticket` finished (under the lock) and moves the watermark.
+  void mark_done(std::uint64_t ticket)
+  {
+    finished_.insert(ticket);
+    while (finished_.count(done_ + 1) > 0) { finished_.erase(++done_); }
+  }
+
   void run()
+  {
+    if constexpr (streaming_tier<Tier>) {
+      run_streaming();
+    } else {
+      run_batched();
+    }
+  }
+
+  void run_streaming()
+  {
+    std::vector<std::pair<std::uint64_t, unsigned>> started;  // (ticket, buffer)
+    std::vector<std::pair<std::uint64_t, std::exception_ptr>> finished;
+    std::uint64_t next_ticket = 1;
+    std::unique_lock lock(mutex_);
+    for (;;) {
+      // Start every queued job whose buffer is free, in order, stopping at the first that waits.
+      while (!queue_.empty()) {
+        if (error_) {
+          for (std::size_t i = 0; i < queue_.size(); ++i) { mark_done(next_ticket++); }
+          queue_.clear();
+          done_cv_.notify_all();
+          break;
+        }
+        job const j = queue_.front();
+        bool clash  = false;
+        for (auto const& st : started) { clash = clash || st.second == j.buffer; }
+        if (clash) { break; }
+        queue_.pop_front();
+        std::uint64_t const ticket = next_ticket++;
+        started.push_back({ticket, j.buffer});
+        lock.unlock();
+        try {
+          tier_.stream_start(j.io, ticket);
+        } catch (...) {
+          finished.push_back({ticket, std::current_exception()});
+        }
+        lock.lock();
+      }
+      if (tier_.stream_active() == 0 && finished.empty()) {
+        // Nothing in flight: sleep until there is work (or it is time to stop).
+        if (queue_.empty()) {
+          if (stop_) { return; }
+          work_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+        }
+        continue;
+      }
+      lock.unlock();
+      try {
+        tier_.stream_progress(true, [&](std::uint64_t ticket, std::exception_ptr e) {
+          finished.push_back({ticket, std::move(e)});
+        });
+      } catch (...) {
+        // The engine itself failed: every started job fails with it.
+        auto const e = std::current_exception();
+        for (auto const& st : started) { finished.push_back({st.first, e}); }
+      }
+      lock.lock();
+      for (auto& [ticket, e] : finished) {
+        if (e && !error_) { error_ = e; }
+        std::erase_if(started, [t = ticket](auto const& st) { return st.first == t; });
+        mark_done(ticket);
+      }
+      if (!finished.empty()) { done_cv_.notify_all(); }
+      finished.clear();
+    }
+  }
+
+  void run_batched()
   {
     std::vector<job> batch;
     std::vector<tier_io> ops;
@@ -80,7 +163,7 @@ class io_worker {
       if (queue_.empty()) { return; }  // stop_, with nothing left to do
       if (error_) {
         // A job failed: the rest of this step's jobs are dropped.
-        done_ += queue_.size();
+        for (std::size_t i = 0; i < queue_.size(); ++i) { mark_done(done_ + 1); }
         queue_.clear();
         done_cv_.notify_all();
         continue;
@@ -115,7 +198,7 @@ class io_worker {
       }
       lock.lock();
       if (failure && !error_) { error_ = failure; }
-      done_ += batch.size();
+      for (std::size_t i = 0; i < batch.size(); ++i) { mark_done(done_ + 1); }
       done_cv_.notify_all();
     }
   }
@@ -124,7 +207,9 @@ class io_worker {
   std::mutex mutex_;
   std::condition_variable work_, done_cv_;
   std::deque<job> queue_;
-  std::uint64_t queued_ = 0, done_ = 0;
+  std::uint64_t queued_ = 0;
+  std::uint64_t done_   = 0;        ///< every ticket up to this one is finished
+  std::set<std::uint64_t> finished_;  ///< finished tickets above done_
   std::exception_ptr error_;
   bool stop_ = false;
   std::thread thread_;  // last: started after everything it uses
