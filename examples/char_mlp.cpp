@@ -2,10 +2,16 @@
 // The demo: a character-level MLP language model (a window of previous characters, their
 // embeddings, one tanh hidden layer, a softmax over the next character), with forward and
 // backward written out by hand, trained on a text file from this repository. Its bf16
-// weights live in the "model"; tierstate's OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost>
-// keeps their fp32 master copy and Adam moments off to the side, as it would for a GPU.
+// weights live in the "model"; tierstate's optimizer keeps their fp32 master copy and Adam
+// moments off to the side, as it would for a GPU:
+//   --tier nvme (the default)  OffloadedOptimizer<AdamW, Bf16Mixed, NvmeFile, Pipelined<2>>,
+//                              the state in a scratch file in a fresh directory under /tmp,
+//                              or in --path DIR, streamed through a ring of 4 chunks;
+//   --tier pinned              OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost>, the state in
+//                              host memory. Both give the same losses, bit for bit.
 //
 //   build/examples/char_mlp [--text FILE] [--steps N] [--batch B] [--threads T]
+//                           [--tier nvme|pinned] [--path DIR]
 #include <tierstate/tierstate.hpp>
 
 #include <algorithm>
@@ -13,11 +19,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <random>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 #ifndef TIERSTATE_SOURCE_DIR
 #define TIERSTATE_SOURCE_DIR "."
@@ -33,6 +42,8 @@ constexpr int hidden  = 512;  // hidden units
 
 struct options {
   std::string text = std::string(TIERSTATE_SOURCE_DIR) + "/README.md";
+  std::string tier = "nvme";
+  std::string path;  // NvmeFile's directory; empty: a fresh one under /tmp
   int steps        = 400;
   int batch        = 128;
   std::size_t threads = 0;
@@ -40,7 +51,9 @@ struct options {
 
 [[noreturn]] void usage(std::string const& why)
 {
-  std::fprintf(stderr, "char_mlp: %s\nusage: char_mlp [--text FILE] [--steps N >= 1] [--batch B >= 1] [--threads T]\n",
+  std::fprintf(stderr,
+               "char_mlp: %s\nusage: char_mlp [--text FILE] [--steps N >= 1] [--batch B >= 1] [--threads T] "
+               "[--tier nvme|pinned] [--path DIR]\n",
                why.c_str());
   std::exit(2);
 }
@@ -57,6 +70,10 @@ options parse(int argc, char** argv)
     bool const numeric  = !v.empty() && *end == '\0';
     if (a == "--text") {
       o.text = v;
+    } else if (a == "--tier" && (v == "nvme" || v == "pinned")) {
+      o.tier = v;
+    } else if (a == "--path" && !v.empty()) {
+      o.path = v;
     } else if (a == "--steps" && numeric && n >= 1) {
       o.steps = static_cast<int>(n);
     } else if (a == "--batch" && numeric && n >= 1) {
@@ -115,34 +132,12 @@ void forward(weights const& w, int const* window, int vocab, float* x, float* h,
   }
 }
 
-}  // namespace
-
-int main(int argc, char** argv)
+/// Builds the model, trains it with `Optimizer`, samples from it; returns the exit code.
+template <class Optimizer>
+int train(options const& o, std::string const& text, std::vector<int> const& ids,
+          std::vector<unsigned char> const& chars, int vocab, typename Optimizer::options opt_options,
+          std::string const& where)
 {
-  options const o = parse(argc, argv);
-  std::ifstream in(o.text, std::ios::binary);
-  if (!in) {
-    std::fprintf(stderr, "char_mlp: cannot read the text file %s\n", o.text.c_str());
-    return 1;
-  }
-  std::string const text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (text.size() < static_cast<std::size_t>(context) + 2) {
-    std::fprintf(stderr, "char_mlp: %s has %zu bytes; need more than %d\n", o.text.c_str(), text.size(), context + 1);
-    return 1;
-  }
-  // Vocabulary: the bytes that occur.
-  std::vector<int> index(256, -1);
-  std::vector<unsigned char> chars;
-  for (unsigned char c : text) {
-    if (index[c] < 0) {
-      index[c] = static_cast<int>(chars.size());
-      chars.push_back(c);
-    }
-  }
-  int const vocab = static_cast<int>(chars.size());
-  std::vector<int> ids(text.size());
-  for (std::size_t i = 0; i < text.size(); ++i) { ids[i] = index[static_cast<unsigned char>(text[i])]; }
-
   std::mt19937 rng(1234);
   int const in_width = context * embed;
   std::vector<param> params;
@@ -153,9 +148,8 @@ int main(int argc, char** argv)
   params.emplace_back("out.bias", vocab, 0.0f, rng);
   auto& E = params[0]; auto& W1 = params[1]; auto& b1 = params[2]; auto& W2 = params[3]; auto& b2 = params[4];
 
-  using Optimizer = OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost>;
-  Optimizer::options opt_options;
-  opt_options.threads = o.threads;
+  opt_options.threads        = o.threads;
+  opt_options.chunk_elements = 16384;  // several chunks, so the pipeline has something to overlap
   Optimizer opt({.lr = 3e-3, .weight_decay = 0.01}, opt_options);
   std::size_t n_params = 0;
   for (auto& p : params) {
@@ -167,9 +161,10 @@ int main(int argc, char** argv)
   std::size_t const state_bytes = opt.state_layout().total_bytes();
   std::printf("char_mlp: %zu parameters (bf16, %zu bytes) over %zu characters of %s (vocabulary %d)\n",
               n_params, n_params * sizeof(bf16), text.size(), o.text.c_str(), vocab);
-  std::printf("optimizer state: %zu bytes (fp32 master, exp_avg, exp_avg_sq) in %s, %zu chunk%s of %zu elements; %zu threads\n",
-              state_bytes, std::string(PinnedHost::name).c_str(), opt.state_layout().chunk_count(),
-              opt.state_layout().chunk_count() == 1 ? "" : "s", opt.state_layout().chunk_elements(), opt.pool().size());
+  std::printf("optimizer state: %zu bytes (fp32 master, exp_avg, exp_avg_sq) in %s, %zu chunks of %zu elements, "
+              "%zu bytes of staging; %zu threads\n",
+              state_bytes, where.c_str(), opt.state_layout().chunk_count(), opt.state_layout().chunk_elements(),
+              opt.staging_bytes(), opt.pool().size());
 
   int const B = o.batch;
   std::vector<float> x(static_cast<std::size_t>(B) * in_width), h(static_cast<std::size_t>(B) * hidden),
@@ -177,7 +172,8 @@ int main(int argc, char** argv)
   std::vector<int> ctx(static_cast<std::size_t>(B) * context), target(B);
   std::uniform_int_distribution<std::size_t> pick(0, text.size() - context - 1);
 
-  double first_loss = 0, running = 0, optimizer_seconds = 0;
+  double first_loss = 0, running = 0, optimizer_seconds = 0, wait_seconds = 0;
+  std::uint64_t io_bytes = 0;
   auto const t_start = std::chrono::steady_clock::now();
   for (int step = 1; step <= o.steps; ++step) {
     weights const wt{E.weights(), W1.weights(), b1.weights(), W2.weights(), b2.weights()};
@@ -250,6 +246,8 @@ int main(int argc, char** argv)
     opt.set_hyperparameters(1, {.lr = lr, .weight_decay = 0.0});
     step_result const r = opt.step(grads);
     optimizer_seconds += r.stats.total_seconds;
+    wait_seconds += r.stats.wait_seconds;
+    io_bytes += r.stats.tier_bytes_read + r.stats.tier_bytes_written;
 
     if (step == 1) { first_loss = loss; running = loss; }
     running = 0.95 * running + 0.05 * loss;
@@ -263,6 +261,10 @@ int main(int argc, char** argv)
   double const elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   std::printf("%d steps in %.2f s (optimizer %.1f%% of it); loss %.4f -> %.4f (uniform guess: %.4f)\n", o.steps,
               elapsed, 100.0 * optimizer_seconds / elapsed, first_loss, running, std::log(static_cast<double>(vocab)));
+  if (io_bytes > 0) {
+    std::printf("state I/O: %.1f MB read and written, %.3f s of it waited for\n", static_cast<double>(io_bytes) / 1e6,
+                wait_seconds);
+  }
   // What it learned: continue the text's first characters, sampling from the model.
   weights const wt{E.weights(), W1.weights(), b1.weights(), W2.weights(), b2.weights()};
   std::vector<int> window(ids.begin(), ids.begin() + context);
@@ -284,4 +286,60 @@ int main(int argc, char** argv)
     return 1;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv)
+{
+  options const o = parse(argc, argv);
+  std::ifstream in(o.text, std::ios::binary);
+  if (!in) {
+    std::fprintf(stderr, "char_mlp: cannot read the text file %s\n", o.text.c_str());
+    return 1;
+  }
+  std::string const text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (text.size() < static_cast<std::size_t>(context) + 2) {
+    std::fprintf(stderr, "char_mlp: %s has %zu bytes; need more than %d\n", o.text.c_str(), text.size(), context + 1);
+    return 1;
+  }
+  // Vocabulary: the bytes that occur.
+  std::vector<int> index(256, -1);
+  std::vector<unsigned char> chars;
+  for (unsigned char c : text) {
+    if (index[c] < 0) {
+      index[c] = static_cast<int>(chars.size());
+      chars.push_back(c);
+    }
+  }
+  int const vocab = static_cast<int>(chars.size());
+  std::vector<int> ids(text.size());
+  for (std::size_t i = 0; i < text.size(); ++i) { ids[i] = index[static_cast<unsigned char>(text[i])]; }
+
+  try {
+    if (o.tier == "pinned") {
+      using Optimizer = OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost>;
+      return train<Optimizer>(o, text, ids, chars, vocab, {}, "PinnedHost (host memory)");
+    }
+    // NvmeFile: a fresh directory under /tmp unless --path names one.
+    std::string dir = o.path;
+    bool const fresh = dir.empty();
+    if (fresh) {
+      dir = (std::filesystem::temp_directory_path() / "char_mlp-XXXXXX").string();
+      if (::mkdtemp(dir.data()) == nullptr) {
+        std::fprintf(stderr, "char_mlp: cannot make a directory under %s\n",
+                     std::filesystem::temp_directory_path().c_str());
+        return 1;
+      }
+    }
+    using Optimizer = OffloadedOptimizer<AdamW, Bf16Mixed, NvmeFile, Pipelined<2>>;
+    Optimizer::options opt_options;
+    opt_options.tier.directory = dir;
+    int const result = train<Optimizer>(o, text, ids, chars, vocab, opt_options, "NvmeFile (a scratch file in " + dir + ")");
+    if (fresh) { std::filesystem::remove(dir); }  // the scratch file went with the optimizer
+    return result;
+  } catch (std::exception const& e) {
+    std::fprintf(stderr, "char_mlp: %s\n", e.what());
+    return 1;
+  }
 }
