@@ -61,42 +61,15 @@ struct run_result {
 };
 
 template <class P>
-struct nvme_model {
-  std::vector<std::vector<typename P::param_type>> params;
-  std::vector<std::vector<typename P::grad_type>> grads;
-  nvme_model()
-  {
-    std::size_t base = 0;
-    for (std::size_t const n : nvme_sizes) {
-      params.emplace_back(n);
-      grads.emplace_back(n);
-      for (std::size_t i = 0; i < n; ++i) { params.back()[i] = convert<typename P::param_type>(init_value(base + i)); }
-      base += n;
-    }
-  }
-  void fill_grads(int t)
-  {
-    std::size_t base = 0;
-    for (auto& g : grads) {
-      for (std::size_t i = 0; i < g.size(); ++i) { g[i] = convert<typename P::grad_type>(grad_value(base + i, t)); }
-      base += g.size();
-    }
-  }
-  [[nodiscard]] std::vector<grad_view<typename P::grad_type>> views() const
-  {
-    std::vector<grad_view<typename P::grad_type>> v;
-    for (auto const& g : grads) { v.push_back({g.data(), g.size(), location::host}); }
-    return v;
-  }
+struct nvme_model : test_model<P> {
+  nvme_model() : test_model<P>(nvme_sizes) {}
 };
-
-inline std::string nvme_tensor_name(std::size_t k) { return std::string("t").append(std::to_string(k)); }
 
 template <class Opt, class M>
 void register_model(Opt& opt, M& m)
 {
   for (std::size_t k = 0; k < m.params.size(); ++k) {
-    opt.add_tensor(nvme_tensor_name(k), m.params[k].data(), m.params[k].size());
+    opt.add_tensor(tensor_name(k), m.params[k].data(), m.params[k].size());
   }
   typename Opt::hyperparameters h;
   h.lr           = 3e-3;
@@ -134,7 +107,7 @@ run_result snapshot(Opt& opt, M const& m)
     r.slots.emplace_back();
     for (std::size_t k = 0; k < m.params.size(); ++k) {
       r.slots.back().emplace_back(m.params[k].size());
-      opt.copy_state(nvme_tensor_name(k), s, std::span<float>(r.slots.back().back()));
+      opt.copy_state(tensor_name(k), s, std::span<float>(r.slots.back().back()));
     }
   }
   return r;

@@ -158,4 +158,39 @@ std::uint32_t bits(T x)
   }
 }
 
+/// "t0", "t1", ... (appended: GCC 12 warns falsely, -Wrestrict, on "literal" + string).
+inline std::string tensor_name(std::size_t k) { return std::string("t").append(std::to_string(k)); }
+
+/// A model of several tensors of the given sizes: params from init_value, gradients of step
+/// t from grad_value, element numbers running on across the tensors.
+template <class P>
+struct test_model {
+  std::vector<std::vector<typename P::param_type>> params;
+  std::vector<std::vector<typename P::grad_type>> grads;
+  explicit test_model(std::vector<std::size_t> const& sizes)
+  {
+    std::size_t base = 0;
+    for (std::size_t const n : sizes) {
+      params.emplace_back(n);
+      grads.emplace_back(n);
+      for (std::size_t i = 0; i < n; ++i) { params.back()[i] = convert<typename P::param_type>(init_value(base + i)); }
+      base += n;
+    }
+  }
+  void fill_grads(int t)
+  {
+    std::size_t base = 0;
+    for (auto& g : grads) {
+      for (std::size_t i = 0; i < g.size(); ++i) { g[i] = convert<typename P::grad_type>(grad_value(base + i, t)); }
+      base += g.size();
+    }
+  }
+  [[nodiscard]] std::vector<grad_view<typename P::grad_type>> views() const
+  {
+    std::vector<grad_view<typename P::grad_type>> v;
+    for (auto const& g : grads) { v.push_back({g.data(), g.size(), location::host}); }
+    return v;
+  }
+};
+
 }  // namespace tierstate::test

@@ -15,9 +15,6 @@ using namespace tierstate::test;
 
 namespace {
 
-/// "t0", "t1", ... (appended: GCC 12 warns falsely, -Wrestrict, on "literal" + string).
-std::string tensor_name(std::size_t k) { return std::string("t").append(std::to_string(k)); }
-
 /// A user's own tier: plain memory behind read and write only (so the optimizer must stage
 /// chunks), counting the bytes it moves.
 class CountingTier {
@@ -53,37 +50,8 @@ static_assert(tier<CountingTier> && !addressable_tier<CountingTier>);
 std::vector<std::size_t> const sizes = {1, 7, 4095, 4097, 2048, 30011, 3};
 
 template <class P>
-struct model {
-  std::vector<std::vector<typename P::param_type>> params;
-  std::vector<std::vector<typename P::grad_type>> grads;
-  model()
-  {
-    std::size_t base = 0;
-    for (std::size_t const n : sizes) {
-      params.emplace_back(n);
-      grads.emplace_back(n);
-      for (std::size_t i = 0; i < n; ++i) {
-        params.back()[i] = convert<typename P::param_type>(init_value(base + i));
-      }
-      base += n;
-    }
-  }
-  void fill_grads(int t)
-  {
-    std::size_t base = 0;
-    for (auto& g : grads) {
-      for (std::size_t i = 0; i < g.size(); ++i) {
-        g[i] = convert<typename P::grad_type>(grad_value(base + i, t));
-      }
-      base += g.size();
-    }
-  }
-  std::vector<grad_view<typename P::grad_type>> views() const
-  {
-    std::vector<grad_view<typename P::grad_type>> v;
-    for (auto const& g : grads) { v.push_back({g.data(), g.size(), location::host}); }
-    return v;
-  }
+struct model : test_model<P> {
+  model() : test_model<P>(sizes) {}
 };
 
 template <class R>

@@ -344,18 +344,7 @@ class uring_engine {
         unsigned const s = free_slots.back();
         free_slots.pop_back();
         slots[s] = p;
-        auto const len = static_cast<unsigned>(n);
-        if (is_fixed(p)) {
-          if (r.write) {
-            io_uring_prep_write_fixed(sqe, r.fd, p.data, len, p.offset, 0);
-          } else {
-            io_uring_prep_read_fixed(sqe, r.fd, p.data, len, p.offset, 0);
-          }
-        } else if (r.write) {
-          io_uring_prep_write(sqe, r.fd, p.data, len, p.offset);
-        } else {
-          io_uring_prep_read(sqe, r.fd, p.data, len, p.offset);
-        }
+        prep(sqe, r, p, n);
         io_uring_sqe_set_data64(sqe, s);
         ++in_flight;
       }
