@@ -72,7 +72,7 @@ TEST_CASE("every engine configuration gives the same bits: psync, several rings,
     }
   }
   CHECK(on_nvme<Bf16Mixed, Pipelined<2>>(steps, 4096, o) == want);
-  if (o.io.faults) { CHECK(o.io.faults->applied() > 50); }
+  if (o.io.faults) { CHECK(o.io.faults->applied() > 20); }
 }
 
 namespace {
@@ -97,6 +97,57 @@ TEST_CASE("a user's tier without batches or a pointer goes through the same pipe
   typename Opt::options o;
   o.chunk_elements = 2048;
   CHECK(train<Opt>(20, o) == reference<Bf16Mixed>(20, 2048));
+}
+
+namespace {
+
+/// A user's streaming tier that finishes its reads and writes newest first, one per
+/// progress() call, copying only then: the pipeline must not rely on completion order.
+struct ReorderingTier {
+  struct options {};
+  static constexpr std::string_view name = "ReorderingTier";
+  ReorderingTier(std::size_t bytes, options const&) : mem(bytes) {}
+  [[nodiscard]] std::size_t size() const { return mem.size(); }
+  void read(std::size_t off, std::span<std::byte> to) const { mem.read(off, to); }
+  void write(std::size_t off, std::span<std::byte const> from) { mem.write(off, from); }
+  void stream_start(tier_io const& op, std::uint64_t tag) { started.push_back({op, tag}); }
+  template <class Done>
+  void stream_progress(bool, Done&& done)
+  {
+    if (started.empty()) { return; }
+    auto const [op, tag] = started.back();
+    started.pop_back();
+    if (op.write) {
+      mem.write(op.offset, {op.data, op.length});
+    } else {
+      mem.read(op.offset, {op.data, op.length});
+    }
+    done(tag, nullptr);
+  }
+  [[nodiscard]] std::size_t stream_active() const { return started.size(); }
+  PinnedHost mem;
+  std::vector<std::pair<tier_io, std::uint64_t>> started;
+};
+static_assert(streaming_tier<ReorderingTier>);
+
+}  // namespace
+
+TEST_CASE("reads and writes that finish out of order give the same bits, and a step waits for all", "[nvme][tier]")
+{
+  using Opt = OffloadedOptimizer<AdamW, Bf16Mixed, ReorderingTier, Pipelined<3>>;
+  typename Opt::options o;
+  o.chunk_elements = 2048;
+  nvme_model<Bf16Mixed> m;
+  Opt opt(schedule<Opt>(1), o);
+  register_model(opt, m);
+  for (int t = 1; t <= 20; ++t) {
+    m.fill_grads(t);
+    opt.set_hyperparameters(0, schedule<Opt>(t));
+    auto const views = m.views();
+    opt.step(views);
+    CHECK(opt.state_tier().stream_active() == 0);  // no write still in flight when step() returns
+  }
+  CHECK(snapshot(opt, m) == reference<Bf16Mixed>(20, 2048));
 }
 
 TEST_CASE("a step moves the layout's bytes, and says how long it computed and waited", "[nvme]")

@@ -399,7 +399,6 @@ void TIERSTATE_OPTIMIZER::step_pipelined(std::span<grad_view<grad_type> const> g
   std::size_t const bytes  = layout_->chunk_bytes();
   std::size_t const grain  = 64 * host::batch_size<arch>;
   std::vector<std::uint64_t> read_ticket(n);
-  std::uint64_t last_ticket = 0;
   auto read = [&](std::size_t j) {
     read_ticket[j] = io_->enqueue({j * bytes, staging(j % B), bytes, false}, static_cast<unsigned>(j % B));
     stats.tier_bytes_read += bytes;
@@ -419,13 +418,13 @@ void TIERSTATE_OPTIMIZER::step_pipelined(std::span<grad_view<grad_type> const> g
       });
       stats.compute_seconds += detail::seconds_since(t0);
 
-      last_ticket = io_->enqueue({k * bytes, chunk, bytes, true}, static_cast<unsigned>(k % B));
+      io_->enqueue({k * bytes, chunk, bytes, true}, static_cast<unsigned>(k % B));
       stats.tier_bytes_written += bytes;
       ++stats.chunks;
       if (k + Transfer::depth + 1 < n) { read(k + Transfer::depth + 1); }
     }
     auto const t0 = std::chrono::steady_clock::now();
-    io_->wait(last_ticket);
+    io_->wait_all();  // every write, not only the last one queued: they finish out of order
     stats.wait_seconds += detail::seconds_since(t0);
   } catch (...) {
     io_->drain();  // no staging buffer in the tier's hands when the exception leaves

@@ -61,6 +61,15 @@ class io_worker {
     if (error_) { std::rethrow_exception(error_); }
   }
 
+  /// Blocks until every queued job is done (jobs finish out of order: waiting for the last
+  /// ticket is not enough); rethrows the first failure.
+  void wait_all()
+  {
+    std::unique_lock lock(mutex_);
+    done_cv_.wait(lock, [&] { return done_ >= queued_ || error_ != nullptr; });
+    if (error_) { std::rethrow_exception(error_); }
+  }
+
   /// Waits until every queued job has finished or been dropped, then forgets any failure:
   /// after it, no staging buffer is in use.
   void drain() noexcept
