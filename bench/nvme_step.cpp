@@ -20,7 +20,8 @@
 //   default           true on the row with the library's default settings
 // Where fio is missing the fio fields are null, except under CI=true, where it is an error.
 //
-//   nvme_step [--path DIR] [--elements N] [--steps S] [--threads T]
+//   nvme_step [--path DIR] [--elements N] [--steps S] [--threads T] [--block-size B]
+//             [--queue-depth Q] [--no-fio]
 //   (--elements N runs one size in this process)
 #include <tierstate/tierstate.hpp>
 
@@ -49,6 +50,9 @@ struct options {
   std::size_t elements = 0;    // 0: both sizes, each in a child process
   int steps            = 5;
   std::size_t threads  = 0;
+  std::size_t block_size = 0;   // 0: the engine's default
+  unsigned queue_depth   = 0;   // 0: the engine's default
+  bool skip_fio          = false;
   std::string directory;       // the fresh directory itself (set for children)
 };
 
@@ -56,7 +60,7 @@ struct options {
 {
   std::fprintf(stderr,
                "nvme_step: %s\nusage: nvme_step [--path DIR] [--elements N >= 4096] [--steps S >= 1] "
-               "[--threads T]\n",
+               "[--threads T] [--block-size B] [--queue-depth Q] [--no-fio]\n",
                what.c_str());
   std::exit(2);
 }
@@ -91,6 +95,12 @@ options parse(int argc, char** argv)
       o.steps = static_cast<int>(s);
     } else if (a == "--threads") {
       o.threads = number(i);
+    } else if (a == "--block-size") {
+      o.block_size = number(i);
+    } else if (a == "--queue-depth") {
+      o.queue_depth = static_cast<unsigned>(number(i));
+    } else if (a == "--no-fio") {
+      o.skip_fio = true;
     } else {
       usage_error("unknown argument " + a);
     }
@@ -215,6 +225,9 @@ void run_config(options const& o, std::string const& dir, std::vector<bf16>& par
   typename Opt::options opt_options;
   opt_options.threads        = o.threads;
   opt_options.tier.directory = dir;
+  if (o.block_size != 0) { opt_options.tier.io.block_size = o.block_size; }
+  if (o.queue_depth != 0) { opt_options.tier.io.queue_depth = o.queue_depth; }
+  is_default = is_default && o.block_size == 0 && o.queue_depth == 0;
   typename Opt::hyperparameters h;
   h.lr = 1e-4;
   Opt opt(h, opt_options);
@@ -302,7 +315,7 @@ std::size_t state_bytes_for(std::size_t elements)
 
 int run_size(options const& o, std::string const& dir)
 {
-  bool const fio = have_fio();
+  bool const fio = !o.skip_fio && have_fio();
   if (!fio) {
     if (in_ci()) {
       std::fprintf(stderr, "nvme_step: fio is not installed, and CI=true needs its reference (apt-get install fio)\n");
@@ -355,7 +368,10 @@ int main(int argc, char** argv)
       pid_t const child = ::fork();
       if (child == 0) {
         std::vector<std::string> args = {"/proc/self/exe", "--directory", dir, "--elements", std::to_string(n),
-                                         "--steps", std::to_string(o.steps), "--threads", std::to_string(o.threads)};
+                                         "--steps", std::to_string(o.steps), "--threads", std::to_string(o.threads),
+                                         "--block-size", std::to_string(o.block_size),
+                                         "--queue-depth", std::to_string(o.queue_depth)};
+        if (o.skip_fio) { args.push_back("--no-fio"); }
         std::vector<char*> argv_child;
         for (auto& a : args) { argv_child.push_back(a.data()); }
         argv_child.push_back(nullptr);
