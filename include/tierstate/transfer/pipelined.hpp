@@ -3,12 +3,13 @@
 //
 // While chunk k is computed, chunks k+1..k+Depth are being read and chunk k-1 written,
 // through a fixed ring of Depth + 2 staging buffers of one chunk each: the staging memory is
-// (Depth + 2) x chunk bytes whatever the model's size. One I/O thread per optimizer runs the
-// reads and writes in order, handing a tier that takes batches (`batched_tier`, as NvmeFile
-// does) every queued read and write that does not reuse a buffer still in the batch, so a
-// write of chunk k-1 and the read of chunk k+Depth reach the disk together. The same code
-// serves any tier that is not addressable; an addressable tier (PinnedHost) is computed in
-// place, as with Synchronous.
+// (Depth + 2) x chunk bytes whatever the model's size. One I/O thread per optimizer starts
+// each read and write as soon as its staging buffer is free (a read into the buffer of chunk
+// k-1 waits for k-1's write): a streaming tier (NvmeFile) keeps the disk's queue full across
+// chunk boundaries, a batched tier gets runs of jobs on distinct buffers, any other tier
+// gets them one by one (transfer/detail/io_worker.hpp). The same code serves any tier that
+// is not addressable; an addressable tier (PinnedHost) is computed in place, as with
+// Synchronous. A step returns once every write has finished.
 //
 // A step's time approaches max(I/O, compute) instead of their sum once Depth reads cover the
 // jitter of the tier; 2 is the default, more helps tiers whose latency varies a lot.
