@@ -175,22 +175,37 @@ TEST_CASE("a step moves the layout's bytes, and says how long it computed and wa
   CHECK(lay.chunk_bytes() == 4096 * 12);
 }
 
-TEST_CASE("the scratch file is private, reserved in full, and removed with the optimizer", "[nvme][files]")
+TEST_CASE("the scratch file is private, reserved in full, and gone with the tier", "[nvme][files]")
 {
+  using mode = NvmeFile::options::naming_mode;
+  auto const naming = GENERATE(mode::tmpfile, mode::unlinked, mode::named);
+  INFO("naming " << static_cast<int>(naming));
   scratch_dir d;
   std::string path;
   {
     NvmeFile::options o = in(d);
+    o.naming = naming;
     NvmeFile f(12345 * 4096 + 100, o);
     path = f.path();
     struct stat st{};
-    REQUIRE(::stat(path.c_str(), &st) == 0);
+    REQUIRE(::fstat(f.native_handle(), &st) == 0);
     CHECK((st.st_mode & 0777) == 0600);
     CHECK(S_ISREG(st.st_mode));
-    CHECK(static_cast<std::size_t>(st.st_size) == 12346 * 4096);       // rounded to 4 KiB
+    CHECK(static_cast<std::size_t>(st.st_size) == 12346 * 4096);          // rounded to 4 KiB
     CHECK(static_cast<std::size_t>(st.st_blocks) * 512 >= 12346 * 4096);  // really allocated
     CHECK(f.direct());  // /tmp here is a disk filesystem
-    CHECK(std::filesystem::path(path).filename().string().rfind("tierstate-" + std::to_string(::getpid()) + "-", 0) == 0);
+    if (naming == mode::named) {
+      CHECK(f.named());
+      CHECK(st.st_nlink == 1);
+      CHECK(std::filesystem::path(path).filename().string().rfind("tierstate-" + std::to_string(::getpid()) + "-", 0) == 0);
+      CHECK(d.entries().size() == 1);
+    } else {
+      // Nameless while it lives: a crash cannot leave it behind.
+      CHECK_FALSE(f.named());
+      CHECK(st.st_nlink == 0);
+      CHECK(d.entries().empty());
+      CHECK_THAT(path, Catch::Contains(naming == mode::tmpfile ? "(O_TMPFILE)" : "(unlinked)"));
+    }
     // Unaligned ranges go through the bounce buffer, both ways, and read back.
     std::vector<std::byte> out(10000), back(10000);
     for (std::size_t i = 0; i < out.size(); ++i) { out[i] = static_cast<std::byte>(i * 13); }
@@ -202,7 +217,6 @@ TEST_CASE("the scratch file is private, reserved in full, and removed with the o
     CHECK(zero == expect_zero);
     CHECK_THROWS_AS(f.read(12345 * 4096, std::span<std::byte>(back)), logic_error);
   }
-  CHECK_FALSE(std::filesystem::exists(path));
   CHECK(d.entries().empty());
 }
 
@@ -214,6 +228,7 @@ TEST_CASE("a directory reached through a symlink works; the file name can be cho
   NvmeFile::options o;
   o.directory = link;
   o.file_name = "opt.state";
+  o.naming    = NvmeFile::options::naming_mode::named;
   {
     NvmeFile f(8192, o);
     CHECK(std::filesystem::exists(d.path / "opt.state"));
@@ -282,6 +297,7 @@ TEST_CASE("bad places for the scratch file are clear errors, and nothing there i
     CHECK_THROWS_MATCHES(NvmeFile(4096, o), io_error,
                          Catch::Predicate<io_error>([](io_error const& e) { return e.code().value() == ENOTDIR; }));
   }
+  o.naming = GENERATE(NvmeFile::options::naming_mode::unlinked, NvmeFile::options::naming_mode::named);
   SECTION("a file already has the name")
   {
     o.file_name = "taken.state";
@@ -348,7 +364,8 @@ TEST_CASE("a reservation that fails leaves no file behind, and the optimizer can
   REQUIRE(::setrlimit(RLIMIT_FSIZE, &old) == 0);
   std::signal(SIGXFSZ, old_handler);
   CHECK(opt.step(views).step == 1);  // the state is made afresh now
-  CHECK(d.entries().size() == 1);
+  CHECK(opt.state_tier().native_handle() >= 0);
+  CHECK(d.entries().empty());  // nameless (O_TMPFILE)
 }
 
 namespace {
@@ -438,9 +455,8 @@ TEST_CASE("a read failing later in a step, or a file cut short, loses the state 
   }
   SECTION("the file truncated behind the library's back: a read at the end of the file")
   {
-    auto const files = run.d.entries();
-    REQUIRE(files.size() == 1);
-    std::filesystem::resize_file(run.d.path / files[0], run.opt->state_layout().total_bytes() / 2);
+    REQUIRE(::ftruncate(run.opt->state_tier().native_handle(),
+                        static_cast<off_t>(run.opt->state_layout().total_bytes() / 2)) == 0);
     try {
       run.step(2);
       FAIL("a truncated state file went unnoticed");

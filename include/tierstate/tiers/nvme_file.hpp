@@ -3,8 +3,12 @@
 //
 // The state lives in one file inside a directory the user names (it may be reached through
 // a symlink, like a /scratch mount). The file is
-//   - created with mode 0600 and O_CREAT | O_EXCL | O_NOFOLLOW: a file or link already there
-//     under its name is an error, never reused, never removed;
+//   - private and nameless: by default made with O_TMPFILE (mode 0600, never in the
+//     directory at all), or, where the filesystem lacks O_TMPFILE, created with mode 0600 and
+//     O_CREAT | O_EXCL | O_NOFOLLOW and unlinked at once, so even a SIGKILL leaves nothing
+//     behind and nothing in the directory is ever deleted or reused. A file or link already
+//     there under the name the library would use is an error (`naming` chooses the path,
+//     and `named` keeps the name until the tier is destroyed, for inspection);
 //   - reserved to its full size with fallocate when the tier is made, so a full disk is an
 //     error when the optimizer builds its state, not ten thousand steps later; if anything
 //     in construction fails, the file is removed before the error leaves;
@@ -51,9 +55,15 @@ class NvmeFile {
   struct options {
     /// Where the scratch file goes: an existing, writable directory, ideally on NVMe.
     std::filesystem::path directory;
-    /// The file's name in it; empty: "tierstate-<pid>-<n>.state", n counting tiers made
-    /// by this process.
+    /// The file's name in it, for `unlinked` and `named`; empty: "tierstate-<pid>-<n>.state",
+    /// n counting tiers made by this process.
     std::string file_name;
+    enum class naming_mode : std::uint8_t {
+      tmpfile,   ///< O_TMPFILE; where the filesystem lacks it, `unlinked`
+      unlinked,  ///< created by name, O_EXCL | O_NOFOLLOW, then unlinked at once
+      named,     ///< created by name and kept until the tier is destroyed (a crash leaves it)
+    };
+    naming_mode naming = naming_mode::tmpfile;
     /// Make a filesystem that refuses O_DIRECT an error instead of a buffered fallback.
     bool require_direct = false;
     io::engine_options io{};
@@ -83,7 +93,18 @@ class NvmeFile {
 
     dir_ = ::open(directory_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
     if (dir_ < 0) { throw io_error(errno, directory_, "open", 0, 0, "the directory for NvmeFile's scratch file"); }
-    fd_ = ::openat(dir_, name_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (o.naming == options::naming_mode::tmpfile) {
+      fd_ = ::openat(dir_, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+      if (fd_ >= 0) {
+        path_ = directory_ + "/(O_TMPFILE)";
+        name_.clear();
+      } else if (errno != EOPNOTSUPP && errno != EISDIR && errno != EINVAL) {
+        int const err = errno;
+        ::close(std::exchange(dir_, -1));
+        throw io_error(err, directory_, "open(O_TMPFILE)", 0, 0, "NvmeFile's scratch file");
+      }
+    }
+    if (fd_ < 0) { fd_ = ::openat(dir_, name_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600); }
     if (fd_ < 0) {
       int const err = errno;
       ::close(std::exchange(dir_, -1));
@@ -93,6 +114,17 @@ class NvmeFile {
                        "removes a file it did not create");
       }
       throw io_error(err, path_, "create", 0, 0, "NvmeFile's scratch file");
+    }
+    if (!name_.empty() && o.naming != options::naming_mode::named) {
+      // Nameless from now on: nothing to clean up after a crash.
+      if (::unlinkat(dir_, name_.c_str(), 0) != 0) {
+        int const err = errno;
+        ::close(std::exchange(fd_, -1));
+        ::close(std::exchange(dir_, -1));
+        throw io_error(err, path_, "unlink", 0, 0, "NvmeFile's scratch file, right after creating it");
+      }
+      path_ += " (unlinked)";
+      name_.clear();
     }
     try {
       std::size_t const reserved = round_up(bytes);
@@ -139,8 +171,13 @@ class NvmeFile {
   NvmeFile& operator=(NvmeFile const&) = delete;
 
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
-  /// The scratch file's path.
+  /// The scratch file's path as errors name it: "<dir>/<name>", "<dir>/<name> (unlinked)"
+  /// or "<dir>/(O_TMPFILE)".
   [[nodiscard]] std::string const& path() const noexcept { return path_; }
+  /// Whether the file still has a name in the directory (only with naming_mode::named).
+  [[nodiscard]] bool named() const noexcept { return !name_.empty(); }
+  /// The file descriptor (for fstat and the like; reads and writes belong to the tier).
+  [[nodiscard]] int native_handle() const noexcept { return fd_; }
   /// Whether I/O bypasses the page cache (false after the buffered fallback).
   [[nodiscard]] bool direct() const noexcept { return direct_; }
   [[nodiscard]] io::engine const& engine() const noexcept { return *engine_; }
@@ -283,7 +320,7 @@ class NvmeFile {
     engine_.reset();
     if (fd_ >= 0) {
       ::close(std::exchange(fd_, -1));
-      ::unlinkat(dir_, name_.c_str(), 0);
+      if (!name_.empty()) { ::unlinkat(dir_, name_.c_str(), 0); }
     }
     if (dir_ >= 0) { ::close(std::exchange(dir_, -1)); }
   }
