@@ -35,6 +35,7 @@
 // The exception is thrown after every transfer in flight has finished.
 #pragma once
 
+#include <tierstate/checkpoint/format.hpp>
 #include <tierstate/core/concepts.hpp>
 #include <tierstate/core/error.hpp>
 #include <tierstate/core/layout.hpp>
@@ -52,6 +53,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <span>
@@ -158,6 +160,22 @@ class OffloadedOptimizer {
   /// master does not change the param: the next step writes it from the master.
   void write_state(std::string_view tensor, slot s, std::span<float const> from);
 
+  /// Saves the whole state (master and slots from any tier, the step count, every group's
+  /// hyper-parameters, the layout, the rule and the precision) to `path`, in the format of
+  /// checkpoint/format.hpp. Streamed chunk by chunk: it needs no more host memory than a
+  /// step. Atomic: written to a temporary file beside `path`, fsync'd, renamed over `path`,
+  /// and the directory fsync'd, so a crash at any moment leaves the previous checkpoint
+  /// whole; on failure the temporary file is removed and io_error thrown.
+  void save(std::filesystem::path const& path, checkpoint_options const& o = {});
+  /// Loads a checkpoint saved by an optimizer with the same rule, precision, chunk size and
+  /// tensors (names and sizes, in order), from any tier into this one. Everything is
+  /// checked before anything changes (checkpoint_error names the difference or the corrupt
+  /// chunk; io_error a failed read): the file is read twice, once to verify every chunk's
+  /// checksum and once to load. It replaces the state, the step count, the groups and their
+  /// hyper-parameters; with a master, it also writes every param from it. It is also how a
+  /// lost optimizer (see "Failures") is restored; a read failing in the second pass loses it.
+  void load(std::filesystem::path const& path, checkpoint_options const& o = {});
+
   /// The layout (made on first use, like the state).
   [[nodiscard]] layout const& state_layout();
   /// The tier holding the state (made on first use).
@@ -198,6 +216,9 @@ class OffloadedOptimizer {
                       std::vector<typename Rule::coefficients> const& coefficients, step_stats& stats,
                       bool& changed);
   void check_not_lost(char const* call) const;
+  [[nodiscard]] checkpoint::header make_header() const;
+  void check_header(checkpoint::header const& h, std::string const& path) const;
+  void params_from_master(std::size_t k, std::byte const* chunk);
   [[nodiscard]] std::byte* staging(std::size_t buffer) noexcept
   {
     return staging_->data() + buffer * layout_->chunk_bytes();
@@ -226,3 +247,4 @@ class OffloadedOptimizer {
 }  // namespace tierstate
 
 #include <tierstate/detail/optimizer.inl>
+#include <tierstate/detail/checkpoint.inl>

@@ -3,6 +3,7 @@
 // The umbrella header: everything public.
 #pragma once
 
+#include <tierstate/checkpoint/format.hpp>
 #include <tierstate/core/concepts.hpp>
 #include <tierstate/core/config.hpp>
 #include <tierstate/core/error.hpp>

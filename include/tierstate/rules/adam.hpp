@@ -25,6 +25,7 @@
 #include <tierstate/core/math.hpp>
 
 #include <array>
+#include <span>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -67,6 +68,25 @@ struct AdamRule {
     double weight_decay         = Decay == weight_decay_mode::decoupled ? 1e-2 : 0.0;
     bool maximize               = false;
   };
+
+  /// The hyper-parameters as numbers, in a fixed order (for checkpoints): lr, beta1, beta2,
+  /// eps, weight_decay, maximize (0 or 1).
+  static constexpr std::size_t hyperparameter_count = 6;
+  [[nodiscard]] static std::array<double, hyperparameter_count> to_values(hyperparameters const& h) noexcept
+  {
+    return {h.lr, h.betas[0], h.betas[1], h.eps, h.weight_decay, h.maximize ? 1.0 : 0.0};
+  }
+  /// The inverse of to_values; validates (throws tierstate::invalid_option).
+  [[nodiscard]] static hyperparameters from_values(std::span<double const> v)
+  {
+    TIERSTATE_EXPECTS(v.size() == hyperparameter_count, "AdamRule::from_values: 6 values expected");
+    if (v[5] != 0.0 && v[5] != 1.0) {
+      throw invalid_option(std::string(name) + ".maximize", detail::to_text(v[5]), "must be 0 or 1");
+    }
+    hyperparameters h{v[0], {v[1], v[2]}, v[3], v[4], v[5] == 1.0};
+    validate(h);
+    return h;
+  }
 
   /// Everything one element's update needs for one step, in float.
   struct coefficients {
