@@ -322,3 +322,37 @@ TEST_CASE("a failed load changes nothing, at every I/O position of the checking 
   }
   WARN("load fault cases tried: " << cases);
 }
+
+TEST_CASE("a save writes everything, fsyncs the file, renames it, then fsyncs the directory", "[checkpoint]")
+{
+  scratch_dir d;
+  trainer<NvmeOpt<Bf16Mixed>> a(options_with<NvmeOpt<Bf16Mixed>>(2048, &d));
+  a.steps(1, 2);
+  std::vector<std::pair<save_event, std::uint64_t>> seen;
+  std::vector<std::string> present;  // what the directory holds at each event
+  checkpoint_options o;
+  o.observer = [&](save_event e, std::uint64_t offset, std::uint64_t) {
+    seen.push_back({e, offset});
+    std::string names;
+    for (auto const& n : d.entries()) {
+      if (!names.empty()) { names.push_back(','); }
+      names.append(n, 0, 2);
+    }
+    present.push_back(names);
+  };
+  a.opt.save(d.path / "c", o);
+  std::size_t const chunks = a.opt.state_layout().chunk_count();
+  REQUIRE(seen.size() == chunks + 7);  // create, header, chunks, table, fsync, rename, fsync, done
+  CHECK(seen.front().first == save_event::create);
+  for (std::size_t i = 1; i <= chunks + 2; ++i) { CHECK(seen[i].first == save_event::write); }
+  CHECK(seen[1].second == 0);  // the header first; the table last
+  CHECK(seen[chunks + 2].second == 4096 + chunks * a.opt.state_layout().chunk_bytes());
+  CHECK(seen[chunks + 3].first == save_event::fsync_file);
+  CHECK(seen[chunks + 4].first == save_event::rename);
+  CHECK(seen[chunks + 5].first == save_event::fsync_directory);
+  CHECK(seen[chunks + 6].first == save_event::done);
+  // Until the rename only the temporary file exists (".c.tmp-..."); from then on only "c".
+  CHECK(present[0].empty());
+  CHECK(present[chunks + 4] == ".c");
+  CHECK(present[chunks + 5] == "c");
+}

@@ -38,6 +38,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -72,8 +73,33 @@ class checkpoint_error : public std::runtime_error {
   std::string path_;
 };
 
+/// The operations of a save, in the order they happen (for observers: tests, progress bars).
+enum class save_event : std::uint8_t {
+  create,           ///< the temporary file is created
+  write,            ///< a region (header, a chunk, the table) is about to be written
+  fsync_file,       ///< the temporary file is about to be fsync'd
+  rename,           ///< it is about to be renamed over the checkpoint's name
+  fsync_directory,  ///< the directory is about to be fsync'd
+  done,             ///< the checkpoint is complete and durable
+};
+
+[[nodiscard]] constexpr std::string_view save_event_name(save_event e) noexcept
+{
+  switch (e) {
+    case save_event::create: return "create";
+    case save_event::write: return "write";
+    case save_event::fsync_file: return "fsync_file";
+    case save_event::rename: return "rename";
+    case save_event::fsync_directory: return "fsync_directory";
+    case save_event::done: return "done";
+  }
+  return "?";
+}
+
 /// How save() and load() do their I/O.
 struct checkpoint_options {
+  /// Called before each operation of a save (offset and length for writes, else 0).
+  std::function<void(save_event, std::uint64_t offset, std::uint64_t length)> observer;
   /// The engine for the checkpoint file (its backend, depth, block size; faults for tests).
   io::engine_options io{};
   /// Check chunk and header checksums on load. Turn off only to fuzz the parser behind them.

@@ -165,12 +165,17 @@ void TIERSTATE_OPTIMIZER::save(std::filesystem::path const& path, checkpoint_opt
 
   detail::unique_fd dirfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (dirfd.fd < 0) { throw io_error(errno, dir.string(), "open", 0, 0, "the directory of the checkpoint"); }
+  auto observe = [&](save_event e, std::uint64_t offset = 0, std::uint64_t length = 0) {
+    if (o.observer) { o.observer(e, offset, length); }
+  };
+  observe(save_event::create);
   detail::unique_fd fd(::openat(dirfd.fd, temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600));
   if (fd.fd < 0) { throw io_error(errno, temp_path, "create", 0, 0, "the checkpoint's temporary file"); }
   try {
     detail::try_direct(fd.fd);
     io::engine engine(o.io);
     auto write = [&](std::uint64_t offset, std::byte const* data, std::size_t n) {
+      observe(save_event::write, offset, n);
       io::request const r{fd.fd, offset, const_cast<std::byte*>(data), n, true, &temp_path};
       engine.submit({&r, 1});
     };
@@ -193,8 +198,10 @@ void TIERSTATE_OPTIMIZER::save(std::filesystem::path const& path, checkpoint_opt
     }
     PinnedHost table = detail::aligned_copy(checkpoint::encode_table(sums));
     write(H + sums.size() * B, table.data(), table.size());
+    observe(save_event::fsync_file);
     if (::fsync(fd.fd) != 0) { throw io_error(errno, temp_path, "fsync", 0, 0, "the checkpoint's temporary file"); }
     fd.reset();
+    observe(save_event::rename);
     if (::renameat(dirfd.fd, temp.c_str(), dirfd.fd, name.c_str()) != 0) {
       throw io_error(errno, temp_path, "rename", 0, 0, "onto " + target);
     }
@@ -204,7 +211,9 @@ void TIERSTATE_OPTIMIZER::save(std::filesystem::path const& path, checkpoint_opt
     throw;
   }
   // The rename is durable once the directory is.
+  observe(save_event::fsync_directory);
   if (::fsync(dirfd.fd) != 0) { throw io_error(errno, dir.string(), "fsync", 0, 0, "the checkpoint's directory"); }
+  observe(save_event::done);
 }
 
 TIERSTATE_OPTIMIZER_TEMPLATE
