@@ -78,12 +78,12 @@ void register_model(Opt& opt, M& m)
   opt.add_group(h, {"t1", "t4"});
 }
 
-/// The hyper-parameters of group 0 at step t: a schedule, so every step differs.
+/// The hyper-parameters of group 0 at step t: a schedule, so every step differs (within 60).
 template <class Opt>
 typename Opt::hyperparameters schedule(int t)
 {
   typename Opt::hyperparameters h;
-  h.lr           = lr_at(1e-2, t, 60);
+  h.lr           = lr_at(1e-2, (t - 1) % 60 + 1, 60);  // a 60-step schedule, repeated
   h.weight_decay = 0.05;
   return h;
 }

@@ -9,7 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-all_stages=(gcc-native clang-native gcc-baseline clang-baseline gcc-asan-ubsan clang-tsan bench)
+all_stages=(gcc-native clang-native gcc-baseline clang-baseline gcc-asan-ubsan clang-tsan fuzz bench)
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=("${all_stages[@]}")
 
@@ -73,6 +73,19 @@ run_stage() {
     clang-tsan)
       configure "$name" clang++ -Darch=native -Db_sanitize=thread -Db_lundef=false &&
         test_build "$name" TIERSTATE_TEST_LARGE_SIZE=65539 TSAN_OPTIONS=halt_on_error=1 ;;
+    # libFuzzer on checkpoint loading, from the committed seeds, for TIERSTATE_FUZZ_SECONDS
+    # (default 60) under ASan and UBSan; any finding fails the stage.
+    fuzz)
+      configure "$name" clang++ -Darch=native -Dfuzz=true -Db_sanitize=address,undefined -Db_lundef=false &&
+        meson compile -C "build-$name" tests/fuzz_checkpoint || return 1
+      rm -rf "build-$name/corpus" && mkdir "build-$name/corpus"
+      UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 "build-$name/tests/fuzz_checkpoint" \
+        -max_total_time="${TIERSTATE_FUZZ_SECONDS:-60}" -print_final_stats=1 -timeout=20 -rss_limit_mb=4096 \
+        "build-$name/corpus" tests/fuzz/seeds >"build-$name/fuzz.log" 2>&1
+      local rc=$?
+      grep -E "INITED|DONE|stat::number_of_executed_units|stat::peak_rss|ERROR|SUMMARY|Test unit written" \
+        "build-$name/fuzz.log"
+      [ $rc -eq 0 ] ;;
     # The benchmarks at full size: JSON lines for the record; speed is never a pass/fail.
     # nvme_step works in a fresh directory under /tmp (TIERSTATE_BENCH_PATH to choose).
     bench)

@@ -1,0 +1,95 @@
+// SPDX-License-Identifier: Apache-2.0
+// libFuzzer harness for checkpoint loading: every input is written to a file and loaded
+// into an optimizer whose layout matches the seeds (tests/fuzz/seeds, made by
+// `fuzz_checkpoint --make-seeds DIR`), with checksum verification off so that mutations
+// reach the parsing and the checks behind it. A load may refuse an input only with
+// tierstate::checkpoint_error or tierstate::io_error; any other exception, crash, hang, leak
+// or sanitizer report is a finding (and becomes a regression test in test_checkpoint).
+#include <tierstate/tierstate.hpp>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+namespace {
+
+using namespace tierstate;
+using Opt = OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost, Synchronous>;
+
+/// A small model: three tensors, one 2048-element chunk of state.
+struct model {
+  std::vector<bf16> a = std::vector<bf16>(700), b = std::vector<bf16>(61), c = std::vector<bf16>(1000);
+  Opt opt;
+  model() : opt({}, make_options())
+  {
+    opt.add_tensor("a", a.data(), a.size());
+    opt.add_tensor("b", b.data(), b.size());
+    opt.add_tensor("c", c.data(), c.size());
+    opt.add_group({.lr = 1e-3, .weight_decay = 0.0}, {"b"});
+  }
+  static Opt::options make_options()
+  {
+    Opt::options o;
+    o.chunk_elements = 2048;
+    o.threads        = 1;
+    return o;
+  }
+  void steps(int n)
+  {
+    for (int t = 1; t <= n; ++t) {
+      std::vector<bf16> ga(a.size(), bf16(0.01f * t)), gb(b.size(), bf16(-0.02f)), gc(c.size(), bf16(0.003f * t));
+      std::vector<grad_view<bf16>> const g = {{ga.data(), ga.size()}, {gb.data(), gb.size()}, {gc.data(), gc.size()}};
+      opt.step(g);
+    }
+  }
+};
+
+std::string input_path()
+{
+  auto const dir = std::filesystem::temp_directory_path();
+  return (dir / ("fuzz_checkpoint_" + std::to_string(::getpid()) + ".ckpt")).string();
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size)
+{
+  static model m;
+  static std::string const path = input_path();
+  FILE* f = std::fopen(path.c_str(), "wb");
+  if (f == nullptr) { std::abort(); }
+  if (size > 0 && std::fwrite(data, 1, size, f) != size) { std::abort(); }
+  std::fclose(f);
+  checkpoint_options o;
+  o.verify_checksums = false;
+  try {
+    m.opt.load(path, o);
+  } catch (checkpoint_error const&) {
+  } catch (io_error const&) {
+  }
+  return 0;
+}
+
+/// `fuzz_checkpoint --make-seeds DIR` writes the seed checkpoints (0, 1 and 5 steps).
+extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv)
+{
+  if (*argc >= 3 && std::string((*argv)[1]) == "--make-seeds") {
+    std::filesystem::path const dir = (*argv)[2];
+    std::filesystem::create_directories(dir);
+    for (int const n : {0, 1, 5}) {
+      model m;
+      m.steps(n);
+      m.opt.save(dir / ("steps_" + std::to_string(n) + ".ckpt"));
+    }
+    std::printf("seeds written to %s\n", dir.c_str());
+    std::exit(0);
+  }
+  return 0;
+}
