@@ -311,13 +311,18 @@ TEST_CASE("a load survives short reads anywhere; a failed read changes nothing u
     CHECK(snapshot(b.opt, b.m) == now);
     ++cases;
   }
-  for (std::uint64_t k = 1; k <= reads; ++k) {
+  for (std::uint64_t k = 1; k <= 2 * reads; ++k) {
+    int const err      = k <= reads ? EIO : ENOSPC;  // ENOSPC cannot come from a read; the loader must not care
+    std::uint64_t const at = k <= reads ? k : k - reads;
     auto plan = std::make_shared<io::fault_plan>();
-    plan->fail(io::op::read, k, EIO);
+    plan->fail(io::op::read, at, err);
     o.io.faults = plan;
-    INFO("read piece " << k << " of " << reads);
-    CHECK_THROWS_AS(a.opt.load(ckpt, o), io_error);
-    if (k <= checking) {
+    INFO("read piece " << at << " of " << reads << ", errno " << err);
+    CHECK_THROWS_MATCHES(a.opt.load(ckpt, o), io_error,
+                         Catch::Predicate<io_error>([&](io_error const& e) {
+                           return e.code().value() == err && e.path() == ckpt.string() && e.operation() == "read";
+                         }, "an io_error naming the checkpoint, the read and the errno"));
+    if (at <= checking) {
       CHECK_FALSE(a.opt.state_lost());
       CHECK(snapshot(a.opt, a.m) == now);
     } else {
