@@ -4,19 +4,27 @@
 // io_error naming path, offset, length, operation and errno.
 #include <tierstate/core/error.hpp>
 #include <tierstate/io/engine.hpp>
+#include <tierstate/transfer/detail/io_worker.hpp>
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <future>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <thread>
 #include <vector>
 
 #include <fcntl.h>
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 using namespace tierstate;
@@ -326,4 +334,322 @@ TEST_CASE("psync streams too: what was started runs in progress()", "[io][stream
   CHECK(tags == std::vector<std::uint64_t>{7, 8});
   CHECK(e.active() == 0);
   CHECK(std::memcmp(in.get(), out.get(), n) == 0);
+}
+
+// --- a ring that fails while streaming ------------------------------------------------------
+
+namespace {
+
+using ring_call = io::uring_engine::ring_call;
+
+/// The io_error an outcome holds, if it holds one.
+std::optional<io_error> io_error_in(std::exception_ptr const& e)
+{
+  if (!e) { return std::nullopt; }
+  try {
+    std::rethrow_exception(e);
+  } catch (io_error const& x) {
+    return x;
+  } catch (...) {
+  }
+  return std::nullopt;
+}
+
+/// Runs `f` on a thread of its own and returns its result, or nothing if it has not returned
+/// within `limit` (the thread is then left behind, stuck, rather than hanging the test).
+template <class F>
+auto within(std::chrono::seconds limit, F f) -> std::optional<decltype(f())>
+{
+  std::packaged_task<decltype(f())()> task(std::move(f));
+  auto result = task.get_future();
+  std::thread(std::move(task)).detach();
+  if (result.wait_for(limit) != std::future_status::ready) { return std::nullopt; }
+  return result.get();
+}
+
+}  // namespace
+
+TEST_CASE("a ring that fails while streaming fails every active request, and the engine goes on", "[io][stream][ring]")
+{
+  unsigned const rings = GENERATE(1u, 2u);
+  int const err        = GENERATE(EIO, ENOMEM);
+  INFO(rings << " rings, errno " << err);
+  temp_file f("ring_fails");
+  std::size_t const block = 64 * 1024, per = 3 * block, count = 6;
+  aligned_bytes out(per * count), in(per * count);
+  for (std::size_t i = 0; i < per * count; ++i) { out.get()[i] = static_cast<std::byte>((i * 13) ^ (i >> 12)); }
+  io::uring_engine e(options_for(io::backend::io_uring, 4, block, rings));  // 18 pieces: some wait
+  io::request w{f.fd, 0, out.get(), per * count, true, &f.path};
+  e.submit({&w, 1});
+
+  std::map<std::uint64_t, std::exception_ptr> finished;
+  auto done = [&](std::uint64_t tag, std::exception_ptr error) {
+    CHECK(finished.count(tag) == 0);  // once per request
+    finished[tag] = std::move(error);
+  };
+  e.fail_ring(ring_call::submit, err);  // the next io_uring_submit fails
+  for (std::size_t k = 0; k < count; ++k) {
+    e.start({f.fd, k * per, in.get() + k * per, per, false, &f.path}, k);
+  }
+  e.progress(true, done);
+  CHECK(e.active() == 0);
+  REQUIRE(finished.size() == count);
+  for (auto const& [tag, error] : finished) {
+    INFO("request " << tag);
+    auto const x = io_error_in(error);
+    REQUIRE(x);
+    CHECK(x->code().value() == err);
+    CHECK(x->operation() == "io_uring_submit");
+    CHECK(x->path() == f.path);
+    CHECK(x->offset() == tag * per);
+    CHECK(x->length() == per);
+    CHECK_THAT(x->what(), Catch::Contains("io_uring_submit of 196608 bytes at offset") &&
+                            Catch::Contains("read unfinished"));
+  }
+
+  // The engine goes on: streamed, then batched.
+  finished.clear();
+  std::memset(in.get(), 0, per * count);
+  for (std::size_t k = 0; k < count; ++k) {
+    e.start({f.fd, k * per, in.get() + k * per, per, false, &f.path}, 10 + k);
+  }
+  for (int i = 0; i < 100'000 && e.active() > 0; ++i) { e.progress(true, done); }
+  CHECK(e.active() == 0);
+  REQUIRE(finished.size() == count);
+  for (auto const& [tag, error] : finished) { CHECK_FALSE(error); }
+  CHECK(std::memcmp(in.get(), out.get(), per * count) == 0);
+  std::memset(in.get(), 0, per * count);
+  io::request r{f.fd, 0, in.get(), per * count, false, &f.path};
+  e.submit({&r, 1});
+  CHECK(std::memcmp(in.get(), out.get(), per * count) == 0);
+}
+
+TEST_CASE("a failed wait: the pieces in the kernel's hands finish before their requests are failed", "[io][stream][ring]")
+{
+  unsigned const rings = GENERATE(1u, 2u);
+  INFO(rings << " rings");
+  // Reads from an empty pipe stay in the kernel's hands until someone writes to it.
+  int p[2];
+  REQUIRE(::pipe(p) == 0);
+  std::string const name = "the test's pipe";
+  std::size_t const n = 4096, count = 4;
+  std::vector<std::byte> bufs(n * count, std::byte{0});
+  io::uring_engine e(options_for(io::backend::io_uring, 8, n, rings));
+  std::map<std::uint64_t, std::exception_ptr> finished;
+  auto done = [&](std::uint64_t tag, std::exception_ptr error) {
+    CHECK(finished.count(tag) == 0);
+    finished[tag] = std::move(error);
+  };
+  e.fail_ring(ring_call::wait, EOWNERDEAD);
+  for (std::size_t k = 0; k < count; ++k) { e.start({p[0], 0, bufs.data() + k * n, n, false, &name}, k); }
+  ssize_t written = 0;
+  std::thread writer([&] {  // no Catch2 assertions off the main thread
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    std::vector<std::byte> const data(n * count, std::byte{0x5a});
+    written = ::write(p[1], data.data(), data.size());
+  });
+  e.progress(true, done);  // the wait fails; the engine then waits for the writer
+  writer.join();
+  CHECK(written == static_cast<ssize_t>(n * count));
+  CHECK(e.active() == 0);
+  REQUIRE(finished.size() == count);
+  for (auto const& [tag, error] : finished) {
+    INFO("request " << tag);
+    auto const x = io_error_in(error);
+    REQUIRE(x);
+    CHECK(x->code().value() == EOWNERDEAD);
+    CHECK_THAT(x->operation(), Catch::StartsWith("io_uring_wait_cqe"));
+    CHECK(x->path() == name);
+    CHECK(x->length() == n);
+  }
+  // Every read had finished when it was reported: the pipe is empty, the buffers full.
+  int left = -1;
+  CHECK(::ioctl(p[0], FIONREAD, &left) == 0);
+  CHECK(left == 0);
+  CHECK(std::count(bufs.begin(), bufs.end(), std::byte{0x5a}) == static_cast<std::ptrdiff_t>(n * count));
+
+  // The engine goes on.
+  finished.clear();
+  std::vector<std::byte> const more(n, std::byte{0x33});
+  REQUIRE(::write(p[1], more.data(), n) == static_cast<ssize_t>(n));
+  e.start({p[0], 0, bufs.data(), n, false, &name}, 99);
+  for (int i = 0; i < 100'000 && e.active() > 0; ++i) { e.progress(true, done); }
+  REQUIRE(finished.size() == 1);
+  CHECK_FALSE(finished[99]);
+  CHECK(bufs[0] == std::byte{0x33});
+  CHECK(bufs[n - 1] == std::byte{0x33});
+  ::close(p[0]);
+  ::close(p[1]);
+}
+
+TEST_CASE("a ring that stays failed fails its requests, then every later call, saying so", "[io][stream][ring]")
+{
+  temp_file f("ring_dies");
+  std::size_t const block = 64 * 1024, per = 2 * block, count = 3;
+  aligned_bytes buf(per * count);
+  std::memset(buf.get(), 0x11, per * count);
+  io::uring_engine e(options_for(io::backend::io_uring, 2, block));
+  io::request w{f.fd, 0, buf.get(), per * count, true, &f.path};
+  e.submit({&w, 1});
+
+  std::map<std::uint64_t, std::exception_ptr> finished;
+  auto done = [&](std::uint64_t tag, std::exception_ptr error) { finished[tag] = std::move(error); };
+  e.fail_ring(ring_call::submit, EBADF, io::uring_engine::forever);
+  for (std::size_t k = 0; k < count; ++k) { e.start({f.fd, k * per, buf.get() + k * per, per, false, &f.path}, k); }
+  e.progress(true, done);
+  CHECK(e.active() == 0);
+  REQUIRE(finished.size() == count);
+  for (auto const& [tag, error] : finished) {
+    auto const x = io_error_in(error);
+    REQUIRE(x);
+    CHECK(x->code().value() == EBADF);
+    CHECK(x->operation() == "io_uring_submit");
+    CHECK(x->offset() == tag * per);
+    CHECK_THAT(x->what(), Catch::Contains("could not be drained"));
+  }
+  // Later calls fail at once, and say why, instead of waiting for what never comes.
+  auto refused = [](io_error const& x) {
+    return x.code().value() == EBADF && x.operation() == "io_uring_submit" &&
+           std::string_view(x.what()).find("make a new one") != std::string_view::npos;
+  };
+  try {
+    e.start({f.fd, 0, buf.get(), per, false, &f.path}, 7);
+    FAIL("a broken engine started a request");
+  } catch (io_error const& x) {
+    CHECK(refused(x));
+  }
+  CHECK(e.active() == 0);
+  try {
+    e.submit({&w, 1});
+    FAIL("a broken engine ran a batch");
+  } catch (io_error const& x) {
+    CHECK(refused(x));
+  }
+  e.progress(true, done);  // nothing active: returns
+  CHECK(finished.size() == count);
+}
+
+namespace {
+
+/// A streaming tier on a file, through an io_uring engine the test can make fail.
+struct uring_file_tier {
+  struct options {
+    int fd                  = -1;
+    std::string const* path = nullptr;
+  };
+  static constexpr std::string_view name = "uring_file_tier";
+
+  uring_file_tier(std::size_t bytes, options const& o) : bytes_(bytes), o_(o) {}
+  [[nodiscard]] std::size_t size() const { return bytes_; }
+  void read(std::size_t offset, std::span<std::byte> to) const
+  {
+    io::request r{o_.fd, offset, to.data(), to.size(), false, o_.path};
+    engine_.submit({&r, 1});
+  }
+  void write(std::size_t offset, std::span<std::byte const> from)
+  {
+    io::request w{o_.fd, offset, const_cast<std::byte*>(from.data()), from.size(), true, o_.path};
+    engine_.submit({&w, 1});
+  }
+  void stream_start(tier_io const& op, std::uint64_t tag)
+  {
+    engine_.start({o_.fd, op.offset, op.data, op.length, op.write, o_.path}, tag);
+  }
+  template <class Done>
+  void stream_progress(bool wait, Done&& done)
+  {
+    engine_.progress(wait, done);
+  }
+  [[nodiscard]] std::size_t stream_active() const { return engine_.active(); }
+  io::uring_engine& engine() { return engine_; }
+
+ private:
+  std::size_t bytes_;
+  options o_;
+  mutable io::uring_engine engine_{options_for(io::backend::io_uring, 4, 64 * 1024)};
+};
+static_assert(streaming_tier<uring_file_tier>);
+
+}  // namespace
+
+TEST_CASE("the pipelined transfer's I/O thread survives a failing ring instead of hanging", "[io][stream][ring]")
+{
+  temp_file f("ring_worker");
+  constexpr std::size_t per = 128 * 1024, jobs = 6, buffers = 4;
+  std::vector<std::byte> expected(per * jobs);
+  for (std::size_t i = 0; i < expected.size(); ++i) { expected[i] = static_cast<std::byte>(i * 7 + (i >> 10)); }
+  {
+    aligned_bytes out(per * jobs);
+    std::memcpy(out.get(), expected.data(), expected.size());
+    io::engine e(options_for(io::backend::psync));
+    io::request w{f.fd, 0, out.get(), per * jobs, true, &f.path};
+    e.submit({&w, 1});
+  }
+
+  struct outcome {
+    int ring_error = 0;  ///< what wait_all threw after the ring failed once
+    std::string ring_operation;
+    std::size_t active_after = 99;
+    bool went_on             = false;  ///< reads after it succeeded, with the right bytes
+    int dead_error           = 0;      ///< what wait_all threw once the ring died
+    int later_error          = 0;      ///< ... and for a job queued after that
+  };
+  auto const result = within(std::chrono::seconds(30), [fd = f.fd, path = f.path, expected] {
+    outcome o;
+    uring_file_tier t(per * jobs, {fd, &path});
+    aligned_bytes staging(per * buffers);
+    auto read_all = [&](detail::io_worker<uring_file_tier>& w) {
+      for (std::size_t k = 0; k < jobs; ++k) {
+        w.enqueue({k * per, staging.get() + (k % buffers) * per, per, false}, static_cast<unsigned>(k % buffers));
+      }
+      w.wait_all();
+    };
+    {
+      detail::io_worker<uring_file_tier> w(t);
+      t.engine().fail_ring(ring_call::submit, EIO);
+      try {
+        read_all(w);
+      } catch (io_error const& x) {
+        o.ring_error     = x.code().value();
+        o.ring_operation = x.operation();
+      }
+      w.drain();
+      o.active_after = t.stream_active();
+
+      // It goes on: the last `buffers` jobs' bytes are in the staging buffers.
+      try {
+        read_all(w);
+        o.went_on = true;
+        for (std::size_t b = 0; b < buffers; ++b) {
+          std::size_t const last = b + (jobs - 1 - b) / buffers * buffers;  // the last job on buffer b
+          o.went_on = o.went_on && std::memcmp(staging.get() + b * per, expected.data() + last * per, per) == 0;
+        }
+      } catch (...) {
+        o.went_on = false;
+      }
+
+      // A ring that dies: every wait throws, none hangs, and the worker still stops.
+      t.engine().fail_ring(ring_call::submit, EBADF, io::uring_engine::forever);
+      try {
+        read_all(w);
+      } catch (io_error const& x) {
+        o.dead_error = x.code().value();
+      }
+      w.drain();
+      try {
+        read_all(w);
+      } catch (io_error const& x) {
+        o.later_error = x.code().value();
+      }
+      w.drain();
+    }  // ~io_worker joins its thread
+    return o;
+  });
+  REQUIRE(result);  // within 30 seconds, not hung
+  CHECK(result->ring_error == EIO);
+  CHECK(result->ring_operation == "io_uring_submit");
+  CHECK(result->active_after == 0);
+  CHECK(result->went_on);
+  CHECK(result->dead_error == EBADF);
+  CHECK(result->later_error == EBADF);
 }

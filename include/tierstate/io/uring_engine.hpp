@@ -10,12 +10,21 @@
 // Inside the rings results are -errno values; a failure leaves as an io_error, from submit()
 // after every ring has drained, or handed to progress()'s callback for its request.
 // Streaming and submit() are not mixed: submit() needs active() == 0.
+//
+// When a ring itself fails while streaming (io_uring_submit, or the wait for a completion,
+// returns an error other than EINTR, EAGAIN or EBUSY), progress() drains every ring (pieces
+// already prepared are submitted, every piece in the kernel's hands is waited for and its
+// result dropped), fails every active request through its callback with an io_error naming
+// that call and its errno, and resets the streaming state: active() is 0 and the engine goes
+// on. A ring that cannot even be drained leaves the engine broken: from then on start() and
+// submit() throw an io_error saying so, instead of waiting for what will never come.
 #pragma once
 
 #include <tierstate/core/thread_pool.hpp>
 #include <tierstate/io/detail/pieces.hpp>
 #include <tierstate/io/request.hpp>
 
+#include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
@@ -25,6 +34,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <liburing.h>
@@ -85,6 +95,7 @@ class uring_engine {
   void submit(std::span<request const> requests)
   {
     TIERSTATE_EXPECTS(active_ == 0, "uring_engine::submit: streamed requests are still active");
+    throw_if_broken();
     std::vector<detail::piece> const pieces = detail::cut(requests, opts_.block_size);
     if (pieces.empty()) { return; }
     std::mutex m;
@@ -106,9 +117,11 @@ class uring_engine {
 
   // --- streaming ----------------------------------------------------------------------
 
-  /// Queues `r` under `tag`; it is submitted by the next progress().
+  /// Queues `r` under `tag`; it is submitted by the next progress(). Throws io_error once a
+  /// ring failure has left the engine broken (see the file comment).
   void start(request const& r, std::uint64_t tag)
   {
+    throw_if_broken();
     std::size_t index;
     if (free_requests_.empty()) {
       index = requests_.size();
@@ -133,36 +146,59 @@ class uring_engine {
   [[nodiscard]] std::size_t active() const noexcept { return active_; }
 
   /// Fills the rings, then handles every completion there is, waiting for at least one when
-  /// `wait` is set and a piece is in flight. Calls done(tag, error) once per request as it
-  /// finishes: error is null, or an io_error (its first failed piece) as an exception_ptr.
-  /// Throws io_error only if a ring itself fails.
+  /// `wait` is set and a piece is in the kernel's hands. Calls done(tag, error) once per
+  /// request as it finishes: error is null, or an io_error (its first failed piece) as an
+  /// exception_ptr. When a ring itself fails, every active request finishes, with an io_error
+  /// naming the ring call that failed (unless it had failed on its own before), and the
+  /// streaming state is reset (see the file comment). Throws only what `done` throws.
   template <class Done>
   void progress(bool wait, Done&& done)
   {
-    fill();
-    bool any = reap_all(done);
-    if (!any && wait && in_flight_total() > 0) {
-      if (rings_.size() == 1) {
-        io_uring_cqe* cqe = nullptr;
-        int r;
-        do { r = io_uring_wait_cqe(&rings_[0].ring, &cqe); } while (r == -EINTR);
-        if (r < 0) { throw io_error(-r, "the io_uring", "io_uring_wait_cqe"); }
-      } else {
-        // Several rings and one thread: wait on each in turn, briefly.
-        __kernel_timespec ts{0, 100'000};
-        for (std::size_t i = 0;; i = (i + 1) % rings_.size()) {
-          if (rings_[i].in_flight == 0) { continue; }
-          io_uring_cqe* cqe = nullptr;
-          if (io_uring_wait_cqe_timeout(&rings_[i].ring, &cqe, &ts) == 0) { break; }
-        }
+    ring_failure f = fill();
+    if (f.error == 0) {
+      bool const any = reap_all(done, f);
+      if (f.error == 0 && !any && wait) {
+        f = wait_for_completion();
+        if (f.error == 0) { reap_all(done, f); }
       }
-      reap_all(done);
+    }
+    if (f.error != 0) {
+      fail_streaming(f, done);
+      return;
     }
     for (std::size_t const index : finished_now_) { finish(index, done); }
     finished_now_.clear();
   }
 
+  // --- a test hook ----------------------------------------------------------------------
+
+  /// The ring calls fail_ring() can make fail: io_uring_submit, and the wait for a completion.
+  enum class ring_call : std::uint8_t { submit, wait };
+  /// fail_ring's `times` for a ring that has died: every call from then on fails.
+  static constexpr unsigned forever = ~0u;
+
+  /// For tests, the ring-level counterpart of io::fault_plan (which fails pieces): the next
+  /// `times` streaming calls of `call`, on any ring, return -`error` without entering the
+  /// kernel, as the calls of a failing ring do (what they would have submitted stays queued
+  /// in the ring). fail_ring(call, 0, 0) plants nothing. May be called from any thread.
+  void fail_ring(ring_call call, int error, unsigned times = 1) noexcept
+  {
+    auto& p = planted_[static_cast<std::size_t>(call)];
+    p.error.store(error, std::memory_order_relaxed);
+    p.times.store(error != 0 ? times : 0, std::memory_order_release);
+  }
+
  private:
+  /// A ring call that failed: its errno and name, or error 0.
+  struct ring_failure {
+    int error             = 0;
+    char const* operation = "";
+  };
+  struct planted_failure {
+    std::atomic<int> error{0};
+    std::atomic<unsigned> times{0};
+  };
+
   struct ring_holder {
     io_uring ring{};
     std::vector<detail::piece> slots;  ///< streaming: the piece in each slot
@@ -176,15 +212,73 @@ class uring_engine {
     detail::first_failure failure;
   };
 
-  [[nodiscard]] unsigned in_flight_total() const noexcept
+  /// Pieces of `h` the kernel has taken (the rest are prepared but not yet submitted).
+  [[nodiscard]] static unsigned in_kernel(ring_holder& h) noexcept
   {
-    unsigned n = 0;
-    for (auto const& r : rings_) { n += r.in_flight; }
-    return n;
+    return h.in_flight - io_uring_sq_ready(&h.ring);
+  }
+
+  /// The errno fail_ring() planted for this call, or 0.
+  int planted(ring_call call) noexcept
+  {
+    auto& p    = planted_[static_cast<std::size_t>(call)];
+    unsigned t = p.times.load(std::memory_order_acquire);
+    while (t != 0) {
+      if (t == forever || p.times.compare_exchange_weak(t, t - 1, std::memory_order_acq_rel)) {
+        return p.error.load(std::memory_order_relaxed);
+      }
+    }
+    return 0;
+  }
+
+  /// io_uring_submit, retried on EINTR.
+  int submit_ring(io_uring& ring) noexcept
+  {
+    if (int const e = planted(ring_call::submit)) { return -e; }
+    int r;
+    do { r = io_uring_submit(&ring); } while (r == -EINTR);
+    return r;
+  }
+
+  /// Waits for a completion of `ring` (for at most `ts`, when given), retried on EINTR.
+  int wait_ring(io_uring& ring, __kernel_timespec* ts) noexcept
+  {
+    if (int const e = planted(ring_call::wait)) { return -e; }
+    io_uring_cqe* cqe = nullptr;
+    int r;
+    do {
+      r = ts != nullptr ? io_uring_wait_cqe_timeout(&ring, &cqe, ts) : io_uring_wait_cqe(&ring, &cqe);
+    } while (r == -EINTR);
+    return r;
+  }
+
+  /// Waits until some ring has a completion; does nothing when no piece is in the kernel's
+  /// hands (pieces only prepared are submitted by the next fill()).
+  ring_failure wait_for_completion() noexcept
+  {
+    std::size_t waiting_rings = 0;
+    for (auto& h : rings_) { waiting_rings += in_kernel(h) > 0 ? 1 : 0; }
+    if (waiting_rings == 0) { return {}; }
+    if (waiting_rings == 1) {
+      for (auto& h : rings_) {
+        if (in_kernel(h) == 0) { continue; }
+        int const r = wait_ring(h.ring, nullptr);
+        if (r < 0 && r != -EAGAIN) { return {-r, "io_uring_wait_cqe"}; }
+        return {};
+      }
+    }
+    // Several rings and one thread: wait on each in turn, briefly.
+    __kernel_timespec ts{0, 100'000};
+    for (std::size_t i = 0;; i = (i + 1) % rings_.size()) {
+      if (in_kernel(rings_[i]) == 0) { continue; }
+      int const r = wait_ring(rings_[i].ring, &ts);
+      if (r == 0) { return {}; }
+      if (r != -ETIME && r != -EAGAIN) { return {-r, "io_uring_wait_cqe_timeout"}; }
+    }
   }
 
   /// Moves waiting pieces into the rings (round-robin) and submits them.
-  void fill()
+  ring_failure fill()
   {
     for (auto& h : rings_) {
       if (h.slots.empty()) {
@@ -226,11 +320,120 @@ class uring_engine {
       }
     }
     for (auto& h : rings_) {
-      if (h.in_flight == 0) { continue; }
-      int r;
-      do { r = io_uring_submit(&h.ring); } while (r == -EINTR);
-      if (r < 0 && r != -EAGAIN && r != -EBUSY) { throw io_error(-r, "the io_uring", "io_uring_submit"); }
+      if (io_uring_sq_ready(&h.ring) == 0) { continue; }
+      int const r = submit_ring(h.ring);
+      if (r < 0 && r != -EAGAIN && r != -EBUSY) { return {-r, "io_uring_submit"}; }
     }
+    return {};
+  }
+
+  /// Waits out every piece of `h`, submitting those only prepared and dropping every result,
+  /// so that the kernel holds no buffer of the ring. Returns {} or, where the ring will not
+  /// be drained, the call that failed.
+  ring_failure drain(ring_holder& h) noexcept
+  {
+    unsigned soft = 0;  // EAGAIN and EBUSY in a row
+    while (h.in_flight > 0) {
+      io_uring_cqe* cqe = nullptr;
+      for (;;) {
+        int const p = io_uring_peek_cqe(&h.ring, &cqe);
+        if (p == -ETIME) { continue; }  // liburing's own timeout, on kernels without EXT_ARG
+        if (p != 0 || cqe == nullptr) { break; }
+        io_uring_cqe_seen(&h.ring, cqe);
+        --h.in_flight;
+      }
+      if (h.in_flight == 0) { break; }
+      ring_failure f;
+      int r = 0;
+      if (io_uring_sq_ready(&h.ring) > 0) {
+        f.operation = "io_uring_submit";
+        r           = submit_ring(h.ring);
+      }
+      if (r >= 0 && in_kernel(h) > 0) {
+        f.operation = "io_uring_wait_cqe";
+        r           = wait_ring(h.ring, nullptr);
+      }
+      if (r >= 0) {
+        soft = 0;
+        continue;
+      }
+      if ((r == -EAGAIN || r == -EBUSY) && ++soft < 10'000) {
+        std::this_thread::yield();
+        continue;
+      }
+      f.error = -r;
+      return f;
+    }
+    return {};
+  }
+
+  /// After the ring failure `f`: drains every ring, resets the streaming state and finishes
+  /// every active request (see progress()).
+  template <class Done>
+  void fail_streaming(ring_failure const& f, Done& done)
+  {
+    ring_failure stuck;
+    for (auto& h : rings_) {
+      ring_failure const d = drain(h);
+      if (d.error != 0 && stuck.error == 0) { stuck = d; }
+    }
+    std::vector<bool> idle(requests_.size(), false);
+    for (std::size_t const index : free_requests_) { idle[index] = true; }
+    std::vector<stream_request> failed;
+    for (std::size_t i = 0; i < requests_.size(); ++i) {
+      if (!idle[i]) { failed.push_back(std::move(requests_[i])); }
+    }
+    requests_.clear();
+    free_requests_.clear();
+    waiting_.clear();
+    finished_now_.clear();
+    active_ = 0;
+    for (auto& h : rings_) {
+      h.slots.clear();
+      h.free.clear();
+      h.in_flight = 0;
+    }
+    if (stuck.error != 0) { broken_ = stuck; }
+
+    std::exception_ptr thrown;  // by `done`: rethrown once every request has been told
+    for (auto& sr : failed) {
+      std::exception_ptr error;
+      try {
+        if (sr.failure.error != 0) {
+          request const one[] = {sr.r};
+          detail::first_failure own = sr.failure;
+          own.where.request         = 0;
+          own.rethrow(one);
+        } else if (sr.pieces_left != 0) {
+          std::string hint("the io_uring failed with this ");
+          hint.append(sr.r.write ? "write" : "read").append(" unfinished");
+          if (stuck.error != 0) { hint.append("; the ring could not be drained, so the engine is unusable now"); }
+          throw io_error(f.error, path_of(sr.r), f.operation, sr.r.offset, sr.r.length, hint);
+        }
+      } catch (...) {
+        error = std::current_exception();
+      }
+      try {
+        done(sr.tag, error);
+      } catch (...) {
+        if (!thrown) { thrown = std::current_exception(); }
+      }
+    }
+    if (thrown) { std::rethrow_exception(thrown); }
+  }
+
+  [[nodiscard]] static std::string path_of(request const& r)
+  {
+    if (r.path != nullptr) { return *r.path; }
+    return std::string("(fd ").append(std::to_string(r.fd)).append(")");
+  }
+
+  void throw_if_broken() const
+  {
+    if (broken_.error == 0) { return; }
+    throw io_error(broken_.error, "the io_uring", broken_.operation, 0, 0,
+                   "a ring failed while streaming and could not be drained: this engine can no "
+                   "longer transfer; make a new one");
   }
 
   void prep(io_uring_sqe* sqe, request const& r, detail::piece const& p, std::size_t n) const noexcept
@@ -249,14 +452,23 @@ class uring_engine {
     }
   }
 
-  /// Handles every completion waiting in every ring; returns whether there was one.
+  /// Handles every completion waiting in every ring; returns whether there was one. A ring
+  /// that fails sets `failure` and stops it.
   template <class Done>
-  bool reap_all(Done& done)
+  bool reap_all(Done& done, ring_failure& failure)
   {
     bool any = false;
     for (auto& h : rings_) {
       io_uring_cqe* cqe = nullptr;
-      while (io_uring_peek_cqe(&h.ring, &cqe) == 0 && cqe != nullptr) {
+      for (;;) {
+        int const peeked = io_uring_peek_cqe(&h.ring, &cqe);
+        if (peeked == -ETIME) { continue; }  // liburing's own timeout, on kernels without EXT_ARG
+        if (peeked == -EAGAIN || peeked == -EINTR) { break; }
+        if (peeked < 0) {
+          failure = {-peeked, "io_uring_peek_cqe"};
+          return any;
+        }
+        if (cqe == nullptr) { break; }
         any           = true;
         auto const s  = static_cast<unsigned>(io_uring_cqe_get_data64(cqe));
         int const res = cqe->res;
@@ -394,6 +606,8 @@ class uring_engine {
   std::deque<detail::piece> waiting_;
   std::vector<std::size_t> finished_now_;  ///< finished without a completion (empty, or failed early)
   std::size_t active_ = 0;
+  ring_failure broken_;                    ///< the ring call that could not be drained, if any
+  planted_failure planted_[2];             ///< fail_ring(), by ring_call
 };
 
 }  // namespace tierstate::io
