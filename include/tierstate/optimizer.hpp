@@ -5,25 +5,41 @@
 //
 //   Rule       Adam, AdamW, AdamAmsgrad, AdamWAmsgrad (rules/adam.hpp)
 //   Precision  Fp32, Bf16Mixed, Fp16Mixed, Bf16MixedBf16State, or any Precision<...>
-//   StateTier  where master and slots rest between steps: PinnedHost, NvmeFile, or a type
-//              of yours that models the `tier` concept (tiers/tier.hpp)
-//   Transfer   how chunks move between the tier and the compute: Synchronous, or
-//              Pipelined<Depth> to overlap a tier's I/O with compute
-//   Compute    where the rule runs: OnHost<Arch>
+//   StateTier  where master and slots rest between steps: Device, PinnedHost, NvmeFile, or
+//              a type of yours that models the `tier` concept (tiers/tier.hpp)
+//   Transfer   how chunks move between the tier, the host and the GPU: Synchronous,
+//              Pipelined<Depth> to overlap a tier's I/O with compute, or CudaOverlapped<Depth>
+//              for params and gradients on the GPU (transfer/cuda_overlapped.hpp)
+//   Compute    where the rule runs: OnHost<Arch>, or OnDevice (kernels/device/on_device.hpp)
 //
-// Usage: register every parameter tensor (its name, its memory, its element count), group
-// tensors that need their own hyper-parameters, then call step() once per iteration with
-// one gradient view per tensor, in registration order. The state is made on the first
-// step (or the first copy_state): the fp32 master from the params as they are then, the
-// slots zero. From then on the set of tensors is fixed.
+// The compositions, and what each is for:
+//
+//   state       compute    transfer            params/grads   what it is
+//   PinnedHost  OnHost     Synchronous         host           CPU training, state in RAM
+//   NvmeFile    OnHost     Pipelined<D>        host           CPU training, state on NVMe
+//   Device      OnDevice   CudaOverlapped<D>   device         no offload: the GPU baseline
+//   PinnedHost  OnHost     CudaOverlapped<D>   device         ZeRO-Offload
+//   NvmeFile    OnHost     CudaOverlapped<D>   device         ZeRO-Infinity's optimizer offload
+//   PinnedHost  OnDevice   CudaOverlapped<D>   device         state streamed to the GPU
+//   NvmeFile    OnDevice   CudaOverlapped<D>   device         the same, from NVMe
+//
+// (With OnHost and CudaOverlapped, any tensor's param or gradient may also be on the host.)
+//
+// Usage: register every parameter tensor (its name, its memory, its element count, where
+// it lives), group tensors that need their own hyper-parameters, then call step() once per
+// iteration with one gradient view per tensor, in registration order. The state is made on
+// the first step (or the first copy_state): the fp32 master from the params as they are
+// then, the slots zero. From then on the set of tensors is fixed.
 //
 // Thread safety: one thread at a time may call the member functions of one optimizer; the
-// optimizer's own threads do the work inside step(). Different optimizers are independent.
+// optimizer's own threads (and streams) do the work inside step(). Different optimizers are
+// independent.
 //
 // Failures: an invalid option or hyper-parameter throws tierstate::invalid_option before
 // anything changes; a call that breaks the contract (a count that does not match, a null
-// pointer, a duplicate name) throws tierstate::logic_error before anything changes. An
-// exception from the tier (tierstate::io_error for NvmeFile)
+// pointer, a duplicate name, memory in the wrong place) throws tierstate::logic_error before
+// anything changes. An exception from the tier (tierstate::io_error for NvmeFile) or the
+// device runtime (tierstate::cuda_error)
 //   - while the state is first made leaves no state: the next call makes it afresh;
 //   - in a step before any chunk was updated (the first read failed) leaves params, state
 //     and step count as they were: the step may be retried;
@@ -37,6 +53,7 @@
 
 #include <tierstate/checkpoint/format.hpp>
 #include <tierstate/core/concepts.hpp>
+#include <tierstate/core/device_runtime.hpp>
 #include <tierstate/core/error.hpp>
 #include <tierstate/core/layout.hpp>
 #include <tierstate/core/precision.hpp>
@@ -45,8 +62,10 @@
 #include <tierstate/kernels/host/on_host.hpp>
 #include <tierstate/core/thread_pool.hpp>
 #include <tierstate/kernels/host/update.hpp>
+#include <tierstate/tiers/device.hpp>
 #include <tierstate/tiers/pinned_host.hpp>
 #include <tierstate/tiers/tier.hpp>
+#include <tierstate/transfer/cuda_overlapped.hpp>
 #include <tierstate/transfer/detail/io_worker.hpp>
 #include <tierstate/transfer/pipelined.hpp>
 #include <tierstate/transfer/synchronous.hpp>
@@ -76,10 +95,12 @@ struct step_stats {
   std::uint64_t tier_bytes_read    = 0;  ///< state bytes read from the state tier
   std::uint64_t tier_bytes_written = 0;  ///< state bytes written to the state tier
   std::uint64_t tier_bytes_in_place = 0;  ///< state bytes updated in place in an addressable tier
+  std::uint64_t h2d_bytes           = 0;  ///< bytes copied host to device (params, or state)
+  std::uint64_t d2h_bytes           = 0;  ///< bytes copied device to host (gradients, or state)
   std::size_t chunks                = 0;
   double check_seconds   = 0;  ///< looking for non-finite gradients
   double compute_seconds = 0;  ///< running the rule
-  double wait_seconds    = 0;  ///< waiting for the tier's reads and writes
+  double wait_seconds    = 0;  ///< waiting for the tier's reads and writes, and for copies
   double total_seconds   = 0;
 };
 
@@ -93,11 +114,22 @@ struct step_result {
 template <rule Rule, precision Precision = Bf16Mixed, tier StateTier = PinnedHost,
           class Transfer = Synchronous, class Compute = OnHost<>>
 class OffloadedOptimizer {
-  static_assert(std::is_same_v<Transfer, Synchronous> || is_pipelined_v<Transfer>,
-                "tierstate::OffloadedOptimizer: the transfers available are Synchronous and "
-                "Pipelined<Depth>.");
-  static_assert(is_on_host_v<Compute>,
-                "tierstate::OffloadedOptimizer: the computes available are OnHost<Arch>.");
+  static_assert(std::is_same_v<Transfer, Synchronous> || is_pipelined_v<Transfer> ||
+                  is_cuda_overlapped_v<Transfer>,
+                "tierstate::OffloadedOptimizer: the transfers available are Synchronous, "
+                "Pipelined<Depth> and CudaOverlapped<Depth>.");
+  static_assert(requires { Compute::runs_on_device; },
+                "tierstate::OffloadedOptimizer: the computes available are OnHost<Arch> "
+                "(kernels/host/on_host.hpp) and OnDevice (kernels/device/on_device.hpp).");
+  static constexpr bool on_device_ = Compute::runs_on_device;
+  static_assert(!device_tier<StateTier> || on_device_,
+                "tierstate::OffloadedOptimizer: state in the Device tier is updated where it lives: "
+                "use OnDevice compute (or PinnedHost / NvmeFile state for OnHost compute).");
+  static_assert(!on_device_ || device_tier<StateTier> || is_cuda_overlapped_v<Transfer>,
+                "tierstate::OffloadedOptimizer: OnDevice compute with state in a host tier streams "
+                "each chunk's state to the GPU and back: use the CudaOverlapped<Depth> transfer.");
+  /// Params and gradients may be on the device (the GPU, or the emulated device).
+  static constexpr bool device_params_ = on_device_ || is_cuda_overlapped_v<Transfer>;
 
  public:
   using rule_type       = Rule;
@@ -108,7 +140,9 @@ class OffloadedOptimizer {
   using grad_type       = typename Precision::grad_type;
   using state_type      = typename Precision::state_type;
   using hyperparameters = typename Rule::hyperparameters;
-  using arch            = typename Compute::arch;
+  using compute_type    = Compute;
+  /// The xsimd architecture of the host work (OnHost's Arch).
+  using arch            = typename detail::compute_arch<Compute>::type;
   using tensor_id       = std::size_t;
   using group_id        = std::size_t;
 
@@ -130,8 +164,9 @@ class OffloadedOptimizer {
   explicit OffloadedOptimizer(hyperparameters const& defaults = {}, options const& opts = {});
 
   /// Registers a parameter tensor; returns its index (its position in step()'s gradients).
-  /// `param` must stay valid and is updated in place by every step. Params on the device
-  /// need a CUDA transfer, which this composition does not have.
+  /// `param` must stay valid and is updated in place by every step. `where` says whether it
+  /// is host or device memory: device params need CudaOverlapped or OnDevice, and OnDevice
+  /// needs them (with CUDA, a pointer in the wrong place is refused).
   tensor_id add_tensor(std::string name, param_type* param, std::size_t count,
                        location where = location::host);
 
@@ -146,10 +181,18 @@ class OffloadedOptimizer {
   [[nodiscard]] group_id group_of(std::string_view tensor) const;
 
   /// One optimizer step. `grads` holds one view per registered tensor, in registration
-  /// order, each with the tensor's element count and on the host. `grad_scale` is the
-  /// factor the gradients were multiplied by (GradScaler's scale; 1 when unscaled): the
-  /// update divides it out. Blocks until the step is done.
-  step_result step(std::span<grad_view<grad_type> const> grads, double grad_scale = 1.0);
+  /// order, each with the tensor's element count: on the host, or (with CudaOverlapped or
+  /// OnDevice) on the device; OnDevice needs them on the device. `grad_scale` is the factor
+  /// the gradients were multiplied by (GradScaler's scale; 1 when unscaled): the update
+  /// divides it out. Device gradients are read after the work queued so far on `ready`
+  /// (the stream that produced them; by default the legacy default stream). Blocks until
+  /// the step is done, every param written back included.
+  ///
+  /// Looking for non-finite gradients (on_nonfinite) costs one more read of them: on the
+  /// device with OnDevice, and with OnHost one more device-to-host copy of device gradients
+  /// (grad bytes over PCIe); set `ignore` when the framework has checked already.
+  step_result step(std::span<grad_view<grad_type> const> grads, double grad_scale = 1.0,
+                   device::stream_view ready = {});
 
   /// Steps taken (skipped steps do not count), as torch.optim's state["step"].
   [[nodiscard]] std::int64_t step_count() const noexcept { return step_; }
@@ -181,10 +224,20 @@ class OffloadedOptimizer {
   /// The tier holding the state (made on first use).
   [[nodiscard]] StateTier& state_tier();
   [[nodiscard]] std::size_t tensor_count() const noexcept { return tensors_.size(); }
-  /// Host memory used to stage chunks of a tier that is not addressable: the transfer's
-  /// staging_buffers x the layout's chunk bytes (0 for an addressable tier), made with the
-  /// state. A fixed amount: it does not grow with the model.
-  [[nodiscard]] std::size_t staging_bytes() const noexcept { return staging_ ? staging_->size() : 0; }
+  /// Host memory used to stage chunks: for a tier that is not addressable, the transfer's
+  /// staging_buffers x the layout's chunk bytes; with CudaOverlapped and OnHost, also
+  /// staging_buffers x chunk_elements x (grad + param bytes) for the PCIe copies. Made with
+  /// the state. A fixed amount: it does not grow with the model.
+  [[nodiscard]] std::size_t staging_bytes() const noexcept
+  {
+    return (staging_ ? staging_->size() : 0) +
+           (dev_ ? dev_->grad_stage.size() + dev_->param_stage.size() : 0);
+  }
+  /// Device memory used to stage chunks (OnDevice with a host tier: staging_buffers chunks).
+  [[nodiscard]] std::size_t device_staging_bytes() const noexcept
+  {
+    return dev_ ? dev_->state_stage_bytes : 0;
+  }
   /// Whether a failed step left the state part updated (see "Failures" above).
   [[nodiscard]] bool state_lost() const noexcept { return !lost_.empty(); }
   [[nodiscard]] thread_pool& pool() noexcept { return pool_; }
@@ -195,6 +248,31 @@ class OffloadedOptimizer {
     param_type* param = nullptr;
     std::size_t count = 0;
     group_id group    = 0;
+    location where    = location::host;
+  };
+  /// The streams, events and PCIe staging of a step with device params (made with the
+  /// state): compute runs the device kernels, h2d and d2h carry the copies each way. In[b],
+  /// computed[b] and out[b] mark, for the chunk in staging buffer b, its arrival, its update
+  /// and its departure.
+  struct device_resources {
+    static constexpr unsigned buffers = Transfer::staging_buffers;
+    device::stream compute, h2d, d2h;
+    device::event ready;
+    device::event in[buffers], computed[buffers], out[buffers];
+    PinnedHost grad_stage{0};   ///< OnHost: buffers x chunk_elements gradients
+    PinnedHost param_stage{0};  ///< OnHost: buffers x chunk_elements params
+    std::byte* state_stage = nullptr;  ///< OnDevice with a host tier: buffers chunks, device memory
+    std::size_t state_stage_bytes = 0;
+    ~device_resources()
+    {
+      try {
+        compute.synchronize();
+        h2d.synchronize();
+        d2h.synchronize();
+      } catch (...) {  // a failure was reported by the step it belonged to
+      }
+      device::deallocate_async(state_stage, compute);
+    }
   };
   /// The part of a tensor that falls in one chunk.
   struct piece {
@@ -207,6 +285,9 @@ class OffloadedOptimizer {
   void materialize();
   std::size_t find_tensor(std::string_view name, char const* caller) const;
   void check_grads(std::span<grad_view<grad_type> const> grads) const;
+  [[nodiscard]] bool find_nonfinite(std::span<grad_view<grad_type> const> grads);
+  /// Copies `count` params of tensor t from element `begin` to host memory `to`.
+  void read_params(std::size_t t, std::size_t begin, std::size_t count, param_type* to) const;
   template <class F>
   void with_chunk(std::size_t k, bool write_back, step_stats& stats, F&& f);
   void step_staged(std::span<grad_view<grad_type> const> grads,
@@ -215,6 +296,18 @@ class OffloadedOptimizer {
   void step_pipelined(std::span<grad_view<grad_type> const> grads,
                       std::vector<typename Rule::coefficients> const& coefficients, step_stats& stats,
                       bool& changed);
+  void step_device_resident(std::span<grad_view<grad_type> const> grads,
+                            std::vector<typename Rule::coefficients> const& coefficients,
+                            step_stats& stats, bool& changed);
+  void step_overlapped_host(std::span<grad_view<grad_type> const> grads,
+                            std::vector<typename Rule::coefficients> const& coefficients,
+                            step_stats& stats, bool& changed);
+  void step_streamed_to_device(std::span<grad_view<grad_type> const> grads,
+                               std::vector<typename Rule::coefficients> const& coefficients,
+                               step_stats& stats, bool& changed);
+  /// Queues the device update of chunk k, whose state is device memory at `chunk`.
+  void launch_chunk(std::size_t k, std::byte* chunk, std::span<grad_view<grad_type> const> grads,
+                    std::vector<typename Rule::coefficients> const& coefficients);
   void check_not_lost(char const* call) const;
   [[nodiscard]] checkpoint::header make_header() const;
   void check_header(checkpoint::header const& h, std::string const& path) const;
@@ -223,10 +316,13 @@ class OffloadedOptimizer {
   {
     return staging_->data() + buffer * layout_->chunk_bytes();
   }
-  /// Updates elements [b, e) of chunk k (whose bytes start at `chunk`) on this thread.
+  /// Updates elements [b, e) of chunk k (whose bytes start at `chunk`) on this thread. The
+  /// gradients and params of device tensors are read from, and written to, the chunk's PCIe
+  /// staging (`grad_stage`, `param_stage`: chunk_elements each) instead.
   void update_chunk_range(std::size_t k, std::byte* chunk, std::size_t b, std::size_t e,
                           std::span<grad_view<grad_type> const> grads,
-                          std::vector<typename Rule::coefficients> const& coefficients);
+                          std::vector<typename Rule::coefficients> const& coefficients,
+                          grad_type const* grad_stage = nullptr, param_type* param_stage = nullptr);
 
   options opts_;
   std::vector<hyperparameters> groups_;
@@ -241,6 +337,7 @@ class OffloadedOptimizer {
   std::vector<std::size_t> chunk_pieces_;  ///< pieces of chunk k: [chunk_pieces_[k], chunk_pieces_[k + 1])
   std::optional<PinnedHost> staging_;  ///< staging_buffers chunks, for tiers that are not addressable
   std::unique_ptr<detail::io_worker<StateTier>> io_;  ///< Pipelined's I/O thread (declared after tier_)
+  std::unique_ptr<device_resources> dev_;  ///< with device params (declared after tier_ and staging_)
   std::string lost_;  ///< the failure that left the state part updated, or empty
 };
 

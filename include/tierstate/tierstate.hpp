@@ -1,11 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
 // tierstate: offloaded optimizer state for training, as a C++20 header-only library.
-// The umbrella header: everything public.
+// The umbrella header: everything public that needs no more than a C++20 compiler (and,
+// with TIERSTATE_ENABLE_CUDA, the CUDA runtime). The device kernels, and the OnDevice
+// compute that runs them, need Thrust: include <tierstate/kernels/device/on_device.hpp>.
 #pragma once
 
 #include <tierstate/checkpoint/format.hpp>
 #include <tierstate/core/concepts.hpp>
 #include <tierstate/core/config.hpp>
+#include <tierstate/core/device_runtime.hpp>
 #include <tierstate/core/error.hpp>
 #include <tierstate/core/layout.hpp>
 #include <tierstate/core/math.hpp>
@@ -22,8 +25,10 @@
 #include <tierstate/kernels/host/update.hpp>
 #include <tierstate/optimizer.hpp>
 #include <tierstate/rules/adam.hpp>
+#include <tierstate/tiers/device.hpp>
 #include <tierstate/tiers/nvme_file.hpp>
 #include <tierstate/tiers/pinned_host.hpp>
 #include <tierstate/tiers/tier.hpp>
+#include <tierstate/transfer/cuda_overlapped.hpp>
 #include <tierstate/transfer/pipelined.hpp>
 #include <tierstate/transfer/synchronous.hpp>

@@ -139,10 +139,19 @@ void TIERSTATE_OPTIMIZER::params_from_master(std::size_t k, std::byte const* chu
 {
   if constexpr (Precision::has_master) {
     auto const* master = reinterpret_cast<float const*>(chunk + layout_->slot_offset(0));
+    std::vector<param_type> staged;  // for params on the device
     for (std::size_t p = chunk_pieces_[k]; p < chunk_pieces_[k + 1]; ++p) {
       auto const& pc  = pieces_[p];
-      param_type* dst = tensors_[pc.tensor].param + pc.tensor_begin;
+      auto const& t   = tensors_[pc.tensor];
+      param_type* dst = t.param + pc.tensor_begin;
+      if (t.where == location::device) {
+        staged.resize(pc.count);
+        dst = staged.data();
+      }
       for (std::size_t i = 0; i < pc.count; ++i) { dst[i] = convert<param_type>(master[pc.chunk_begin + i]); }
+      if (t.where == location::device) {
+        device::copy(t.param + pc.tensor_begin, staged.data(), pc.count * sizeof(param_type));
+      }
     }
   }
 }

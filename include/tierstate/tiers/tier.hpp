@@ -14,6 +14,7 @@
 //     void read(std::size_t offset, std::span<std::byte> to) const;
 //     void write(std::size_t offset, std::span<std::byte const> from);
 //     std::byte* data();                                   // optional: addressable tiers
+//     std::byte* device_data();                            // optional: device memory
 //   };
 //
 // read and write throw on failure (tierstate::io_error for I/O) and leave the rest of the
@@ -64,6 +65,13 @@ concept tier = std::constructible_from<T, std::size_t, typename T::options const
 template <class T>
 concept addressable_tier = tier<T> && requires(T& t) {
   { t.data() } -> std::same_as<std::byte*>;
+};
+
+/// A tier whose bytes live in device memory (tiers/device.hpp): device kernels update it in
+/// place through `device_data()`; the host reaches it only through read and write.
+template <class T>
+concept device_tier = tier<T> && requires(T& t) {
+  { t.device_data() } -> std::same_as<std::byte*>;
 };
 
 /// A tier that runs a batch of independent reads and writes at once.

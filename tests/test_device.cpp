@@ -1,0 +1,538 @@
+// SPDX-License-Identifier: Apache-2.0
+// The device side: the Thrust kernels against the host kernels, and the four device
+// compositions against PinnedHost + Synchronous on the host, bit for bit.
+//
+// Built twice. On every machine, with a Thrust host backend (THRUST_DEVICE_SYSTEM = CPP or
+// OMP, set by the build) over the emulated device of core/device_runtime.hpp, whose streams
+// are threads. And by nvcc with TIERSTATE_ENABLE_CUDA (test_device_cuda.cu), on the GPU,
+// where it runs only when there is a device.
+#include "nvme_support.hpp"
+
+#include <tierstate/kernels/device/on_device.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+using namespace tierstate;
+using namespace tierstate::test;
+
+namespace {
+
+/// An array in host memory and its copy in device memory.
+template <class T>
+struct mirrored {
+  std::vector<T> host;
+  T* device = nullptr;
+  explicit mirrored(std::vector<T> v) : host(std::move(v))
+  {
+    device = static_cast<T*>(device::allocate_async(host.size() * sizeof(T), {}));
+    device::stream_view{}.synchronize();
+    upload();
+  }
+  ~mirrored() { device::deallocate_async(device, {}); }
+  mirrored(mirrored const&)            = delete;
+  mirrored& operator=(mirrored const&) = delete;
+  void upload() { device::copy(device, host.data(), host.size() * sizeof(T)); }
+  std::vector<T>& download()
+  {
+    device::copy(host.data(), device, host.size() * sizeof(T));
+    return host;
+  }
+};
+
+std::size_t large_size()
+{
+  static std::size_t const n = [] {
+    std::size_t size = (std::size_t{1} << 20) + 3;
+    if (char const* env = std::getenv("TIERSTATE_TEST_LARGE_SIZE")) {
+      size = std::max<std::size_t>(std::strtoull(env, nullptr, 10), 4097);
+    }
+    return size;
+  }();
+  return n;
+}
+
+/// One rule and precision: `steps` steps of the device kernel and of the host kernel from
+/// the same inputs; returns the number of elements whose params or state differ in a bit.
+template <class R, class P>
+std::size_t kernel_mismatches(std::size_t n, int steps, typename R::hyperparameters const& h)
+{
+  using param_t = typename P::param_type;
+  using grad_t  = typename P::grad_type;
+  using state_t = typename P::state_type;
+  constexpr std::size_t S = R::slot_count;
+  struct arrays {
+    std::vector<param_t> param;
+    std::vector<grad_t> grad;
+    std::vector<float> master;
+    std::vector<std::vector<state_t>> state;
+    update_arrays<P, S> view()
+    {
+      update_arrays<P, S> a;
+      a.param  = param.data();
+      a.grad   = grad.data();
+      a.master = P::has_master ? master.data() : nullptr;
+      for (std::size_t j = 0; j < S; ++j) { a.state[j] = state[j].data(); }
+      return a;
+    }
+  };
+  auto make = [&] {
+    arrays a;
+    a.param.resize(n);
+    a.grad.resize(n);
+    a.master.resize(n);
+    a.state.assign(S, std::vector<state_t>(n, convert<state_t>(0.0f)));
+    for (std::size_t i = 0; i < n; ++i) {
+      a.master[i] = init_value(i);
+      a.param[i]  = convert<param_t>(init_value(i));
+    }
+    return a;
+  };
+  arrays host_side = make();
+  arrays start     = make();
+  mirrored<param_t> d_param(start.param);
+  mirrored<grad_t> d_grad(start.grad);
+  mirrored<float> d_master(start.master);
+  std::vector<std::unique_ptr<mirrored<state_t>>> d_state;
+  for (std::size_t j = 0; j < S; ++j) { d_state.push_back(std::make_unique<mirrored<state_t>>(start.state[j])); }
+  update_arrays<P, S> on_device;
+  on_device.param  = d_param.device;
+  on_device.grad   = d_grad.device;
+  on_device.master = P::has_master ? d_master.device : nullptr;
+  for (std::size_t j = 0; j < S; ++j) { on_device.state[j] = d_state[j]->device; }
+  thread_pool pool(2);
+  device::stream s;
+  for (int t = 1; t <= steps; ++t) {
+    for (std::size_t i = 0; i < n; ++i) {
+      // Every 97th gradient is huge or tiny, to reach overflow and underflow of the state.
+      float g = grad_value(i, t);
+      if (i % 97 == 5) { g *= 1e30f; }
+      if (i % 97 == 6) { g *= 1e-30f; }
+      host_side.grad[i] = d_grad.host[i] = convert<grad_t>(g);
+    }
+    d_grad.upload();
+    auto const k = R::coefficients_for(h, t, t % 3 == 0 ? 1024.0 : 1.0);
+    host::update<R, P>(pool, k, host_side.view(), n);
+    device::update_async<R, P>(s, k, on_device, n);
+    s.synchronize();
+  }
+  arrays device_side;
+  device_side.param  = d_param.download();
+  device_side.master = d_master.download();
+  for (std::size_t j = 0; j < S; ++j) { device_side.state.push_back(d_state[j]->download()); }
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    bool same = bits(host_side.param[i]) == bits(device_side.param[i]);
+    if constexpr (P::has_master) { same = same && bits(host_side.master[i]) == bits(device_side.master[i]); }
+    for (std::size_t j = 0; j < S; ++j) {
+      same = same && bits(host_side.state[j][i]) == bits(device_side.state[j][i]);
+    }
+    bad += same ? 0 : 1;
+  }
+  return bad;
+}
+
+template <class R, class P>
+void check_rule()
+{
+  typename R::hyperparameters h;
+  h.lr           = 3e-3;
+  h.weight_decay = 0.1;
+  for (std::size_t const n : {std::size_t{1}, std::size_t{7}, std::size_t{4095}, std::size_t{4097}, large_size()}) {
+    INFO(R::name << " " << P::name() << " n=" << n);
+    CHECK(kernel_mismatches<R, P>(n, 5, h) == 0);
+  }
+  h.maximize = true;
+  h.betas    = {0.3, 0.5};  // torch's lerp from the far end: the other branch of the rule
+  INFO(R::name << " " << P::name() << " maximize, beta1 0.3");
+  CHECK(kernel_mismatches<R, P>(4097, 7, h) == 0);
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("the device kernel under Thrust's host backend gives the host kernel's bits",
+                   "[device][kernel]", Fp32, Bf16Mixed, Fp16Mixed, Bf16MixedBf16State,
+                   (Precision<bf16, float>), (Precision<fp16, float, float, bf16>))
+{
+  INFO("Thrust device system: " << device::system_name());
+  check_rule<Adam, TestType>();
+  check_rule<AdamW, TestType>();
+  check_rule<AdamAmsgrad, TestType>();
+  check_rule<AdamWAmsgrad, TestType>();
+}
+
+TEST_CASE("the device kernel refuses missing arrays, and finds non-finite values", "[device][kernel]")
+{
+  device::stream s;
+  update_arrays<Bf16Mixed, 2> a;
+  auto const k = AdamW::coefficients_for({}, 1);
+  CHECK_THROWS_AS((device::update_async<AdamW, Bf16Mixed>(s, k, a, 10)), tierstate::logic_error);
+  CHECK_NOTHROW((device::update_async<AdamW, Bf16Mixed>(s, k, a, 0)));
+
+  mirrored<bf16> g(std::vector<bf16>(5000, bf16(1.0f)));
+  CHECK_FALSE(device::any_nonfinite(s, g.device, 5000));
+  g.host[4999] = bf16(std::numeric_limits<float>::infinity());
+  g.upload();
+  CHECK(device::any_nonfinite(s, g.device, 5000));
+  mirrored<fp16> h(std::vector<fp16>(3, fp16(1.0f)));
+  h.host[1] = fp16(std::numeric_limits<float>::quiet_NaN());
+  h.upload();
+  CHECK(device::any_nonfinite(s, h.device, 3));
+  CHECK_FALSE(device::any_nonfinite(s, h.device, 1));
+}
+
+// --- the compositions --------------------------------------------------------------------
+
+namespace {
+
+template <class P, unsigned D = 2>
+using DeviceResident = OffloadedOptimizer<AdamW, P, Device, CudaOverlapped<D>, OnDevice>;
+template <class P, unsigned D = 2>
+using ZeroOffload = OffloadedOptimizer<AdamW, P, PinnedHost, CudaOverlapped<D>, OnHost<>>;
+template <class P, unsigned D = 2>
+using ZeroInfinity = OffloadedOptimizer<AdamW, P, NvmeFile, CudaOverlapped<D>, OnHost<>>;
+template <class P, class Tier = PinnedHost, unsigned D = 2>
+using Streamed = OffloadedOptimizer<AdamW, P, Tier, CudaOverlapped<D>, OnDevice>;
+
+static_assert(device_tier<Device> && !addressable_tier<Device>);
+static_assert(is_cuda_overlapped_v<CudaOverlapped<3>> && CudaOverlapped<3>::staging_buffers == 5);
+
+template <class T>
+std::vector<std::vector<std::uint32_t>> bits_of(std::vector<std::vector<T>> const& v)
+{
+  std::vector<std::vector<std::uint32_t>> out;
+  for (auto const& x : v) {
+    out.emplace_back();
+    for (auto const& e : x) { out.back().push_back(bits(e)); }
+  }
+  return out;
+}
+
+/// The model's params and gradients in (emulated) device memory: tensors for which
+/// `on_device(t)` holds are registered as device memory, the rest as host memory.
+template <class Opt>
+run_result train_on_device(int steps, typename Opt::options const& o,
+                           bool (*on_device)(std::size_t) = nullptr,
+                           std::vector<step_result>* results = nullptr)
+{
+  if (on_device == nullptr) {
+    on_device = [](std::size_t) { return true; };
+  }
+  using P = typename Opt::precision_type;
+  nvme_model<P> m;
+  std::vector<std::unique_ptr<mirrored<typename P::param_type>>> params;
+  std::vector<std::unique_ptr<mirrored<typename P::grad_type>>> grads;
+  Opt opt(schedule<Opt>(1), o);
+  for (std::size_t k = 0; k < m.params.size(); ++k) {
+    params.push_back(std::make_unique<mirrored<typename P::param_type>>(m.params[k]));
+    grads.push_back(std::make_unique<mirrored<typename P::grad_type>>(m.grads[k]));
+    opt.add_tensor(tensor_name(k), on_device(k) ? params[k]->device : m.params[k].data(),
+                   m.params[k].size(), on_device(k) ? location::device : location::host);
+  }
+  typename Opt::hyperparameters h;
+  h.lr           = 3e-3;
+  h.betas        = {0.8, 0.99};
+  h.weight_decay = 0.0;
+  opt.add_group(h, {"t1", "t4"});
+  for (int t = 1; t <= steps; ++t) {
+    m.fill_grads(t);
+    opt.set_hyperparameters(0, schedule<Opt>(t));
+    auto views = m.views();
+    for (std::size_t k = 0; k < views.size(); ++k) {
+      if (on_device(k)) {
+        grads[k]->host = m.grads[k];
+        grads[k]->upload();
+        views[k] = {grads[k]->device, m.grads[k].size(), location::device};
+      }
+    }
+    auto const r = opt.step(views);
+    if (results != nullptr) { results->push_back(r); }
+  }
+  for (std::size_t k = 0; k < m.params.size(); ++k) {
+    if (on_device(k)) { m.params[k] = params[k]->download(); }
+  }
+  return snapshot(opt, m);
+}
+
+template <class Opt>
+typename Opt::options chunked(std::size_t chunk, std::size_t threads = 0)
+{
+  typename Opt::options o;
+  o.chunk_elements = chunk;
+  o.threads        = threads;
+  return o;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("the four device compositions give PinnedHost + Synchronous's bits over 50 steps",
+                   "[device][compositions]", Fp32, Bf16Mixed, Bf16MixedBf16State)
+{
+  using P = TestType;
+  for (std::size_t const chunk : {std::size_t{2048}, std::size_t{6144}, std::size_t{1} << 20}) {
+    INFO("chunk_elements " << chunk);
+    run_result const expected = reference<P>(50, chunk);
+    scratch_dir d;
+    SECTION("state on the device, compute on the device") {
+      CHECK(train_on_device<DeviceResident<P>>(50, chunked<DeviceResident<P>>(chunk)) == expected);
+    }
+    SECTION("state in PinnedHost, compute on the host (ZeRO-Offload)") {
+      CHECK(train_on_device<ZeroOffload<P, 1>>(50, chunked<ZeroOffload<P, 1>>(chunk)) == expected);
+      CHECK(train_on_device<ZeroOffload<P, 2>>(50, chunked<ZeroOffload<P, 2>>(chunk, 1)) == expected);
+      CHECK(train_on_device<ZeroOffload<P, 3>>(50, chunked<ZeroOffload<P, 3>>(chunk)) == expected);
+    }
+    SECTION("state in NvmeFile through PinnedHost, compute on the host (ZeRO-Infinity)") {
+      auto o     = chunked<ZeroInfinity<P, 1>>(chunk);
+      o.tier     = in(d);
+      CHECK(train_on_device<ZeroInfinity<P, 1>>(50, o) == expected);
+      auto o3    = chunked<ZeroInfinity<P, 3>>(chunk);
+      o3.tier    = in(d);
+      CHECK(train_on_device<ZeroInfinity<P, 3>>(50, o3) == expected);
+      CHECK(d.entries().empty());
+    }
+    SECTION("state in PinnedHost or NvmeFile, compute on the device (state streamed to the GPU)") {
+      CHECK(train_on_device<Streamed<P, PinnedHost, 1>>(50, chunked<Streamed<P, PinnedHost, 1>>(chunk)) == expected);
+      CHECK(train_on_device<Streamed<P, PinnedHost, 2>>(50, chunked<Streamed<P, PinnedHost, 2>>(chunk)) == expected);
+      auto o  = chunked<Streamed<P, NvmeFile, 2>>(chunk);
+      o.tier  = in(d);
+      CHECK(train_on_device<Streamed<P, NvmeFile, 2>>(50, o) == expected);
+      auto o1 = chunked<Streamed<P, NvmeFile, 1>>(chunk);
+      o1.tier = in(d);
+      CHECK(train_on_device<Streamed<P, NvmeFile, 1>>(50, o1) == expected);
+    }
+  }
+}
+
+TEST_CASE("with OnHost and CudaOverlapped, host and device tensors mix in one model", "[device][compositions]")
+{
+  auto const odd = [](std::size_t t) { return t % 2 == 1; };
+  run_result const expected = reference<Bf16Mixed>(20, 2048);
+  CHECK(train_on_device<ZeroOffload<Bf16Mixed>>(20, chunked<ZeroOffload<Bf16Mixed>>(2048), odd) == expected);
+  scratch_dir d;
+  auto o = chunked<ZeroInfinity<Bf16Mixed>>(2048);
+  o.tier = in(d);
+  CHECK(train_on_device<ZeroInfinity<Bf16Mixed>>(20, o, odd) == expected);
+  // Fp32 params are their own master: they come device to host with the gradients.
+  CHECK(train_on_device<ZeroOffload<Fp32>>(20, chunked<ZeroOffload<Fp32>>(2048), odd) == reference<Fp32>(20, 2048));
+}
+
+TEST_CASE("a device step moves the bytes its composition says, through fixed staging", "[device][stats]")
+{
+  std::vector<step_result> r;
+  std::size_t const total = 1 + 4097 + 7 + 6144 + 30011 + 2047 + 3;  // nvme_sizes
+  SECTION("ZeRO-Offload: gradients down, params up, state in place") {
+    (void)train_on_device<ZeroOffload<Bf16Mixed>>(2, chunked<ZeroOffload<Bf16Mixed>>(4096), nullptr, &r);
+    REQUIRE(r.size() == 2);
+    CHECK(r[1].stats.d2h_bytes == total * sizeof(bf16));
+    CHECK(r[1].stats.h2d_bytes == total * sizeof(bf16));
+    CHECK(r[1].stats.tier_bytes_read == 0);
+    CHECK(r[1].stats.chunks == (total + 4095) / 4096);
+  }
+  SECTION("streamed to the device: each chunk's state both ways") {
+    (void)train_on_device<Streamed<Bf16Mixed>>(2, chunked<Streamed<Bf16Mixed>>(4096), nullptr, &r);
+    std::size_t const chunk_bytes = 4096 * 12;
+    CHECK(r[1].stats.h2d_bytes == r[1].stats.chunks * chunk_bytes);
+    CHECK(r[1].stats.d2h_bytes == r[1].stats.chunks * chunk_bytes);
+  }
+  SECTION("the staging is (Depth + 2) chunks whatever the model") {
+    mirrored<bf16> w(std::vector<bf16>(100000, bf16(0.5f)));
+    ZeroOffload<Bf16Mixed, 3> a({}, chunked<ZeroOffload<Bf16Mixed, 3>>(8192));
+    a.add_tensor("w", w.device, 100000, location::device);
+    (void)a.state_layout();
+    CHECK(a.staging_bytes() == 5 * 8192 * (sizeof(bf16) + sizeof(bf16)));
+    CHECK(a.device_staging_bytes() == 0);
+    Streamed<Bf16Mixed, PinnedHost, 2> b({}, chunked<Streamed<Bf16Mixed, PinnedHost, 2>>(8192));
+    b.add_tensor("w", w.device, 100000, location::device);
+    (void)b.state_layout();
+    CHECK(b.device_staging_bytes() == 4 * 8192 * 12);
+    CHECK(b.staging_bytes() == 0);
+  }
+}
+
+TEMPLATE_TEST_CASE("a non-finite device gradient skips the step, with every composition",
+                   "[device][nonfinite]", DeviceResident<Bf16Mixed>, ZeroOffload<Bf16Mixed>,
+                   Streamed<Bf16Mixed>)
+{
+  test_model<Bf16Mixed> m({5000, 30000});
+  mirrored<bf16> a(m.params[0]), b(m.params[1]);
+  auto const before = bits_of(m.params);
+  TestType opt({}, chunked<TestType>(4096));
+  opt.add_tensor("a", a.device, 5000, location::device);
+  opt.add_tensor("b", b.device, 30000, location::device);
+  m.fill_grads(1);
+  m.grads[1][29999] = bf16(std::numeric_limits<float>::quiet_NaN());
+  mirrored<bf16> ga(m.grads[0]), gb(m.grads[1]);
+  std::vector<grad_view<bf16>> const views = {{ga.device, 5000, location::device},
+                                             {gb.device, 30000, location::device}};
+  auto r = opt.step(views);
+  CHECK(r.found_nonfinite);
+  CHECK(r.skipped);
+  CHECK(opt.step_count() == 0);
+  CHECK(bits_of(std::vector{a.download(), b.download()}) == before);
+  gb.host[29999] = bf16(0.25f);
+  gb.upload();
+  r = opt.step(views);
+  CHECK_FALSE(r.found_nonfinite);
+  CHECK(opt.step_count() == 1);
+  CHECK(bits_of(std::vector{a.download(), b.download()}) != before);
+}
+
+TEST_CASE("memory in the wrong place is refused with a reason, before anything changes", "[device][errors]")
+{
+  std::vector<bf16> w(10, bf16(1.0f));
+  std::vector<bf16> g(10, bf16(1.0f));
+  SECTION("device params need CudaOverlapped or OnDevice") {
+    OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost, Synchronous> opt;
+    CHECK_THROWS_WITH(opt.add_tensor("w", w.data(), 10, location::device),
+                      Catch::Contains("'w'") && Catch::Contains("CudaOverlapped"));
+  }
+  SECTION("OnDevice needs device params and gradients") {
+    Streamed<Bf16Mixed> opt;
+    CHECK_THROWS_WITH(opt.add_tensor("w", w.data(), 10, location::host),
+                      Catch::Contains("OnDevice") && Catch::Contains("location::device"));
+    mirrored<bf16> dw(w);
+    opt.add_tensor("w", dw.device, 10, location::device);
+    grad_view<bf16> const host_grad{g.data(), 10, location::host};
+    CHECK_THROWS_WITH(opt.step({&host_grad, 1}), Catch::Contains("'w'") && Catch::Contains("on the host"));
+    CHECK(opt.step_count() == 0);
+  }
+  SECTION("a host composition refuses device gradients") {
+    OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost, Synchronous> opt;
+    opt.add_tensor("w", w.data(), 10);
+    grad_view<bf16> const device_grad{g.data(), 10, location::device};
+    CHECK_THROWS_WITH(opt.step({&device_grad, 1}), Catch::Contains("on the device"));
+  }
+}
+
+/// The test model with params and gradients in device memory.
+template <class P>
+struct device_model {
+  test_model<P> m;
+  std::vector<std::unique_ptr<mirrored<typename P::param_type>>> params;
+  std::vector<std::unique_ptr<mirrored<typename P::grad_type>>> grads;
+  explicit device_model(std::vector<std::size_t> const& sizes = nvme_sizes) : m(sizes)
+  {
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      params.push_back(std::make_unique<mirrored<typename P::param_type>>(m.params[k]));
+      grads.push_back(std::make_unique<mirrored<typename P::grad_type>>(m.grads[k]));
+    }
+  }
+  template <class Opt>
+  void register_in(Opt& opt)
+  {
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      opt.add_tensor(tensor_name(k), params[k]->device, m.params[k].size(), location::device);
+    }
+  }
+  std::vector<grad_view<typename P::grad_type>> views(int t)
+  {
+    m.fill_grads(t);
+    std::vector<grad_view<typename P::grad_type>> v;
+    for (std::size_t k = 0; k < grads.size(); ++k) {
+      grads[k]->host = m.grads[k];
+      grads[k]->upload();
+      v.push_back({grads[k]->device, m.grads[k].size(), location::device});
+    }
+    return v;
+  }
+  test_model<P> const& downloaded()
+  {
+    for (std::size_t k = 0; k < params.size(); ++k) { m.params[k] = params[k]->download(); }
+    return m;
+  }
+};
+
+TEST_CASE("checkpoints move between the device tier and the host tiers", "[device][checkpoint]")
+{
+  scratch_dir d;
+  auto const file = d.path / "state.ckpt";
+  // 20 steps on the device, saved; loaded into ZeRO-Infinity and into the device tier
+  // again, 20 more steps each: both equal to 40 steps of the reference.
+  run_result const expected = reference<Bf16Mixed>(40, 2048);
+  auto train_from = [&]<class Opt>(Opt& opt, device_model<Bf16Mixed>& m, int from, int to) {
+    for (int t = from; t <= to; ++t) {
+      opt.set_hyperparameters(0, schedule<Opt>(t));
+      opt.step(m.views(t));
+    }
+  };
+  auto setup = [&]<class Opt>(Opt& opt, device_model<Bf16Mixed>& m) {
+    m.register_in(opt);
+    typename Opt::hyperparameters h;
+    h.lr           = 3e-3;
+    h.betas        = {0.8, 0.99};
+    h.weight_decay = 0.0;
+    opt.add_group(h, {"t1", "t4"});
+  };
+  {
+    device_model<Bf16Mixed> m;
+    DeviceResident<Bf16Mixed> opt(schedule<DeviceResident<Bf16Mixed>>(1), chunked<DeviceResident<Bf16Mixed>>(2048));
+    setup(opt, m);
+    train_from(opt, m, 1, 20);
+    opt.save(file);
+  }
+  {
+    device_model<Bf16Mixed> m;  // params as at step 0: load writes them from the master
+    auto o = chunked<ZeroInfinity<Bf16Mixed>>(2048);
+    o.tier = in(d);
+    ZeroInfinity<Bf16Mixed> opt(schedule<ZeroInfinity<Bf16Mixed>>(1), o);
+    setup(opt, m);
+    opt.load(file);
+    CHECK(opt.step_count() == 20);
+    train_from(opt, m, 21, 40);
+    CHECK(snapshot(opt, m.downloaded()) == expected);
+  }
+  {
+    device_model<Bf16Mixed> m;
+    DeviceResident<Bf16Mixed> opt(schedule<DeviceResident<Bf16Mixed>>(1), chunked<DeviceResident<Bf16Mixed>>(2048));
+    setup(opt, m);
+    opt.load(file);
+    train_from(opt, m, 21, 40);
+    CHECK(snapshot(opt, m.downloaded()) == expected);
+  }
+}
+
+TEMPLATE_TEST_CASE("an I/O error in a device step throws, and the optimizer refuses to go on",
+                   "[device][errors]", (Streamed<Bf16Mixed, NvmeFile>), ZeroInfinity<Bf16Mixed>)
+{
+  scratch_dir d;
+  auto faults = std::make_shared<io::fault_plan>();
+  device_model<Bf16Mixed> m({50000});
+  auto o           = chunked<TestType>(2048);
+  o.tier           = in(d);
+  o.tier.io.faults = faults;
+  TestType opt({}, o);
+  m.register_in(opt);
+  opt.step(m.views(1));
+  faults->fail(io::op::write, faults->seen(io::op::write) + 10, EIO);
+  CHECK_THROWS_AS(opt.step(m.views(2)), io_error);
+  CHECK(opt.state_lost());
+  CHECK_THROWS_AS(opt.step(m.views(3)), state_lost);
+}
+
+TEMPLATE_TEST_CASE("a failed first read of a device step changes nothing, and it can be retried",
+                   "[device][errors]", (Streamed<Bf16Mixed, NvmeFile>), ZeroInfinity<Bf16Mixed>)
+{
+  scratch_dir d;
+  auto faults = std::make_shared<io::fault_plan>();
+  device_model<Bf16Mixed> m({50000});
+  auto o           = chunked<TestType>(2048);
+  o.tier           = in(d);
+  o.tier.io.faults = faults;
+  TestType opt({}, o);
+  m.register_in(opt);
+  opt.step(m.views(1));
+  auto const before = bits_of(m.downloaded().params);
+  faults->fail(io::op::read, faults->seen(io::op::read) + 1, EIO);
+  CHECK_THROWS_AS(opt.step(m.views(2)), io_error);
+  CHECK_FALSE(opt.state_lost());
+  CHECK(opt.step_count() == 1);
+  CHECK(bits_of(m.downloaded().params) == before);
+  opt.step(m.views(2));
+  CHECK(opt.step_count() == 2);
+}
