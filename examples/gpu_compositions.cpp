@@ -96,7 +96,7 @@ outcome train(typename Opt::options const& o, std::size_t n, int steps)
   device::copy(w.data, w0.data(), n * sizeof(bf16));
   device::copy(target.data, t0.data(), n * sizeof(float));
 
-  Opt opt({.lr = 1e-2, .weight_decay = 0.0}, o);
+  Opt opt({.lr = 3e-2, .weight_decay = 0.0}, o);
   opt.add_tensor("layer0.weight", w.data, n0, location::device);
   opt.add_tensor("layer1.weight", w.data + n0, n1, location::device);
   std::vector<grad_view<bf16>> const grads = {{g.data, n0, location::device},

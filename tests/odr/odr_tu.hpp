@@ -14,5 +14,7 @@ struct odr_result {
 
 odr_result odr_baseline();
 odr_result odr_native();
+odr_result odr_device_cpp();  ///< odr_device_tu.cpp with Thrust's CPP system
+odr_result odr_device_omp();  ///< the same with its OMP system
 
 }  // namespace tierstate::test

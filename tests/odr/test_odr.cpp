@@ -20,3 +20,14 @@ TEST_CASE("baseline and native kernels coexist in one program and agree bit for 
   for (std::size_t i = 0; i < base.bits.size(); ++i) { differ += base.bits[i] != native.bits[i]; }
   CHECK(differ == 0);
 }
+
+#if defined(TIERSTATE_TEST_DEVICE_ODR)
+TEST_CASE("device kernels of Thrust's CPP and OMP systems coexist in one program and agree", "[odr][device]")
+{
+  odr_result const cpp = odr_device_cpp();
+  odr_result const omp = odr_device_omp();
+  CHECK(cpp.arch == "cpp");
+  CHECK(omp.arch == "omp");
+  CHECK(cpp.bits == omp.bits);
+}
+#endif

@@ -76,7 +76,7 @@ namespace detail {
   do {                                                                                 \
     cudaError_t const tierstate_cuda_status_ = (call);                                 \
     if (tierstate_cuda_status_ != cudaSuccess) [[unlikely]] {                          \
-      ::tierstate::device::detail::throw_cuda(tierstate_cuda_status_, #call);          \
+      ::tierstate::device::TIERSTATE_CUDA_ABI::detail::throw_cuda(tierstate_cuda_status_, #call);       \
     }                                                                                  \
   } while (false)
 

@@ -28,6 +28,9 @@ template <class R, class P, class Arch, std::size_t Slots>
 TIERSTATE_ALWAYS_INLINE void update_batch(typename R::coefficients const& k,
                                           update_arrays<P, Slots> const& a, std::size_t i) noexcept
 {
+#if !defined(__CUDA_ARCH__)
+  // (nvcc's device pass skips this host-only body: the rule's update is __host__ __device__,
+  // and would otherwise be instantiated for the device on a SIMD batch, which it cannot hold.)
   using V = xsimd::batch<float, Arch>;
   V w;
   if constexpr (P::has_master) {
@@ -44,6 +47,9 @@ TIERSTATE_ALWAYS_INLINE void update_batch(typename R::coefficients const& k,
   if constexpr (P::has_master) { detail::store_rounded<Arch>(a.master + i, w); }
   detail::store_rounded<Arch>(a.param + i, w);
   for (std::size_t j = 0; j < Slots; ++j) { detail::store_rounded<Arch>(a.state[j] + i, s[j]); }
+#else
+  (void)k, (void)a, (void)i;
+#endif
 }
 
 /// The last m < batch elements from i: through zero-padded copies, same instructions.

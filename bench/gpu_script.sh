@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# The GPU run, for a lent GPU machine (an H200: sm_90). Needs the bundle made beforehand by
+# bench/gpu_prepare.sh (carried with the checkout); rebuilds a binary there with nvcc and
+# the bundle's headers if it does not start. Runs the GPU tests, the example, then the
+# gpu_step benchmark (1e9 elements in memory, 2.5e8 on NVMe under /tmp), each under a
+# timeout, all within 5 minutes. Logs and JSON lines go to OUT (default gpu-out).
+#
+#   bash bench/gpu_script.sh [BUNDLE_DIR]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+B=${1:-gpu-bundle}
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+start=$(date +%s)
+stamp() { echo "--- $(($(date +%s) - start))s: $*" | tee -a "$OUT/script.log"; }
+
+stamp "machine"
+{ nvidia-smi -L; nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.current --format=csv;
+  nproc; free -g; df -h /tmp; uname -r; command -v nvcc && nvcc --version | tail -1; } >"$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+
+# A binary "starts" when it runs to its own exit code (0, 1, 2 or 77), not a loader error
+# or an illegal instruction.
+starts() {
+  "$@" >/dev/null 2>&1
+  local rc=$?
+  [ $rc -eq 0 ] || [ $rc -eq 1 ] || [ $rc -eq 2 ] || [ $rc -eq 77 ]
+}
+if ! starts "$B/bin/test_pinned_host_cuda" || ! starts "$B/bin/test_device_cuda" --list-tests || ! starts "$B/bin/gpu_step_cuda" --steps 0 ||
+   ! starts "$B/bin/gpu_compositions_cuda" --steps 0; then
+  stamp "a bundled binary does not start here: rebuilding with this machine's nvcc"
+  bash bench/gpu_build.sh "$B" 2>&1 | tee "$OUT/rebuild.log"
+fi
+
+stamp "GPU tests"
+timeout 30 "$B/bin/test_pinned_host_cuda" 2>&1 | tee "$OUT/test_pinned_host_cuda.log"
+echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/test_pinned_host_cuda.log"
+timeout 100 "$B/bin/test_device_cuda" 2>&1 | tail -40 | tee "$OUT/test_device_cuda.log"
+echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/test_device_cuda.log"
+
+stamp "example"
+timeout 30 "$B/bin/gpu_compositions_cuda" --elements 20000000 --steps 20 2>&1 | tee "$OUT/gpu_compositions.log"
+echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_compositions.log"
+
+stamp "gpu_step"
+timeout 160 "$B/bin/gpu_step_cuda" --steps 3 2>&1 | tee "$OUT/gpu_step.jsonl"
+echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/script.log"
+stamp "done"
