@@ -501,42 +501,44 @@ TEST_CASE("checkpoints move between the device tier and the host tiers", "[devic
   }
 }
 
+/// A device composition with its state on NVMe with planted faults, one step taken.
+template <class Opt>
+struct faulty_device_run {
+  scratch_dir d;
+  std::shared_ptr<io::fault_plan> faults = std::make_shared<io::fault_plan>();
+  device_model<Bf16Mixed> m{{50000}};
+  std::unique_ptr<Opt> opt;
+  faulty_device_run()
+  {
+    auto o           = chunked<Opt>(2048);
+    o.tier           = in(d);
+    o.tier.io.faults = faults;
+    opt              = std::make_unique<Opt>(typename Opt::hyperparameters{}, o);
+    m.register_in(*opt);
+    opt->step(m.views(1));
+  }
+};
+
 TEMPLATE_TEST_CASE("an I/O error in a device step throws, and the optimizer refuses to go on",
                    "[device][errors]", (Streamed<Bf16Mixed, NvmeFile>), ZeroInfinity<Bf16Mixed>)
 {
-  scratch_dir d;
-  auto faults = std::make_shared<io::fault_plan>();
-  device_model<Bf16Mixed> m({50000});
-  auto o           = chunked<TestType>(2048);
-  o.tier           = in(d);
-  o.tier.io.faults = faults;
-  TestType opt({}, o);
-  m.register_in(opt);
-  opt.step(m.views(1));
-  faults->fail(io::op::write, faults->seen(io::op::write) + 10, EIO);
-  CHECK_THROWS_AS(opt.step(m.views(2)), io_error);
-  CHECK(opt.state_lost());
-  CHECK_THROWS_AS(opt.step(m.views(3)), state_lost);
+  faulty_device_run<TestType> run;
+  run.faults->fail(io::op::write, run.faults->seen(io::op::write) + 10, EIO);
+  CHECK_THROWS_AS(run.opt->step(run.m.views(2)), io_error);
+  CHECK(run.opt->state_lost());
+  CHECK_THROWS_AS(run.opt->step(run.m.views(3)), state_lost);
 }
 
 TEMPLATE_TEST_CASE("a failed first read of a device step changes nothing, and it can be retried",
                    "[device][errors]", (Streamed<Bf16Mixed, NvmeFile>), ZeroInfinity<Bf16Mixed>)
 {
-  scratch_dir d;
-  auto faults = std::make_shared<io::fault_plan>();
-  device_model<Bf16Mixed> m({50000});
-  auto o           = chunked<TestType>(2048);
-  o.tier           = in(d);
-  o.tier.io.faults = faults;
-  TestType opt({}, o);
-  m.register_in(opt);
-  opt.step(m.views(1));
-  auto const before = bits_of(m.downloaded().params);
-  faults->fail(io::op::read, faults->seen(io::op::read) + 1, EIO);
-  CHECK_THROWS_AS(opt.step(m.views(2)), io_error);
-  CHECK_FALSE(opt.state_lost());
-  CHECK(opt.step_count() == 1);
-  CHECK(bits_of(m.downloaded().params) == before);
-  opt.step(m.views(2));
-  CHECK(opt.step_count() == 2);
+  faulty_device_run<TestType> run;
+  auto const before = bits_of(run.m.downloaded().params);
+  run.faults->fail(io::op::read, run.faults->seen(io::op::read) + 1, EIO);
+  CHECK_THROWS_AS(run.opt->step(run.m.views(2)), io_error);
+  CHECK_FALSE(run.opt->state_lost());
+  CHECK(run.opt->step_count() == 1);
+  CHECK(bits_of(run.m.downloaded().params) == before);
+  run.opt->step(run.m.views(2));
+  CHECK(run.opt->step_count() == 2);
 }
