@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 B=$1
 NVCC=${2:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 flags=(-O3 -std=c++20 -gencode arch=compute_90,code=sm_90 -DTIERSTATE_ENABLE_CUDA
-  --expt-relaxed-constexpr -Xcompiler -march=x86-64-v3,-pthread -Iinclude -I"$B/include")
+  --expt-relaxed-constexpr -Xcompiler -march=x86-64-v3,-pthread -Iinclude -isystem "$B/include")
 build() {  # NAME SOURCE [EXTRA...]
   local name=$1 source=$2
   shift 2
