@@ -70,14 +70,18 @@
 #include <tierstate/transfer/pipelined.hpp>
 #include <tierstate/transfer/synchronous.hpp>
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <filesystem>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -101,6 +105,7 @@ struct step_stats {
   double check_seconds   = 0;  ///< looking for non-finite gradients
   double compute_seconds = 0;  ///< running the rule
   double wait_seconds    = 0;  ///< waiting for the tier's reads and writes, and for copies
+  double grad_wait_seconds = 0;  ///< a streaming step: waiting for gradients to arrive
   double total_seconds   = 0;
 };
 
@@ -108,6 +113,7 @@ struct step_result {
   bool found_nonfinite = false;  ///< a gradient held an infinity or NaN (when checked)
   bool skipped         = false;  ///< the step was skipped for it (nonfinite_policy::skip_step)
   std::int64_t step    = 0;      ///< the step count after this call
+  double grad_norm     = 0;      ///< with max_grad_norm: the unscaled gradients' 2-norm, before clipping
   step_stats stats;
 };
 
@@ -157,6 +163,11 @@ class OffloadedOptimizer {
     /// Worker threads, the caller included; 0: the CPUs of the affinity mask.
     std::size_t threads = 0;
     nonfinite_policy on_nonfinite = nonfinite_policy::skip_step;
+    /// Clip the gradients' global 2-norm to this, as torch.nn.utils.clip_grad_norm_ does
+    /// (after unscaling); 0: no clipping. The norm is summed over fixed 4096-element blocks
+    /// of each tensor, combined pairwise in (tensor, block) order: the same bits whatever
+    /// the chunk size, the thread count or the order gradients arrive in.
+    double max_grad_norm = 0.0;
     typename StateTier::options tier{};
   };
 
@@ -186,13 +197,43 @@ class OffloadedOptimizer {
   /// the gradients were multiplied by (GradScaler's scale; 1 when unscaled): the update
   /// divides it out. Device gradients are read after the work queued so far on `ready`
   /// (the stream that produced them; by default the legacy default stream). Blocks until
-  /// the step is done, every param written back included.
+  /// the step is done, every param written back included. A view {nullptr, 0} says the
+  /// tensor has no gradient this step: its param and state are left as they are (as
+  /// torch.optim skips a param whose grad is None; the step count is shared, not per tensor).
   ///
   /// Looking for non-finite gradients (on_nonfinite) costs one more read of them: on the
   /// device with OnDevice, and with OnHost one more device-to-host copy of device gradients
   /// (grad bytes over PCIe); set `ignore` when the framework has checked already.
   step_result step(std::span<grad_view<grad_type> const> grads, double grad_scale = 1.0,
                    device::stream_view ready = {});
+
+  /// A streaming step, for overlapping the update with backward (host gradients; not yet
+  /// with CudaOverlapped or OnDevice). begin_step() starts it; grad_ready() hands over one
+  /// tensor's gradient as soon as it is final (a post-accumulate-grad hook), from any thread,
+  /// concurrently; finish_step() marks every tensor not handed over as having no gradient
+  /// (its param and state stay as they are, as torch.optim skips a param whose grad is
+  /// None), waits for the update and returns what step() would. A chunk is updated as soon
+  /// as every tensor in it has its gradient, in an order that starts as the reverse of
+  /// registration (backward's order) and then follows the order the previous step's chunks
+  /// became ready. With `micro_batches` = m, a tensor's gradient is final at its m-th
+  /// grad_ready (gradient accumulation: each call passes the accumulated gradient so far).
+  ///
+  /// What the options cost the overlap: looking for non-finite gradients (on_nonfinite
+  /// other than `ignore`) and clipping (max_grad_norm) need every gradient before the first
+  /// update, so updates wait for the last gradient; the tier's reads ahead (NvmeFile) still
+  /// overlap with backward; the checks run once the last gradient is in.
+  ///
+  /// Between begin_step and finish_step only grad_ready may be called; the results equal
+  /// step()'s with the same gradients, bit for bit.
+  void begin_step(double grad_scale = 1.0, unsigned micro_batches = 1);
+  /// Thread-safe. `g` must stay valid and unchanged until finish_step returns.
+  void grad_ready(tensor_id t, grad_view<grad_type> g, device::stream_view ready = {});
+  step_result finish_step();
+  /// The chunk order the next streaming step will use (empty before the first): the order
+  /// the last one's chunks became ready.
+  [[nodiscard]] std::vector<std::size_t> const& next_chunk_order() const noexcept { return next_order_; }
+  /// Whether a streaming step is in progress.
+  [[nodiscard]] bool in_step() const noexcept { return streaming_ && streaming_->active; }
 
   /// Steps taken (skipped steps do not count), as torch.optim's state["step"].
   [[nodiscard]] std::int64_t step_count() const noexcept { return step_; }
@@ -296,6 +337,25 @@ class OffloadedOptimizer {
   void step_pipelined(std::span<grad_view<grad_type> const> grads,
                       std::vector<typename Rule::coefficients> const& coefficients, step_stats& stats,
                       bool& changed);
+  [[nodiscard]] std::vector<typename Rule::coefficients> coefficients_for(double grad_scale) const;
+  /// Non-finite detection and clipping; false when the step must be skipped.
+  bool check_and_clip(std::span<grad_view<grad_type> const> grads, double grad_scale,
+                      std::vector<typename Rule::coefficients>& coefficients, step_result& result);
+  /// The gradients' 2-norm (scaled as given): fixed blocks, fixed pairwise order.
+  [[nodiscard]] double gradient_norm(std::span<grad_view<grad_type> const> grads);
+  /// The step after its checks: chunks updated in chunk_at() order, each after await_chunk().
+  void run_step(std::span<grad_view<grad_type> const> grads,
+                std::vector<typename Rule::coefficients>& coefficients, step_result& result);
+  /// The chunk the j-th position of this step's order updates.
+  [[nodiscard]] std::size_t chunk_at(std::size_t j) const noexcept
+  {
+    return streaming_ && streaming_->active ? streaming_->order[j] : j;
+  }
+  /// A streaming step: blocks until chunk k's gradients are all in (and, when the checks
+  /// need them all, until every gradient is in and checked).
+  void await_chunk(std::size_t k, step_stats& stats);
+  void check_not_streaming(char const* call) const;
+  void drive_streaming_step();
   void step_device_resident(std::span<grad_view<grad_type> const> grads,
                             std::vector<typename Rule::coefficients> const& coefficients,
                             step_stats& stats, bool& changed);
@@ -338,6 +398,44 @@ class OffloadedOptimizer {
   std::optional<PinnedHost> staging_;  ///< staging_buffers chunks, for tiers that are not addressable
   std::unique_ptr<detail::io_worker<StateTier>> io_;  ///< Pipelined's I/O thread (declared after tier_)
   std::unique_ptr<device_resources> dev_;  ///< with device params (declared after tier_ and staging_)
+
+  /// A streaming step's bookkeeping; its driver thread runs run_step().
+  struct streaming_state {
+    std::mutex m;
+    std::condition_variable cv;
+    bool active       = false;
+    bool abandoned    = false;  ///< the optimizer is being destroyed mid-step
+    bool checks       = false;  ///< non-finite check or clipping: wait for every gradient
+    bool checked      = false;  ///< those ran
+    unsigned micro_batches = 1;
+    double grad_scale = 1.0;
+    std::chrono::steady_clock::time_point started;
+    std::vector<grad_view<grad_type>> views;  ///< per tensor; {nullptr, 0}: no gradient
+    std::vector<unsigned> arrivals;           ///< per tensor: grad_ready calls so far
+    std::vector<char> final_;                 ///< per tensor: gradient final (or absent)
+    std::size_t finals = 0;
+    std::vector<std::size_t> pending;  ///< per chunk: its tensors not yet final
+    std::vector<char> ready;           ///< per chunk
+    std::vector<std::size_t> arrival;  ///< chunks in the order they became ready
+    std::vector<std::size_t> order;    ///< this step's chunk order
+    std::vector<typename Rule::coefficients> coefficients;
+    step_result result;
+    std::exception_ptr error;
+    std::thread driver;
+    ~streaming_state()
+    {
+      if (driver.joinable()) {
+        {
+          std::lock_guard lock(m);
+          abandoned = true;
+        }
+        cv.notify_all();
+        driver.join();
+      }
+    }
+  };
+  std::vector<std::size_t> next_order_;  ///< the chunk order the next streaming step starts with
+  std::unique_ptr<streaming_state> streaming_;  ///< declared last: its driver stops first
   std::string lost_;  ///< the failure that left the state part updated, or empty
 };
 

@@ -159,6 +159,7 @@ void TIERSTATE_OPTIMIZER::params_from_master(std::size_t k, std::byte const* chu
 TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::save(std::filesystem::path const& path, checkpoint_options const& o)
 {
+  check_not_streaming("save");
   check_not_lost("save");
   o.io.validate();
   materialize();
@@ -228,6 +229,7 @@ void TIERSTATE_OPTIMIZER::save(std::filesystem::path const& path, checkpoint_opt
 TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::load(std::filesystem::path const& path, checkpoint_options const& o)
 {
+  check_not_streaming("load");
   o.io.validate();
   std::string const file = path.string();
   detail::unique_fd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC));

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -13,6 +14,18 @@ namespace detail {
 inline double seconds_since(std::chrono::steady_clock::time_point t0) noexcept
 {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/// Thrown inside a streaming step's driver when the checks say skip; never leaves it.
+struct skip_step_signal {};
+
+/// Sum of v in a fixed pairwise order (the halves of each range, recursively).
+inline double pairwise_sum(double const* v, std::size_t n) noexcept
+{
+  if (n == 0) { return 0.0; }
+  if (n == 1) { return v[0]; }
+  std::size_t const h = n / 2;
+  return pairwise_sum(v, h) + pairwise_sum(v + h, n - h);
 }
 
 }  // namespace detail
@@ -30,6 +43,15 @@ TIERSTATE_OPTIMIZER::OffloadedOptimizer(hyperparameters const& defaults, options
     throw invalid_option("chunk_elements", detail::to_text(opts.chunk_elements),
                          "must be a positive multiple of 2048, so every slot array of a chunk "
                          "is a whole number of 4 KiB blocks");
+  }
+  if (!(opts.max_grad_norm >= 0.0) || !std::isfinite(opts.max_grad_norm)) {
+    throw invalid_option("max_grad_norm", detail::to_text(opts.max_grad_norm),
+                         "must be finite and >= 0 (0: no clipping)");
+  }
+  if (on_device_ && opts.max_grad_norm > 0.0) {
+    throw invalid_option("max_grad_norm", detail::to_text(opts.max_grad_norm),
+                         "clipping with OnDevice compute is not supported yet (the norm would need a "
+                         "device reduction); clip in the framework, or compute on the host");
   }
   groups_.push_back(defaults);
 }
@@ -99,6 +121,7 @@ auto TIERSTATE_OPTIMIZER::add_group(hyperparameters const& h,
 TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::set_hyperparameters(group_id g, hyperparameters const& h)
 {
+  check_not_streaming("set_hyperparameters");
   if (g >= groups_.size()) {
     throw logic_error("set_hyperparameters: there is no group " + std::to_string(g) + " (" +
                       std::to_string(groups_.size()) + " groups)");
@@ -285,6 +308,7 @@ void TIERSTATE_OPTIMIZER::check_grads(std::span<grad_view<grad_type> const> grad
     auto const& g = grads[t];
     auto const& e = tensors_[t];
     auto const who = "step: the gradient of tensor " + std::to_string(t) + " ('" + e.name + "')";
+    if (g.data == nullptr && g.size == 0) { continue; }  // no gradient: the tensor is left as it is
     if (g.size != e.count) {
       throw logic_error(who + " has " + std::to_string(g.size) + " elements; the tensor has " +
                         std::to_string(e.count));
@@ -325,6 +349,7 @@ void TIERSTATE_OPTIMIZER::update_chunk_range(std::size_t k, std::byte* chunk, st
     std::size_t const lo = std::max(b, pc.chunk_begin);
     std::size_t const hi = std::min(e, pc.chunk_begin + pc.count);
     if (lo >= hi) { continue; }
+    if (grads[pc.tensor].data == nullptr) { continue; }  // no gradient
     std::size_t const tofs = pc.tensor_begin + (lo - pc.chunk_begin);
     auto const& tensor     = tensors_[pc.tensor];
     arrays_t a;
@@ -341,15 +366,13 @@ step_result TIERSTATE_OPTIMIZER::step(std::span<grad_view<grad_type> const> grad
                                      device::stream_view ready)
 {
   auto const t_start = std::chrono::steady_clock::now();
+  check_not_streaming("step");
   check_not_lost("step");
   check_grads(grads);
   // Every group's coefficients first: a refused hyper-parameter or scale changes nothing.
-  std::vector<typename Rule::coefficients> coefficients;
-  coefficients.reserve(groups_.size());
-  for (auto const& h : groups_) { coefficients.push_back(Rule::coefficients_for(h, step_ + 1, grad_scale)); }
+  auto coefficients = coefficients_for(grad_scale);
   materialize();
 
-  step_result result;
   if constexpr (device_params_) {
     // Device gradients are read after the work queued on `ready` so far.
     dev_->ready.record(ready);
@@ -357,19 +380,57 @@ step_result TIERSTATE_OPTIMIZER::step(std::span<grad_view<grad_type> const> grad
     dev_->d2h.wait(dev_->ready);
     dev_->h2d.wait(dev_->ready);
   }
-  if (opts_.on_nonfinite != nonfinite_policy::ignore) {
-    auto const t0 = std::chrono::steady_clock::now();
-    result.found_nonfinite = find_nonfinite(grads);
+  step_result result;
+  if (!check_and_clip(grads, grad_scale, coefficients, result)) {
+    result.skipped             = true;
+    result.step                = step_;
+    result.stats.total_seconds = detail::seconds_since(t_start);
+    return result;
+  }
+  run_step(grads, coefficients, result);
+  result.stats.total_seconds = detail::seconds_since(t_start);
+  return result;
+}
 
-    result.stats.check_seconds = detail::seconds_since(t0);
+TIERSTATE_OPTIMIZER_TEMPLATE
+auto TIERSTATE_OPTIMIZER::coefficients_for(double grad_scale) const
+  -> std::vector<typename Rule::coefficients>
+{
+  std::vector<typename Rule::coefficients> coefficients;
+  coefficients.reserve(groups_.size());
+  for (auto const& h : groups_) { coefficients.push_back(Rule::coefficients_for(h, step_ + 1, grad_scale)); }
+  return coefficients;
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+bool TIERSTATE_OPTIMIZER::check_and_clip(std::span<grad_view<grad_type> const> grads, double grad_scale,
+                                         std::vector<typename Rule::coefficients>& coefficients,
+                                         step_result& result)
+{
+  auto const t0 = std::chrono::steady_clock::now();
+  if (opts_.on_nonfinite != nonfinite_policy::ignore) {
+    result.found_nonfinite = find_nonfinite(grads);
     if (result.found_nonfinite && opts_.on_nonfinite == nonfinite_policy::skip_step) {
-      result.skipped             = true;
-      result.step                = step_;
-      result.stats.total_seconds = detail::seconds_since(t_start);
-      return result;
+      result.stats.check_seconds = detail::seconds_since(t0);
+      return false;
     }
   }
+  if (opts_.max_grad_norm > 0.0) {
+    // torch.nn.utils.clip_grad_norm_: the norm of the unscaled gradients, and a factor
+    // max_norm / (norm + 1e-6) when that is below 1, folded into the gradient's multiplier.
+    result.grad_norm   = gradient_norm(grads) / grad_scale;
+    double const clip  = opts_.max_grad_norm / (result.grad_norm + 1e-6);
+    if (clip < 1.0) { coefficients = coefficients_for(grad_scale / clip); }
+  }
+  result.stats.check_seconds = detail::seconds_since(t0);
+  return true;
+}
 
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::run_step(std::span<grad_view<grad_type> const> grads,
+                                   std::vector<typename Rule::coefficients>& coefficients,
+                                   step_result& result)
+{
   std::size_t const ce    = layout_->chunk_elements();
   std::size_t const grain = 64 * host::batch_size<arch>;
   if constexpr (device_params_) {
@@ -390,6 +451,23 @@ step_result TIERSTATE_OPTIMIZER::step(std::span<grad_view<grad_type> const> grad
       throw;
     }
   } else if constexpr (addressable_tier<StateTier>) {
+    if (streaming_ && streaming_->active) {
+      // A streaming step: chunk by chunk in the step's order, each once its gradients are in.
+      for (std::size_t j = 0; j < layout_->chunk_count(); ++j) {
+        std::size_t const k = chunk_at(j);
+        await_chunk(k, result.stats);
+        auto const t0 = std::chrono::steady_clock::now();
+        std::byte* chunk = tier_->data() + k * layout_->chunk_bytes();
+        pool_.parallel_for(layout_->chunk_size(k), grain, [&](std::size_t b, std::size_t e) {
+          update_chunk_range(k, chunk, b, e, grads, coefficients);
+        });
+        result.stats.compute_seconds += detail::seconds_since(t0);
+        ++result.stats.chunks;
+      }
+      result.stats.tier_bytes_in_place = layout_->total_bytes();
+      result.step                      = ++step_;
+      return;
+    }
     // In place: one parallel pass over all elements; a thread's range may cross chunks.
     auto const t0 = std::chrono::steady_clock::now();
     pool_.parallel_for(layout_->total_elements(), grain, [&](std::size_t b, std::size_t e) {
@@ -418,9 +496,7 @@ step_result TIERSTATE_OPTIMIZER::step(std::span<grad_view<grad_type> const> grad
       throw;
     }
   }
-  result.step                = ++step_;
-  result.stats.total_seconds = detail::seconds_since(t_start);
-  return result;
+  result.step = ++step_;
 }
 
 TIERSTATE_OPTIMIZER_TEMPLATE
@@ -430,8 +506,10 @@ void TIERSTATE_OPTIMIZER::step_staged(std::span<grad_view<grad_type> const> grad
 {
   // Each chunk read, updated by all threads, written back, before the next is read.
   std::size_t const grain = 64 * host::batch_size<arch>;
-  for (std::size_t k = 0; k < layout_->chunk_count(); ++k) {
+  for (std::size_t j = 0; j < layout_->chunk_count(); ++j) {
+    std::size_t const k = chunk_at(j);
     with_chunk(k, true, stats, [&](std::byte* chunk) {
+      await_chunk(k, stats);
       changed       = true;
       auto const t0 = std::chrono::steady_clock::now();
       pool_.parallel_for(layout_->chunk_size(k), grain, [&](std::size_t b, std::size_t e) {
@@ -448,37 +526,40 @@ void TIERSTATE_OPTIMIZER::step_pipelined(std::span<grad_view<grad_type> const> g
                                          std::vector<typename Rule::coefficients> const& coefficients,
                                          step_stats& stats, bool& changed)
 {
-  // Chunk k uses staging buffer k % B. Reads run Depth chunks ahead of the compute; chunk
-  // k + Depth + 1 is read into the buffer of chunk k - 1, queued after k - 1's write (the
-  // I/O thread never batches two jobs on one buffer, so the write finishes first).
+  // The j-th chunk of the step's order uses staging buffer j % B. Reads run Depth chunks
+  // ahead of the compute; the (j + Depth + 1)-th is read into the buffer of the (j - 1)-th,
+  // queued after its write (the I/O thread never batches two jobs on one buffer, so the
+  // write finishes first).
   constexpr unsigned B     = Transfer::staging_buffers;
   std::size_t const n      = layout_->chunk_count();
   std::size_t const bytes  = layout_->chunk_bytes();
   std::size_t const grain  = 64 * host::batch_size<arch>;
   std::vector<std::uint64_t> read_ticket(n);
   auto read = [&](std::size_t j) {
-    read_ticket[j] = io_->enqueue({j * bytes, staging(j % B), bytes, false}, static_cast<unsigned>(j % B));
+    read_ticket[j] = io_->enqueue({chunk_at(j) * bytes, staging(j % B), bytes, false}, static_cast<unsigned>(j % B));
     stats.tier_bytes_read += bytes;
   };
   try {
     for (std::size_t j = 0; j < std::min<std::size_t>(n, Transfer::depth + 1); ++j) { read(j); }
-    for (std::size_t k = 0; k < n; ++k) {
+    for (std::size_t j = 0; j < n; ++j) {
+      std::size_t const k = chunk_at(j);
       auto t0 = std::chrono::steady_clock::now();
-      io_->wait(read_ticket[k]);
+      io_->wait(read_ticket[j]);
       stats.wait_seconds += detail::seconds_since(t0);
+      await_chunk(k, stats);
 
       changed         = true;
-      std::byte* const chunk = staging(k % B);
+      std::byte* const chunk = staging(j % B);
       t0 = std::chrono::steady_clock::now();
       pool_.parallel_for(layout_->chunk_size(k), grain, [&](std::size_t b, std::size_t e) {
         update_chunk_range(k, chunk, b, e, grads, coefficients);
       });
       stats.compute_seconds += detail::seconds_since(t0);
 
-      io_->enqueue({k * bytes, chunk, bytes, true}, static_cast<unsigned>(k % B));
+      io_->enqueue({k * bytes, chunk, bytes, true}, static_cast<unsigned>(j % B));
       stats.tier_bytes_written += bytes;
       ++stats.chunks;
-      if (k + Transfer::depth + 1 < n) { read(k + Transfer::depth + 1); }
+      if (j + Transfer::depth + 1 < n) { read(j + Transfer::depth + 1); }
     }
     auto const t0 = std::chrono::steady_clock::now();
     io_->wait_all();  // every write, not only the last one queued: they finish out of order
@@ -513,7 +594,7 @@ bool TIERSTATE_OPTIMIZER::find_nonfinite(std::span<grad_view<grad_type> const> g
                        [](std::size_t x, tensor_extent const& te) { return x < te.offset + te.count; }) -
       ext.begin());
     for (; t < ext.size() && ext[t].offset < e && !found.load(std::memory_order_relaxed); ++t) {
-      if (grads[t].where != location::host) { continue; }
+      if (grads[t].where != location::host || grads[t].data == nullptr) { continue; }
       std::size_t const lo = std::max(b, ext[t].offset);
       std::size_t const hi = std::min(e, ext[t].offset + ext[t].count);
       if (lo < hi && host::any_nonfinite(grads[t].data + (lo - ext[t].offset), hi - lo)) {
@@ -526,7 +607,7 @@ bool TIERSTATE_OPTIMIZER::find_nonfinite(std::span<grad_view<grad_type> const> g
     // time, into the PCIe staging and looked at there.
     for (std::size_t t = 0; t < grads.size() && !found.load(); ++t) {
       auto const& g = grads[t];
-      if (g.where != location::device) { continue; }
+      if (g.where != location::device || g.data == nullptr) { continue; }
       if constexpr (on_device_) {
         if (Compute::any_nonfinite(device::stream_view(dev_->compute), g.data, g.size)) { found = true; }
       } else {
@@ -555,6 +636,7 @@ void TIERSTATE_OPTIMIZER::launch_chunk(std::size_t k, std::byte* chunk,
     for (std::size_t p = chunk_pieces_[k]; p < chunk_pieces_[k + 1]; ++p) {
       auto const& pc     = pieces_[p];
       auto const& tensor = tensors_[pc.tensor];
+      if (grads[pc.tensor].data == nullptr) { continue; }  // no gradient
       arrays_t a;
       a.param = tensor.param + pc.tensor_begin;
       a.grad  = grads[pc.tensor].data + pc.tensor_begin;
@@ -628,6 +710,7 @@ void TIERSTATE_OPTIMIZER::step_overlapped_host(std::span<grad_view<grad_type> co
     for (std::size_t p = chunk_pieces_[j]; p < chunk_pieces_[j + 1]; ++p) {
       auto const& pc = pieces_[p];
       auto const& g  = grads[pc.tensor];
+      if (g.data == nullptr) { continue; }  // no gradient
       if (g.where == location::device) {
         device::copy_async(grad_ring + b * ce + pc.chunk_begin, g.data + pc.tensor_begin,
                            pc.count * sizeof(grad_type), d.d2h);
@@ -680,7 +763,7 @@ void TIERSTATE_OPTIMIZER::step_overlapped_host(std::span<grad_view<grad_type> co
       for (std::size_t p = chunk_pieces_[k]; p < chunk_pieces_[k + 1]; ++p) {
         auto const& pc = pieces_[p];
         auto const& t  = tensors_[pc.tensor];
-        if (t.where == location::device) {
+        if (t.where == location::device && grads[pc.tensor].data != nullptr) {
           device::copy_async(t.param + pc.tensor_begin, param_ring + b * ce + pc.chunk_begin,
                              pc.count * sizeof(param_type), d.h2d);
           stats.h2d_bytes += pc.count * sizeof(param_type);
@@ -799,6 +882,241 @@ void TIERSTATE_OPTIMIZER::step_streamed_to_device(std::span<grad_view<grad_type>
 }
 
 TIERSTATE_OPTIMIZER_TEMPLATE
+double TIERSTATE_OPTIMIZER::gradient_norm(std::span<grad_view<grad_type> const> grads)
+{
+  // Sums of squares over blocks of 4096 elements of each tensor (in double, in element
+  // order), then all blocks combined pairwise in (tensor, block) order: nothing depends on
+  // the chunking, the threads or the order the gradients came in.
+  constexpr std::size_t block = 4096;
+  std::vector<std::size_t> first(grads.size() + 1, 0);
+  for (std::size_t t = 0; t < grads.size(); ++t) {
+    std::size_t const n = grads[t].data == nullptr ? 0 : grads[t].size;
+    first[t + 1]        = first[t] + (n + block - 1) / block;
+  }
+  std::vector<double> sums(first.back(), 0.0);
+  auto sum_block = [](grad_type const* g, std::size_t n) {
+    double s = 0.0;
+    for (std::size_t i = 0; i < n; ++i) {
+      double const x = static_cast<double>(convert<float>(g[i]));
+      s += x * x;
+    }
+    return s;
+  };
+  for (std::size_t t = 0; t < grads.size(); ++t) {
+    auto const& g = grads[t];
+    if (g.data == nullptr || g.size == 0) { continue; }
+    std::size_t const blocks = first[t + 1] - first[t];
+    if (g.where == location::host) {
+      pool_.parallel_for(blocks, 1, [&](std::size_t b, std::size_t e) {
+        for (std::size_t i = b; i < e; ++i) {
+          sums[first[t] + i] = sum_block(g.data + i * block, std::min(block, g.size - i * block));
+        }
+      });
+    } else if constexpr (device_params_ && !on_device_) {
+      // Copied a ring's worth of whole blocks at a time into the PCIe staging.
+      std::size_t const per = std::max<std::size_t>(1, dev_->grad_stage.size() / sizeof(grad_type) / block);
+      auto* stage           = reinterpret_cast<grad_type*>(dev_->grad_stage.data());
+      for (std::size_t i = 0; i < blocks; i += per) {
+        std::size_t const m = std::min(per, blocks - i);
+        std::size_t const elements = std::min(m * block, g.size - i * block);
+        device::copy_async(stage, g.data + i * block, elements * sizeof(grad_type), dev_->d2h);
+        dev_->d2h.synchronize();
+        pool_.parallel_for(m, 1, [&](std::size_t b, std::size_t e) {
+          for (std::size_t j = b; j < e; ++j) {
+            sums[first[t] + i + j] = sum_block(stage + j * block, std::min(block, elements - j * block));
+          }
+        });
+      }
+    } else {
+      throw logic_error("max_grad_norm: the norm of device gradients needs OnHost compute");
+    }
+  }
+  return std::sqrt(detail::pairwise_sum(sums.data(), sums.size()));
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::await_chunk(std::size_t k, step_stats& stats)
+{
+  if (!(streaming_ && streaming_->active)) { return; }
+  auto& st      = *streaming_;
+  auto const t0 = std::chrono::steady_clock::now();
+  std::unique_lock lock(st.m);
+  if (st.checks && !st.checked) {
+    st.cv.wait(lock, [&] { return st.abandoned || st.finals == tensors_.size(); });
+    if (st.abandoned) { throw logic_error("the optimizer was destroyed during a streaming step"); }
+    st.checked = true;
+    lock.unlock();
+    stats.grad_wait_seconds += detail::seconds_since(t0);
+    if (!check_and_clip(st.views, st.grad_scale, st.coefficients, st.result)) {
+      throw detail::skip_step_signal{};
+    }
+    return;
+  }
+  st.cv.wait(lock, [&] { return st.abandoned || st.ready[k] != 0; });
+  if (st.abandoned) { throw logic_error("the optimizer was destroyed during a streaming step"); }
+  stats.grad_wait_seconds += detail::seconds_since(t0);
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::check_not_streaming(char const* call) const
+{
+  if (in_step()) {
+    throw logic_error(std::string(call).append(": a streaming step is in progress (begin_step without finish_step)"));
+  }
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::begin_step(double grad_scale, unsigned micro_batches)
+{
+  check_not_streaming("begin_step");
+  check_not_lost("begin_step");
+  if constexpr (device_params_) {
+    throw logic_error("begin_step: streaming steps with CudaOverlapped or OnDevice are not supported "
+                      "yet; call step() with every gradient");
+  }
+  if (micro_batches == 0) { throw invalid_option("micro_batches", "0", "must be >= 1"); }
+  if (tensors_.empty()) { throw logic_error("begin_step: no tensor is registered: add_tensor first"); }
+  auto coefficients = coefficients_for(grad_scale);  // refused values change nothing
+  materialize();
+  if (!streaming_) { streaming_ = std::make_unique<streaming_state>(); }
+  auto& st            = *streaming_;
+  std::size_t const n = layout_->chunk_count();
+  std::size_t const T = tensors_.size();
+  st.started          = std::chrono::steady_clock::now();
+  st.abandoned        = false;
+  st.checks  = opts_.on_nonfinite != nonfinite_policy::ignore || opts_.max_grad_norm > 0.0;
+  st.checked = false;
+  st.micro_batches = micro_batches;
+  st.grad_scale    = grad_scale;
+  st.views.assign(T, grad_view<grad_type>{});
+  st.arrivals.assign(T, 0);
+  st.final_.assign(T, 0);
+  st.finals = 0;
+  st.pending.resize(n);
+  for (std::size_t k = 0; k < n; ++k) { st.pending[k] = chunk_pieces_[k + 1] - chunk_pieces_[k]; }
+  st.ready.assign(n, 0);
+  st.arrival.clear();
+  st.arrival.reserve(n);
+  if (next_order_.size() == n) {
+    st.order = next_order_;
+  } else {  // backward's order: the last registered tensors' chunks first
+    st.order.resize(n);
+    for (std::size_t j = 0; j < n; ++j) { st.order[j] = n - 1 - j; }
+  }
+  st.coefficients = std::move(coefficients);
+  st.result       = step_result{};
+  st.error        = nullptr;
+  for (std::size_t t = 0; t < T; ++t) {
+    if (tensors_[t].count == 0) {
+      st.final_[t] = 1;
+      ++st.finals;
+    }
+  }
+  st.active = true;
+  try {
+    st.driver = std::thread([this] { drive_streaming_step(); });
+  } catch (...) {
+    st.active = false;
+    throw;
+  }
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::grad_ready(tensor_id t, grad_view<grad_type> g, device::stream_view)
+{
+  if (t >= tensors_.size()) {
+    throw logic_error("grad_ready: there is no tensor " + std::to_string(t) + " (" +
+                      std::to_string(tensors_.size()) + " registered)");
+  }
+  auto const& e  = tensors_[t];
+  auto const who = "grad_ready: the gradient of tensor " + std::to_string(t) + " ('" + e.name + "')";
+  if (g.size != e.count) {
+    throw logic_error(who + " has " + std::to_string(g.size) + " elements; the tensor has " +
+                      std::to_string(e.count));
+  }
+  if (g.where != location::host) {
+    throw logic_error(who + " is on the device; streaming steps take host gradients (for now)");
+  }
+  if (g.data == nullptr && g.size > 0) { throw logic_error(who + " is a null pointer"); }
+  if (!streaming_) { throw logic_error("grad_ready: no streaming step is in progress (call begin_step)"); }
+  auto& st = *streaming_;
+  {
+    std::lock_guard lock(st.m);
+    if (!st.active) { throw logic_error("grad_ready: no streaming step is in progress (call begin_step)"); }
+    if (st.final_[t] != 0) {
+      throw logic_error(who + " was already handed over " + std::to_string(st.arrivals[t]) +
+                        " time(s), and micro_batches is " + std::to_string(st.micro_batches));
+    }
+    st.views[t] = g;
+    if (++st.arrivals[t] == st.micro_batches) {
+      st.final_[t] = 1;
+      ++st.finals;
+      std::size_t const ce    = layout_->chunk_elements();
+      std::size_t const first = layout_->tensors()[t].offset / ce;
+      std::size_t const last  = (layout_->tensors()[t].offset + e.count - 1) / ce;
+      for (std::size_t k = first; k <= last; ++k) {
+        if (--st.pending[k] == 0) {
+          st.ready[k] = 1;
+          st.arrival.push_back(k);
+        }
+      }
+    }
+  }
+  st.cv.notify_all();
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+step_result TIERSTATE_OPTIMIZER::finish_step()
+{
+  if (!in_step()) { throw logic_error("finish_step: no streaming step is in progress (call begin_step)"); }
+  auto& st = *streaming_;
+  {
+    // Every tensor not handed over has no gradient this step.
+    std::lock_guard lock(st.m);
+    std::size_t const ce = layout_->chunk_elements();
+    for (std::size_t t = 0; t < tensors_.size(); ++t) {
+      if (st.final_[t] != 0) { continue; }
+      st.views[t]  = grad_view<grad_type>{};
+      st.final_[t] = 1;
+      ++st.finals;
+      std::size_t const first = layout_->tensors()[t].offset / ce;
+      std::size_t const last  = (layout_->tensors()[t].offset + tensors_[t].count - 1) / ce;
+      for (std::size_t k = first; k <= last; ++k) {
+        if (--st.pending[k] == 0) {
+          st.ready[k] = 1;
+          st.arrival.push_back(k);
+        }
+      }
+    }
+  }
+  st.cv.notify_all();
+  st.driver.join();
+  {
+    std::lock_guard lock(st.m);
+    st.active = false;
+  }
+  next_order_ = st.arrival;  // the next step follows the order this one's chunks came in
+  if (st.error) { std::rethrow_exception(st.error); }
+  step_result r         = st.result;
+  r.stats.total_seconds = detail::seconds_since(st.started);
+  return r;
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::drive_streaming_step()
+{
+  auto& st = *streaming_;
+  try {
+    run_step(st.views, st.coefficients, st.result);
+  } catch (detail::skip_step_signal const&) {
+    st.result.skipped = true;
+    st.result.step    = step_;
+  } catch (...) {
+    st.error = std::current_exception();
+  }
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::check_not_lost(char const* call) const
 {
   if (!lost_.empty()) { throw tierstate::state_lost(call, lost_); }
@@ -807,6 +1125,7 @@ void TIERSTATE_OPTIMIZER::check_not_lost(char const* call) const
 TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::copy_state(std::string_view tensor, slot s, std::span<float> to)
 {
+  check_not_streaming("copy_state");
   check_not_lost("copy_state");
   std::size_t const t = find_tensor(tensor, "copy_state");
   materialize();
@@ -840,6 +1159,7 @@ void TIERSTATE_OPTIMIZER::copy_state(std::string_view tensor, slot s, std::span<
 TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::write_state(std::string_view tensor, slot s, std::span<float const> from)
 {
+  check_not_streaming("write_state");
   check_not_lost("write_state");
   std::size_t const t = find_tensor(tensor, "write_state");
   materialize();

@@ -1,0 +1,299 @@
+// SPDX-License-Identifier: Apache-2.0
+// The streaming step (begin_step, grad_ready, finish_step) against the plain step(): the
+// same bits with gradients handed over in any order, from several threads, with tensors
+// that get no gradient, with accumulation, clipping and skipped steps; and updates that
+// happen before the last gradient arrives.
+#include "nvme_support.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <limits>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+using namespace tierstate;
+using namespace tierstate::test;
+
+namespace {
+
+enum class handover { registration, backward, shuffled, threads };
+
+/// Trains with step() (streaming = false) or with streaming steps handing the gradients
+/// over as `how` says. Tensors for which `absent(t, step)` holds get no gradient that step.
+template <class Opt>
+run_result train_streaming(int steps, typename Opt::options const& o, bool streaming, handover how,
+                           bool (*absent)(std::size_t, int) = nullptr, unsigned micro_batches = 1,
+                           std::vector<step_result>* results = nullptr)
+{
+  nvme_model<typename Opt::precision_type> m;
+  Opt opt(schedule<Opt>(1), o);
+  register_model(opt, m);
+  std::mt19937 rng(7);
+  for (int t = 1; t <= steps; ++t) {
+    m.fill_grads(t);
+    opt.set_hyperparameters(0, schedule<Opt>(t));
+    auto views = m.views();
+    for (std::size_t k = 0; k < views.size(); ++k) {
+      if (absent != nullptr && absent(k, t)) { views[k] = {}; }
+    }
+    step_result r;
+    if (!streaming) {
+      r = opt.step(views);
+    } else {
+      opt.begin_step(1.0, micro_batches);
+      std::vector<std::size_t> order(views.size());
+      for (std::size_t k = 0; k < order.size(); ++k) { order[k] = k; }
+      if (how == handover::backward) { std::reverse(order.begin(), order.end()); }
+      if (how == handover::shuffled) { std::shuffle(order.begin(), order.end(), rng); }
+      // Accumulation: the earlier micro-batches hand over a view of a scratch gradient;
+      // only the last one's must count.
+      std::vector<typename Opt::grad_type> scratch(50000, convert<typename Opt::grad_type>(1e6f));
+      auto hand = [&](std::size_t k) {
+        if (views[k].data == nullptr) { return; }
+        for (unsigned mb = 1; mb < micro_batches; ++mb) {
+          opt.grad_ready(k, {scratch.data(), views[k].size, location::host});
+        }
+        opt.grad_ready(k, views[k]);
+      };
+      if (how == handover::threads) {
+        std::vector<std::thread> pool;
+        std::atomic<std::size_t> next{0};
+        for (int w = 0; w < 4; ++w) {
+          pool.emplace_back([&] {
+            for (std::size_t k; (k = next.fetch_add(1)) < order.size();) { hand(order[k]); }
+          });
+        }
+        for (auto& th : pool) { th.join(); }
+      } else {
+        for (std::size_t const k : order) { hand(k); }
+      }
+      r = opt.finish_step();
+    }
+    if (results != nullptr) { results->push_back(r); }
+  }
+  return snapshot(opt, m);
+}
+
+template <class Opt>
+typename Opt::options streaming_options(std::size_t chunk, nonfinite_policy p, double clip = 0.0)
+{
+  typename Opt::options o;
+  o.chunk_elements = chunk;
+  o.on_nonfinite   = p;
+  o.max_grad_norm  = clip;
+  return o;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("a streaming step gives step()'s bits, in any order and from any thread",
+                   "[streaming]", Fp32, Bf16Mixed)
+{
+  using P = TestType;
+  scratch_dir d;
+  for (auto const policy : {nonfinite_policy::ignore, nonfinite_policy::skip_step}) {
+    for (std::size_t const chunk : {std::size_t{2048}, std::size_t{1} << 20}) {
+      INFO("chunk " << chunk << ", checks " << (policy == nonfinite_policy::ignore ? "off" : "on"));
+      auto const expected = train_streaming<HostOpt<P>>(20, streaming_options<HostOpt<P>>(chunk, policy), false,
+                                                        handover::registration);
+      for (auto const how : {handover::registration, handover::backward, handover::shuffled, handover::threads}) {
+        INFO("handover " << static_cast<int>(how));
+        CHECK(train_streaming<HostOpt<P>>(20, streaming_options<HostOpt<P>>(chunk, policy), true, how) == expected);
+        auto o = streaming_options<NvmeOpt<P>>(chunk, policy);
+        o.tier = in(d);
+        CHECK(train_streaming<NvmeOpt<P>>(20, o, true, how) == expected);
+        auto s = streaming_options<NvmeOpt<P, Synchronous>>(chunk, policy);
+        s.tier = in(d);
+        CHECK(train_streaming<NvmeOpt<P, Synchronous>>(20, s, true, how) == expected);
+      }
+    }
+  }
+}
+
+TEST_CASE("tensors that get no gradient are left as they are, streamed or not", "[streaming]")
+{
+  // t2 never gets a gradient; t5 misses every third step.
+  auto const absent = [](std::size_t t, int step) { return t == 2 || (t == 5 && step % 3 == 0); };
+  auto const o      = streaming_options<HostOpt<Bf16Mixed>>(2048, nonfinite_policy::skip_step);
+  auto const plain  = train_streaming<HostOpt<Bf16Mixed>>(12, o, false, handover::registration, absent);
+  CHECK(train_streaming<HostOpt<Bf16Mixed>>(12, o, true, handover::shuffled, absent) == plain);
+  CHECK(train_streaming<HostOpt<Bf16Mixed>>(12, o, true, handover::threads, absent) == plain);
+  // t2's param is its initial value; its state is still zero.
+  nvme_model<Bf16Mixed> fresh;
+  for (std::size_t i = 0; i < fresh.params[2].size(); ++i) { CHECK(plain.params[2][i] == fresh.params[2][i].bits); }
+  for (std::size_t s = 1; s < plain.slots.size(); ++s) {
+    for (float const x : plain.slots[s][2]) { CHECK(x == 0.0f); }
+  }
+}
+
+TEST_CASE("gradient accumulation: a tensor's gradient is final at its last micro-batch", "[streaming]")
+{
+  auto const o     = streaming_options<HostOpt<Bf16Mixed>>(2048, nonfinite_policy::ignore);
+  auto const plain = train_streaming<HostOpt<Bf16Mixed>>(8, o, false, handover::registration);
+  CHECK(train_streaming<HostOpt<Bf16Mixed>>(8, o, true, handover::shuffled, nullptr, 4) == plain);
+  CHECK(train_streaming<HostOpt<Bf16Mixed>>(8, o, true, handover::threads, nullptr, 2) == plain);
+}
+
+TEST_CASE("clipping: one norm whatever the chunking, threads and order; streamed equals plain",
+          "[streaming][clip]")
+{
+  std::vector<step_result> a, b, c;
+  auto o1 = streaming_options<HostOpt<Bf16Mixed>>(2048, nonfinite_policy::skip_step, 0.05);
+  o1.threads = 1;
+  auto o2 = streaming_options<HostOpt<Bf16Mixed>>(std::size_t{1} << 20, nonfinite_policy::skip_step, 0.05);
+  o2.threads = 2;
+  auto const plain = train_streaming<HostOpt<Bf16Mixed>>(10, o1, false, handover::registration, nullptr, 1, &a);
+  CHECK(train_streaming<HostOpt<Bf16Mixed>>(10, o2, false, handover::registration, nullptr, 1, &b) == plain);
+  CHECK(train_streaming<HostOpt<Bf16Mixed>>(10, o2, true, handover::threads, nullptr, 1, &c) == plain);
+  for (int t = 0; t < 10; ++t) {
+    CHECK(a[t].grad_norm == b[t].grad_norm);
+    CHECK(a[t].grad_norm == c[t].grad_norm);
+  }
+  // The norm is the gradients' 2-norm, and clipping changes the update.
+  nvme_model<Bf16Mixed> m;
+  m.fill_grads(1);
+  double sum = 0;
+  for (auto const& g : m.grads) {
+    for (auto const x : g) { sum += static_cast<double>(static_cast<float>(x)) * static_cast<float>(x); }
+  }
+  CHECK(a[0].grad_norm == Approx(std::sqrt(sum)).epsilon(1e-12));
+  REQUIRE(a[0].grad_norm > 0.05);
+  auto const unclipped = train_streaming<HostOpt<Bf16Mixed>>(10, streaming_options<HostOpt<Bf16Mixed>>(2048, nonfinite_policy::skip_step),
+                                                             false, handover::registration);
+  CHECK_FALSE(unclipped == plain);
+  // With a limit above the norm nothing changes.
+  CHECK(train_streaming<HostOpt<Bf16Mixed>>(10, streaming_options<HostOpt<Bf16Mixed>>(2048, nonfinite_policy::skip_step, 1e9),
+                                            true, handover::shuffled) == unclipped);
+}
+
+TEST_CASE("a non-finite gradient skips a streaming step, and the reads ahead are drained", "[streaming]")
+{
+  scratch_dir d;
+  nvme_model<Bf16Mixed> m;
+  auto o = streaming_options<NvmeOpt<Bf16Mixed>>(2048, nonfinite_policy::skip_step);
+  o.tier = in(d);
+  NvmeOpt<Bf16Mixed> opt(schedule<NvmeOpt<Bf16Mixed>>(1), o);
+  register_model(opt, m);
+  m.fill_grads(1);
+  opt.step(m.views());
+  auto const before = snapshot(opt, m);
+  m.fill_grads(2);
+  m.grads[3][17] = bf16(std::numeric_limits<float>::infinity());
+  auto const views = m.views();
+  opt.begin_step();
+  for (std::size_t k = 0; k < views.size(); ++k) { opt.grad_ready(k, views[k]); }
+  auto const r = opt.finish_step();
+  CHECK(r.found_nonfinite);
+  CHECK(r.skipped);
+  CHECK(r.step == 1);
+  CHECK(snapshot(opt, m) == before);
+  m.fill_grads(2);
+  opt.begin_step();
+  for (std::size_t k = 0; k < views.size(); ++k) { opt.grad_ready(k, m.views()[k]); }
+  CHECK(opt.finish_step().step == 2);
+}
+
+namespace {
+
+/// A tier with read and write only, which counts the writes (a chunk written back is a
+/// chunk updated).
+struct counting_tier {
+  struct options {};
+  static constexpr std::string_view name = "counting_tier";
+  std::vector<std::byte> bytes;
+  mutable std::mutex m;
+  std::size_t writes = 0;
+  counting_tier(std::size_t n, options const&) : bytes(n) {}
+  counting_tier(counting_tier&& o) noexcept : bytes(std::move(o.bytes)), writes(o.writes) {}
+  [[nodiscard]] std::size_t size() const { return bytes.size(); }
+  void read(std::size_t offset, std::span<std::byte> to) const
+  {
+    std::memcpy(to.data(), bytes.data() + offset, to.size());
+  }
+  void write(std::size_t offset, std::span<std::byte const> from)
+  {
+    std::memcpy(bytes.data() + offset, from.data(), from.size());
+    std::lock_guard lock(m);
+    ++writes;
+  }
+  std::size_t written() const
+  {
+    std::lock_guard lock(m);
+    return writes;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("chunks are updated while later gradients are still to come; the order adapts",
+          "[streaming][overlap]")
+{
+  using Opt = OffloadedOptimizer<AdamW, Bf16Mixed, counting_tier, Synchronous>;
+  test_model<Bf16Mixed> m({8192, 8192, 8192, 8192});  // four tensors, one 8192-element chunk each
+  Opt::options o;
+  o.chunk_elements = 8192;
+  o.on_nonfinite   = nonfinite_policy::ignore;  // nothing to wait for
+  Opt opt({}, o);
+  for (std::size_t k = 0; k < 4; ++k) { opt.add_tensor(tensor_name(k), m.params[k].data(), 8192); }
+  m.fill_grads(1);
+  auto const views = m.views();
+  (void)opt.state_layout();
+  std::size_t const base = opt.state_tier().written();
+  opt.begin_step();
+  // Backward's order: the last tensor's gradient first. Its chunk is updated (written back)
+  // before any other gradient arrives.
+  opt.grad_ready(3, views[3]);
+  auto const deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (opt.state_tier().written() < base + 1 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  CHECK(opt.state_tier().written() == base + 1);
+  opt.grad_ready(2, views[2]);
+  opt.grad_ready(1, views[1]);
+  opt.grad_ready(0, views[0]);
+  auto const r = opt.finish_step();
+  CHECK(r.stats.chunks == 4);
+  CHECK(opt.next_chunk_order() == std::vector<std::size_t>{3, 2, 1, 0});
+  // Gradients in registration order this time: the next step expects that order.
+  opt.begin_step();
+  for (std::size_t k = 0; k < 4; ++k) { opt.grad_ready(k, views[k]); }
+  (void)opt.finish_step();
+  CHECK(opt.next_chunk_order() == std::vector<std::size_t>{0, 1, 2, 3});
+}
+
+TEST_CASE("the streaming calls refuse what breaks their contract", "[streaming][errors]")
+{
+  test_model<Bf16Mixed> m({100, 200});
+  HostOpt<Bf16Mixed> opt;
+  opt.add_tensor("a", m.params[0].data(), 100);
+  opt.add_tensor("b", m.params[1].data(), 200);
+  auto const views = m.views();
+  CHECK_THROWS_WITH(opt.grad_ready(0, views[0]), Catch::Contains("begin_step"));
+  CHECK_THROWS_WITH(opt.finish_step(), Catch::Contains("begin_step"));
+  CHECK_THROWS_AS(opt.begin_step(1.0, 0), invalid_option);
+  CHECK_THROWS_AS(opt.begin_step(-1.0), invalid_option);
+  CHECK_FALSE(opt.in_step());
+  opt.begin_step(1.0, 2);
+  CHECK(opt.in_step());
+  CHECK_THROWS_WITH(opt.step(views), Catch::Contains("streaming step is in progress"));
+  CHECK_THROWS_WITH(opt.begin_step(), Catch::Contains("streaming step is in progress"));
+  CHECK_THROWS_WITH(opt.grad_ready(5, views[0]), Catch::Contains("no tensor 5"));
+  CHECK_THROWS_WITH(opt.grad_ready(1, views[0]), Catch::Contains("'b'") && Catch::Contains("100 elements"));
+  opt.grad_ready(0, views[0]);
+  opt.grad_ready(0, views[0]);
+  CHECK_THROWS_WITH(opt.grad_ready(0, views[0]), Catch::Contains("micro_batches is 2"));
+  std::vector<float> out(100);
+  CHECK_THROWS_AS(opt.copy_state("a", slot::exp_avg, out), tierstate::logic_error);
+  CHECK(opt.finish_step().step == 1);
+  CHECK_FALSE(opt.in_step());
+  // Destroyed in the middle of a streaming step: returns, does not hang.
+  auto other = std::make_unique<HostOpt<Bf16Mixed>>();
+  other->add_tensor("a", m.params[0].data(), 100);
+  other->begin_step();
+  other.reset();
+}
