@@ -12,10 +12,14 @@
 
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <numeric>
+#include <random>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -313,6 +317,104 @@ TEMPLATE_TEST_CASE("the four device compositions give PinnedHost + Synchronous's
   }
 }
 
+/// The test model with params and gradients in device memory.
+template <class P>
+struct device_model {
+  test_model<P> m;
+  std::vector<std::unique_ptr<mirrored<typename P::param_type>>> params;
+  std::vector<std::unique_ptr<mirrored<typename P::grad_type>>> grads;
+  explicit device_model(std::vector<std::size_t> const& sizes = nvme_sizes) : m(sizes)
+  {
+    for (std::size_t k = 0; k < sizes.size(); ++k) {
+      params.push_back(std::make_unique<mirrored<typename P::param_type>>(m.params[k]));
+      grads.push_back(std::make_unique<mirrored<typename P::grad_type>>(m.grads[k]));
+    }
+  }
+  template <class Opt>
+  void register_in(Opt& opt)
+  {
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      opt.add_tensor(tensor_name(k), params[k]->device, m.params[k].size(), location::device);
+    }
+  }
+  std::vector<grad_view<typename P::grad_type>> views(int t)
+  {
+    m.fill_grads(t);
+    std::vector<grad_view<typename P::grad_type>> v;
+    for (std::size_t k = 0; k < grads.size(); ++k) {
+      grads[k]->host = m.grads[k];
+      grads[k]->upload();
+      v.push_back({grads[k]->device, m.grads[k].size(), location::device});
+    }
+    return v;
+  }
+  test_model<P> const& downloaded()
+  {
+    for (std::size_t k = 0; k < params.size(); ++k) { m.params[k] = params[k]->download(); }
+    return m;
+  }
+};
+
+namespace {
+
+/// As train_on_device, with streaming steps: every gradient handed over from 3 threads in
+/// a shuffled order, each with its own "backward" stream.
+template <class Opt>
+run_result train_on_device_streaming(int steps, typename Opt::options const& o)
+{
+  using P = typename Opt::precision_type;
+  device_model<P> dm;
+  Opt opt(schedule<Opt>(1), o);
+  dm.register_in(opt);
+  typename Opt::hyperparameters h;
+  h.lr           = 3e-3;
+  h.betas        = {0.8, 0.99};
+  h.weight_decay = 0.0;
+  opt.add_group(h, {"t1", "t4"});
+  std::mt19937 rng(11);
+  device::stream backward[3];
+  for (int t = 1; t <= steps; ++t) {
+    opt.set_hyperparameters(0, schedule<Opt>(t));
+    auto const views = dm.views(t);
+    std::vector<std::size_t> order(views.size());
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::shuffle(order.begin(), order.end(), rng);
+    opt.begin_step();
+    std::atomic<std::size_t> next{0};
+    std::vector<std::thread> threads;
+    for (int w = 0; w < 3; ++w) {
+      threads.emplace_back([&, w] {
+        for (std::size_t i; (i = next.fetch_add(1)) < order.size();) {
+          opt.grad_ready(order[i], views[order[i]], backward[w]);
+        }
+      });
+    }
+    for (auto& th : threads) { th.join(); }
+    opt.finish_step();
+  }
+  return snapshot(opt, dm.downloaded());
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("streaming steps on the device compositions give step()'s bits",
+                   "[device][streaming]", DeviceResident<Bf16Mixed>, ZeroOffload<Bf16Mixed>,
+                   ZeroInfinity<Bf16Mixed>, Streamed<Bf16Mixed>, (Streamed<Bf16Mixed, NvmeFile>),
+                   ZeroOffload<Fp32>)
+{
+  using P = typename TestType::precision_type;
+  scratch_dir d;
+  for (auto const policy : {nonfinite_policy::ignore, nonfinite_policy::skip_step}) {
+    for (std::size_t const chunk : {std::size_t{2048}, std::size_t{16384}}) {
+      INFO("chunk " << chunk << ", checks " << (policy == nonfinite_policy::ignore ? "off" : "on"));
+      auto o         = chunked<TestType>(chunk);
+      o.on_nonfinite = policy;
+      if constexpr (requires { o.tier.directory; }) { o.tier.directory = d.path; }
+      CHECK(train_on_device_streaming<TestType>(20, o) == reference<P>(20, chunk));
+    }
+  }
+}
+
 TEST_CASE("with OnHost and CudaOverlapped, host and device tensors mix in one model", "[device][compositions]")
 {
   auto const odd = [](std::size_t t) { return t % 2 == 1; };
@@ -413,44 +515,6 @@ TEST_CASE("memory in the wrong place is refused with a reason, before anything c
     CHECK_THROWS_WITH(opt.step({&device_grad, 1}), Catch::Contains("on the device"));
   }
 }
-
-/// The test model with params and gradients in device memory.
-template <class P>
-struct device_model {
-  test_model<P> m;
-  std::vector<std::unique_ptr<mirrored<typename P::param_type>>> params;
-  std::vector<std::unique_ptr<mirrored<typename P::grad_type>>> grads;
-  explicit device_model(std::vector<std::size_t> const& sizes = nvme_sizes) : m(sizes)
-  {
-    for (std::size_t k = 0; k < sizes.size(); ++k) {
-      params.push_back(std::make_unique<mirrored<typename P::param_type>>(m.params[k]));
-      grads.push_back(std::make_unique<mirrored<typename P::grad_type>>(m.grads[k]));
-    }
-  }
-  template <class Opt>
-  void register_in(Opt& opt)
-  {
-    for (std::size_t k = 0; k < params.size(); ++k) {
-      opt.add_tensor(tensor_name(k), params[k]->device, m.params[k].size(), location::device);
-    }
-  }
-  std::vector<grad_view<typename P::grad_type>> views(int t)
-  {
-    m.fill_grads(t);
-    std::vector<grad_view<typename P::grad_type>> v;
-    for (std::size_t k = 0; k < grads.size(); ++k) {
-      grads[k]->host = m.grads[k];
-      grads[k]->upload();
-      v.push_back({grads[k]->device, m.grads[k].size(), location::device});
-    }
-    return v;
-  }
-  test_model<P> const& downloaded()
-  {
-    for (std::size_t k = 0; k < params.size(); ++k) { m.params[k] = params[k]->download(); }
-    return m;
-  }
-};
 
 TEST_CASE("checkpoints move between the device tier and the host tiers", "[device][checkpoint]")
 {

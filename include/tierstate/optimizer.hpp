@@ -207,8 +207,7 @@ class OffloadedOptimizer {
   step_result step(std::span<grad_view<grad_type> const> grads, double grad_scale = 1.0,
                    device::stream_view ready = {});
 
-  /// A streaming step, for overlapping the update with backward (host gradients; not yet
-  /// with CudaOverlapped or OnDevice). begin_step() starts it; grad_ready() hands over one
+  /// A streaming step, for overlapping the update with backward. begin_step() starts it; grad_ready() hands over one
   /// tensor's gradient as soon as it is final (a post-accumulate-grad hook), from any thread,
   /// concurrently; finish_step() marks every tensor not handed over as having no gradient
   /// (its param and state stay as they are, as torch.optim skips a param whose grad is
@@ -226,7 +225,9 @@ class OffloadedOptimizer {
   /// Between begin_step and finish_step only grad_ready may be called; the results equal
   /// step()'s with the same gradients, bit for bit.
   void begin_step(double grad_scale = 1.0, unsigned micro_batches = 1);
-  /// Thread-safe. `g` must stay valid and unchanged until finish_step returns.
+  /// Thread-safe. `g` must stay valid and unchanged until finish_step returns; a device
+  /// gradient is read after the work queued on `ready` so far (the stream backward made it
+  /// on; by default the legacy default stream).
   void grad_ready(tensor_id t, grad_view<grad_type> g, device::stream_view ready = {});
   step_result finish_step();
   /// The chunk order the next streaming step will use (empty before the first): the order
@@ -354,6 +355,8 @@ class OffloadedOptimizer {
   /// A streaming step: blocks until chunk k's gradients are all in (and, when the checks
   /// need them all, until every gradient is in and checked).
   void await_chunk(std::size_t k, step_stats& stats);
+  /// Whether chunk k can be started without waiting (a streaming step).
+  [[nodiscard]] bool chunk_is_ready(std::size_t k);
   void check_not_streaming(char const* call) const;
   void drive_streaming_step();
   void step_device_resident(std::span<grad_view<grad_type> const> grads,
@@ -418,6 +421,7 @@ class OffloadedOptimizer {
     std::vector<char> ready;           ///< per chunk
     std::vector<std::size_t> arrival;  ///< chunks in the order they became ready
     std::vector<std::size_t> order;    ///< this step's chunk order
+    std::vector<std::unique_ptr<device::event>> grad_events;  ///< per tensor: its gradient's readiness
     std::vector<typename Rule::coefficients> coefficients;
     step_result result;
     std::exception_ptr error;

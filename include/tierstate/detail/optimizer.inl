@@ -665,7 +665,9 @@ void TIERSTATE_OPTIMIZER::step_device_resident(std::span<grad_view<grad_type> co
   try {
     if constexpr (device_tier<StateTier>) {
       auto const t0 = std::chrono::steady_clock::now();
-      for (std::size_t k = 0; k < layout_->chunk_count(); ++k) {
+      for (std::size_t j = 0; j < layout_->chunk_count(); ++j) {
+        std::size_t const k = chunk_at(j);
+        await_chunk(k, stats);
         changed = true;
         launch_chunk(k, tier_->device_data() + k * layout_->chunk_bytes(), grads, coefficients);
         ++stats.chunks;
@@ -688,11 +690,13 @@ void TIERSTATE_OPTIMIZER::step_overlapped_host(std::span<grad_view<grad_type> co
                                                std::vector<typename Rule::coefficients> const& coefficients,
                                                step_stats& stats, bool& changed)
 {
-  // Chunk k uses buffer k % B of each staging ring. While chunk k is computed on the host,
-  // the gradients of chunks k+1..k+Depth come device to host (d2h stream), chunk k-1's
-  // params go host to device (h2d stream), and a tier that is not addressable reads ahead
-  // and writes behind as with Pipelined. in[b] marks a chunk's gradients landed; out[b] its
-  // params gone, after which buffer b may take chunk k + B.
+  // The j-th chunk of the step's order uses buffer j % B of each staging ring. While it is
+  // computed on the host, the gradients of the next Depth chunks come device to host (d2h
+  // stream), the previous chunk's params go host to device (h2d stream), and a tier that is
+  // not addressable reads ahead and writes behind as with Pipelined. in[b] marks a chunk's
+  // gradients landed; out[b] its params gone, after which buffer b may take the chunk B
+  // positions on. In a streaming step a chunk's gradients are copied only once they are
+  // final: the reads ahead are issued as usual, the copies when the chunk is ready.
   constexpr unsigned B      = Transfer::staging_buffers;
   constexpr bool staged     = !addressable_tier<StateTier>;
   auto& d                   = *dev_;
@@ -702,12 +706,22 @@ void TIERSTATE_OPTIMIZER::step_overlapped_host(std::span<grad_view<grad_type> co
   std::size_t const grain   = 64 * host::batch_size<arch>;
   auto* const grad_ring     = reinterpret_cast<grad_type*>(d.grad_stage.data());
   auto* const param_ring    = reinterpret_cast<param_type*>(d.param_stage.data());
+  bool const streaming      = in_step();
   std::vector<std::uint64_t> read_ticket(n);
+  std::vector<char> copied(n, 0);
 
-  auto fetch = [&](std::size_t j) {
-    unsigned const b = static_cast<unsigned>(j % B);
-    if (j >= B) { d.out[b].synchronize(); }  // chunk j - B's params have left this buffer
-    for (std::size_t p = chunk_pieces_[j]; p < chunk_pieces_[j + 1]; ++p) {
+  auto read_ahead = [&](std::size_t j) {
+    if constexpr (staged) {
+      unsigned const b = static_cast<unsigned>(j % B);
+      read_ticket[j]   = io_->enqueue({chunk_at(j) * bytes, staging(b), bytes, false}, b);
+      stats.tier_bytes_read += bytes;
+    }
+  };
+  auto copy_down = [&](std::size_t j) {  // chunk at position j: its gradients to the host
+    unsigned const b    = static_cast<unsigned>(j % B);
+    std::size_t const k = chunk_at(j);
+    if (j >= B) { d.out[b].synchronize(); }  // position j - B's params have left this buffer
+    for (std::size_t p = chunk_pieces_[k]; p < chunk_pieces_[k + 1]; ++p) {
       auto const& pc = pieces_[p];
       auto const& g  = grads[pc.tensor];
       if (g.data == nullptr) { continue; }  // no gradient
@@ -726,18 +740,24 @@ void TIERSTATE_OPTIMIZER::step_overlapped_host(std::span<grad_view<grad_type> co
       }
     }
     d.in[b].record(d.d2h);
-    if constexpr (staged) {
-      read_ticket[j] = io_->enqueue({j * bytes, staging(b), bytes, false}, b);
-      stats.tier_bytes_read += bytes;
-    }
+    copied[j] = 1;
+  };
+  auto fetch = [&](std::size_t j) {
+    read_ahead(j);
+    if (!streaming) { copy_down(j); }
   };
 
   try {
     for (std::size_t j = 0; j < std::min<std::size_t>(n, Transfer::depth + 1); ++j) { fetch(j); }
-    for (std::size_t k = 0; k < n; ++k) {
-      unsigned const b = static_cast<unsigned>(k % B);
-      auto t0          = std::chrono::steady_clock::now();
-      if constexpr (staged) { io_->wait(read_ticket[k]); }
+    for (std::size_t j = 0; j < n; ++j) {
+      unsigned const b    = static_cast<unsigned>(j % B);
+      std::size_t const k = chunk_at(j);
+      if (copied[j] == 0) {
+        await_chunk(k, stats);
+        copy_down(j);
+      }
+      auto t0 = std::chrono::steady_clock::now();
+      if constexpr (staged) { io_->wait(read_ticket[j]); }
       d.in[b].synchronize();
       stats.wait_seconds += detail::seconds_since(t0);
 
@@ -771,7 +791,15 @@ void TIERSTATE_OPTIMIZER::step_overlapped_host(std::span<grad_view<grad_type> co
       }
       d.out[b].record(d.h2d);
       ++stats.chunks;
-      if (k + Transfer::depth + 1 < n) { fetch(k + Transfer::depth + 1); }
+      if (j + Transfer::depth + 1 < n) { fetch(j + Transfer::depth + 1); }
+      if (streaming) {  // the gradients of the chunks ahead that are final by now start down
+        for (std::size_t a = j + 1; a < std::min(n, j + Transfer::depth + 2); ++a) {
+          if (copied[a] != 0) { continue; }
+          if (!chunk_is_ready(chunk_at(a))) { break; }
+          await_chunk(chunk_at(a), stats);
+          copy_down(a);
+        }
+      }
     }
     auto const t0 = std::chrono::steady_clock::now();
     if constexpr (staged) { io_->wait_all(); }
@@ -806,17 +834,18 @@ void TIERSTATE_OPTIMIZER::step_streamed_to_device(std::span<grad_view<grad_type>
   std::size_t const bytes = layout_->chunk_bytes();
   std::vector<std::uint64_t> read_ticket(n);
 
+  // (j is a position in the step's order; chunk_at(j) the chunk there.)
   auto device_chunk = [&](std::size_t j) { return d.state_stage + (j % B) * bytes; };
   auto host_chunk   = [&](std::size_t j) -> std::byte* {
     if constexpr (staged) {
       return staging(static_cast<unsigned>(j % B));
     } else {
-      return tier_->data() + j * bytes;
+      return tier_->data() + chunk_at(j) * bytes;
     }
   };
   auto read = [&](std::size_t j) {
     if constexpr (staged) {
-      read_ticket[j] = io_->enqueue({j * bytes, host_chunk(j), bytes, false}, static_cast<unsigned>(j % B));
+      read_ticket[j] = io_->enqueue({chunk_at(j) * bytes, host_chunk(j), bytes, false}, static_cast<unsigned>(j % B));
       stats.tier_bytes_read += bytes;
     }
   };
@@ -838,7 +867,7 @@ void TIERSTATE_OPTIMIZER::step_streamed_to_device(std::span<grad_view<grad_type>
       auto const t0    = std::chrono::steady_clock::now();
       d.out[b].synchronize();
       stats.wait_seconds += detail::seconds_since(t0);
-      io_->enqueue({j * bytes, host_chunk(j), bytes, true}, b);
+      io_->enqueue({chunk_at(j) * bytes, host_chunk(j), bytes, true}, b);
       stats.tier_bytes_written += bytes;
     }
   };
@@ -846,21 +875,22 @@ void TIERSTATE_OPTIMIZER::step_streamed_to_device(std::span<grad_view<grad_type>
   try {
     for (std::size_t j = 0; j < std::min<std::size_t>(n, Transfer::depth + 1); ++j) { read(j); }
     if (n > 0) { upload(0); }
-    for (std::size_t k = 0; k < n; ++k) {
-      unsigned const b = static_cast<unsigned>(k % B);
-      if (k + 1 < n) { upload(k + 1); }
+    for (std::size_t j = 0; j < n; ++j) {
+      unsigned const b = static_cast<unsigned>(j % B);
+      if (j + 1 < n) { upload(j + 1); }
+      await_chunk(chunk_at(j), stats);
       d.compute.wait(d.in[b]);
       changed = true;
-      launch_chunk(k, device_chunk(k), grads, coefficients);
+      launch_chunk(chunk_at(j), device_chunk(j), grads, coefficients);
       d.computed[b].record(d.compute);
       d.d2h.wait(d.computed[b]);
-      device::copy_async(host_chunk(k), device_chunk(k), bytes, d.d2h);
+      device::copy_async(host_chunk(j), device_chunk(j), bytes, d.d2h);
       d.out[b].record(d.d2h);
       stats.d2h_bytes += bytes;
       if constexpr (!staged) { stats.tier_bytes_in_place += bytes; }
       ++stats.chunks;
-      if (k >= 1) { write_back(k - 1); }
-      if (k + Transfer::depth + 1 < n) { read(k + Transfer::depth + 1); }
+      if (j >= 1) { write_back(j - 1); }
+      if (j + Transfer::depth + 1 < n) { read(j + Transfer::depth + 1); }
     }
     auto const t0 = std::chrono::steady_clock::now();
     if (n > 0) { write_back(n - 1); }
@@ -947,6 +977,14 @@ void TIERSTATE_OPTIMIZER::await_chunk(std::size_t k, step_stats& stats)
     st.checked = true;
     lock.unlock();
     stats.grad_wait_seconds += detail::seconds_since(t0);
+    if constexpr (device_params_) {  // every gradient's device work first
+      for (std::size_t t = 0; t < tensors_.size(); ++t) {
+        if (st.views[t].where == location::device && st.views[t].data != nullptr) {
+          dev_->d2h.wait(*st.grad_events[t]);
+          dev_->compute.wait(*st.grad_events[t]);
+        }
+      }
+    }
     if (!check_and_clip(st.views, st.grad_scale, st.coefficients, st.result)) {
       throw detail::skip_step_signal{};
     }
@@ -954,7 +992,25 @@ void TIERSTATE_OPTIMIZER::await_chunk(std::size_t k, step_stats& stats)
   }
   st.cv.wait(lock, [&] { return st.abandoned || st.ready[k] != 0; });
   if (st.abandoned) { throw logic_error("the optimizer was destroyed during a streaming step"); }
+  lock.unlock();
   stats.grad_wait_seconds += detail::seconds_since(t0);
+  if constexpr (device_params_) {  // the device work that made these gradients comes first
+    for (std::size_t p = chunk_pieces_[k]; p < chunk_pieces_[k + 1]; ++p) {
+      std::size_t const t = pieces_[p].tensor;
+      if (st.views[t].where == location::device && st.views[t].data != nullptr) {
+        dev_->d2h.wait(*st.grad_events[t]);
+        dev_->compute.wait(*st.grad_events[t]);
+      }
+    }
+  }
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+bool TIERSTATE_OPTIMIZER::chunk_is_ready(std::size_t k)
+{
+  auto& st = *streaming_;
+  std::lock_guard lock(st.m);
+  return st.ready[k] != 0 && (!st.checks || st.checked);
 }
 
 TIERSTATE_OPTIMIZER_TEMPLATE
@@ -970,10 +1026,6 @@ void TIERSTATE_OPTIMIZER::begin_step(double grad_scale, unsigned micro_batches)
 {
   check_not_streaming("begin_step");
   check_not_lost("begin_step");
-  if constexpr (device_params_) {
-    throw logic_error("begin_step: streaming steps with CudaOverlapped or OnDevice are not supported "
-                      "yet; call step() with every gradient");
-  }
   if (micro_batches == 0) { throw invalid_option("micro_batches", "0", "must be >= 1"); }
   if (tensors_.empty()) { throw logic_error("begin_step: no tensor is registered: add_tensor first"); }
   auto coefficients = coefficients_for(grad_scale);  // refused values change nothing
@@ -1003,6 +1055,9 @@ void TIERSTATE_OPTIMIZER::begin_step(double grad_scale, unsigned micro_batches)
     st.order.resize(n);
     for (std::size_t j = 0; j < n; ++j) { st.order[j] = n - 1 - j; }
   }
+  if constexpr (device_params_) {
+    while (st.grad_events.size() < T) { st.grad_events.push_back(std::make_unique<device::event>()); }
+  }
   st.coefficients = std::move(coefficients);
   st.result       = step_result{};
   st.error        = nullptr;
@@ -1022,7 +1077,7 @@ void TIERSTATE_OPTIMIZER::begin_step(double grad_scale, unsigned micro_batches)
 }
 
 TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::grad_ready(tensor_id t, grad_view<grad_type> g, device::stream_view)
+void TIERSTATE_OPTIMIZER::grad_ready(tensor_id t, grad_view<grad_type> g, device::stream_view ready)
 {
   if (t >= tensors_.size()) {
     throw logic_error("grad_ready: there is no tensor " + std::to_string(t) + " (" +
@@ -1034,8 +1089,15 @@ void TIERSTATE_OPTIMIZER::grad_ready(tensor_id t, grad_view<grad_type> g, device
     throw logic_error(who + " has " + std::to_string(g.size) + " elements; the tensor has " +
                       std::to_string(e.count));
   }
-  if (g.where != location::host) {
-    throw logic_error(who + " is on the device; streaming steps take host gradients (for now)");
+  if constexpr (on_device_) {
+    if (g.where != location::device) {
+      throw logic_error(who + " is on the host; OnDevice compute reads gradients on the device");
+    }
+  } else if constexpr (!device_params_) {
+    if (g.where != location::host) {
+      throw logic_error(who + " is on the device; this composition reads gradients on the host "
+                              "(use the CudaOverlapped transfer, or OnDevice compute)");
+    }
   }
   if (g.data == nullptr && g.size > 0) { throw logic_error(who + " is a null pointer"); }
   if (!streaming_) { throw logic_error("grad_ready: no streaming step is in progress (call begin_step)"); }
@@ -1048,6 +1110,10 @@ void TIERSTATE_OPTIMIZER::grad_ready(tensor_id t, grad_view<grad_type> g, device
                         " time(s), and micro_batches is " + std::to_string(st.micro_batches));
     }
     st.views[t] = g;
+    if constexpr (device_params_) {
+      // The gradient is final after the work queued on `ready` so far.
+      if (g.where == location::device) { st.grad_events[t]->record(ready); }
+    }
     if (++st.arrivals[t] == st.micro_batches) {
       st.final_[t] = 1;
       ++st.finals;
