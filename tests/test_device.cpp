@@ -262,6 +262,7 @@ run_result train_on_device(int steps, typename Opt::options const& o,
     auto const r = opt.step(views);
     if (results != nullptr) { results->push_back(r); }
   }
+  opt.flush();  // delayed_update: the last update's params into the model
   for (std::size_t k = 0; k < m.params.size(); ++k) {
     if (on_device(k)) { m.params[k] = params[k]->download(); }
   }
@@ -294,6 +295,15 @@ TEMPLATE_TEST_CASE("the four device compositions give PinnedHost + Synchronous's
       CHECK(train_on_device<ZeroOffload<P, 1>>(50, chunked<ZeroOffload<P, 1>>(chunk)) == expected);
       CHECK(train_on_device<ZeroOffload<P, 2>>(50, chunked<ZeroOffload<P, 2>>(chunk, 1)) == expected);
       CHECK(train_on_device<ZeroOffload<P, 3>>(50, chunked<ZeroOffload<P, 3>>(chunk)) == expected);
+    }
+    SECTION("ZeRO-Offload's delayed parameter update, after a flush") {
+      auto o           = chunked<ZeroOffload<P, 2>>(chunk);
+      o.delayed_update = true;
+      CHECK(train_on_device<ZeroOffload<P, 2>>(50, o) == expected);
+      auto n           = chunked<ZeroInfinity<P, 2>>(chunk);
+      n.tier           = in(d);
+      n.delayed_update = true;
+      CHECK(train_on_device<ZeroInfinity<P, 2>>(50, n) == expected);
     }
     SECTION("state in NvmeFile through PinnedHost, compute on the host (ZeRO-Infinity)") {
       auto o     = chunked<ZeroInfinity<P, 1>>(chunk);
@@ -507,6 +517,11 @@ TEST_CASE("memory in the wrong place is refused with a reason, before anything c
     grad_view<bf16> const host_grad{g.data(), 10, location::host};
     CHECK_THROWS_WITH(opt.step({&host_grad, 1}), Catch::Contains("'w'") && Catch::Contains("on the host"));
     CHECK(opt.step_count() == 0);
+  }
+  SECTION("the delayed update runs on the host") {
+    Streamed<Bf16Mixed>::options o;
+    o.delayed_update = true;
+    CHECK_THROWS_WITH(Streamed<Bf16Mixed>({}, o), Catch::Contains("delayed_update") && Catch::Contains("OnHost"));
   }
   SECTION("a host composition refuses device gradients") {
     OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost, Synchronous> opt;

@@ -297,3 +297,92 @@ TEST_CASE("the streaming calls refuse what breaks their contract", "[streaming][
   other->begin_step();
   other.reset();
 }
+
+// --- the delayed parameter update ---------------------------------------------------------
+
+namespace {
+
+/// Params (as bits) after each of `steps` steps of Opt; with delayed_update the gradients'
+/// buffers are scribbled over right after each step() returns (the optimizer has its own).
+template <class Opt>
+std::vector<run_result> params_each_step(int steps, typename Opt::options const& o, run_result* last)
+{
+  nvme_model<typename Opt::precision_type> m;
+  Opt opt(schedule<Opt>(1), o);
+  register_model(opt, m);
+  std::vector<run_result> out;
+  for (int t = 1; t <= steps; ++t) {
+    m.fill_grads(t);
+    opt.set_hyperparameters(0, schedule<Opt>(t));
+    auto const r = opt.step(m.views());
+    CHECK(r.deferred == o.delayed_update);
+    CHECK(r.step == t);
+    for (auto& g : m.grads) { std::fill(g.begin(), g.end(), convert<typename Opt::grad_type>(1e30f)); }
+    run_result p;
+    for (auto const& x : m.params) {
+      p.params.emplace_back();
+      for (auto const& e : x) { p.params.back().push_back(bits(e)); }
+    }
+    out.push_back(p);
+  }
+  opt.flush();
+  *last = snapshot(opt, m);
+  return out;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("the delayed update: the model's params are one step behind, then flush catches up",
+                   "[streaming][delayed]", Fp32, Bf16Mixed)
+{
+  using P = TestType;
+  scratch_dir d;
+  run_result plain_last, delayed_last;
+  auto o = streaming_options<HostOpt<P>>(2048, nonfinite_policy::skip_step);
+  auto const plain = params_each_step<HostOpt<P>>(12, o, &plain_last);
+  o.delayed_update = true;
+  auto const delayed = params_each_step<HostOpt<P>>(12, o, &delayed_last);
+  CHECK(delayed_last == plain_last);
+  for (int t = 2; t <= 12; ++t) {
+    INFO("after step " << t);
+    CHECK(delayed[t - 1].params == plain[t - 2].params);
+  }
+  auto n           = streaming_options<NvmeOpt<P>>(6144, nonfinite_policy::skip_step, 0.05);
+  n.tier           = in(d);
+  n.delayed_update = true;
+  run_result nvme_last, clipped_last;
+  (void)params_each_step<NvmeOpt<P>>(12, n, &nvme_last);
+  auto c = streaming_options<HostOpt<P>>(2048, nonfinite_policy::skip_step, 0.05);
+  (void)params_each_step<HostOpt<P>>(12, c, &clipped_last);
+  CHECK(nvme_last == clipped_last);
+}
+
+TEST_CASE("the delayed update saves, loads and refuses what it cannot do", "[streaming][delayed]")
+{
+  scratch_dir d;
+  nvme_model<Bf16Mixed> m;
+  auto o           = streaming_options<HostOpt<Bf16Mixed>>(2048, nonfinite_policy::skip_step);
+  o.delayed_update = true;
+  HostOpt<Bf16Mixed> opt(schedule<HostOpt<Bf16Mixed>>(1), o);
+  register_model(opt, m);
+  for (int t = 1; t <= 5; ++t) {
+    m.fill_grads(t);
+    opt.set_hyperparameters(0, schedule<HostOpt<Bf16Mixed>>(t));
+    opt.step(m.views());
+  }
+  CHECK_THROWS_WITH(opt.begin_step(), Catch::Contains("delayed_update"));
+  opt.save(d.path / "c.ckpt");  // flushes first: the checkpoint has all five updates
+  auto const saved = snapshot(opt, m);
+  nvme_model<Bf16Mixed> m2;
+  HostOpt<Bf16Mixed> other(schedule<HostOpt<Bf16Mixed>>(1), o);
+  register_model(other, m2);
+  other.load(d.path / "c.ckpt");
+  CHECK(snapshot(other, m2) == saved);
+  CHECK(other.step_count() == 5);
+  // A skipped step starts nothing.
+  m2.fill_grads(6);
+  m2.grads[0][0] = bf16(std::numeric_limits<float>::quiet_NaN());
+  auto const r = other.step(m2.views());
+  CHECK(r.skipped);
+  CHECK(other.step_count() == 5);
+}

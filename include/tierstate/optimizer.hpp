@@ -112,6 +112,8 @@ struct step_stats {
 struct step_result {
   bool found_nonfinite = false;  ///< a gradient held an infinity or NaN (when checked)
   bool skipped         = false;  ///< the step was skipped for it (nonfinite_policy::skip_step)
+  bool deferred        = false;  ///< delayed_update: the update was started, not finished; stats
+                                 ///< are those of the previous step's update
   std::int64_t step    = 0;      ///< the step count after this call
   double grad_norm     = 0;      ///< with max_grad_norm: the unscaled gradients' 2-norm, before clipping
   step_stats stats;
@@ -168,6 +170,17 @@ class OffloadedOptimizer {
     /// of each tensor, combined pairwise in (tensor, block) order: the same bits whatever
     /// the chunk size, the thread count or the order gradients arrive in.
     double max_grad_norm = 0.0;
+    /// ZeRO-Offload's delayed parameter update (OnHost compute): step() copies the
+    /// gradients into the optimizer's own buffer, waits for the previous step's update,
+    /// writes its params into the model, starts this step's update in the background and
+    /// returns, so the update runs while the next forward and backward do. The model then
+    /// always computes with params one step older than the state: one step of staleness,
+    /// a trade of exactness for time that ZeRO-Offload makes only after its first steps.
+    /// Costs a model-sized gradient buffer and a model-sized param buffer of pinned host
+    /// memory (grad + param bytes per element). flush() (also called by save, load,
+    /// copy_state and write_state) waits for the update in flight and writes its params.
+    /// Off by default; streaming steps are refused with it.
+    bool delayed_update = false;
     typename StateTier::options tier{};
   };
 
@@ -235,6 +248,10 @@ class OffloadedOptimizer {
   [[nodiscard]] std::vector<std::size_t> const& next_chunk_order() const noexcept { return next_order_; }
   /// Whether a streaming step is in progress.
   [[nodiscard]] bool in_step() const noexcept { return streaming_ && streaming_->active; }
+
+  /// delayed_update: waits for the update in flight (if any), writes its params into the
+  /// model and returns its result (rethrowing its failure). Without it, does nothing.
+  step_result flush();
 
   /// Steps taken (skipped steps do not count), as torch.optim's state["step"].
   [[nodiscard]] std::int64_t step_count() const noexcept { return step_; }
@@ -358,6 +375,19 @@ class OffloadedOptimizer {
   /// Whether chunk k can be started without waiting (a streaming step).
   [[nodiscard]] bool chunk_is_ready(std::size_t k);
   void check_not_streaming(char const* call) const;
+  step_result step_delayed(std::span<grad_view<grad_type> const> grads, double grad_scale,
+                           device::stream_view ready);
+  /// Where the update reads and writes tensor t's params: the model's, or (delayed_update)
+  /// the optimizer's own buffer, which is host memory.
+  [[nodiscard]] param_type* update_params(std::size_t t) const noexcept
+  {
+    return delayed_ ? reinterpret_cast<param_type*>(delayed_->params.data()) + layout_->tensors()[t].offset
+                    : tensors_[t].param;
+  }
+  [[nodiscard]] bool update_params_on_device(std::size_t t) const noexcept
+  {
+    return !delayed_ && tensors_[t].where == location::device;
+  }
   void drive_streaming_step();
   void step_device_resident(std::span<grad_view<grad_type> const> grads,
                             std::vector<typename Rule::coefficients> const& coefficients,
@@ -438,6 +468,22 @@ class OffloadedOptimizer {
       }
     }
   };
+  /// delayed_update: the update in the background, its gradients and its params.
+  struct delayed_state {
+    PinnedHost grads{0};   ///< every tensor's gradient, in layout order
+    PinnedHost params{0};  ///< every tensor's params as the update leaves them, in layout order
+    std::vector<grad_view<grad_type>> views;
+    std::vector<typename Rule::coefficients> coefficients;
+    step_result result;
+    std::exception_ptr error;
+    std::thread worker;
+    ~delayed_state()
+    {
+      if (worker.joinable()) { worker.join(); }
+    }
+  };
+  std::unique_ptr<delayed_state> delayed_;  ///< declared after what its worker uses
+
   std::vector<std::size_t> next_order_;  ///< the chunk order the next streaming step starts with
   std::unique_ptr<streaming_state> streaming_;  ///< declared last: its driver stops first
   std::string lost_;  ///< the failure that left the state part updated, or empty

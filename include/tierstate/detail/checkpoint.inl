@@ -160,6 +160,7 @@ TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::save(std::filesystem::path const& path, checkpoint_options const& o)
 {
   check_not_streaming("save");
+  flush();
   check_not_lost("save");
   o.io.validate();
   materialize();
@@ -230,6 +231,11 @@ TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::load(std::filesystem::path const& path, checkpoint_options const& o)
 {
   check_not_streaming("load");
+  try {
+    flush();  // a failed update in flight is replaced by what is loaded
+  } catch (...) {
+  }
+  delayed_.reset();  // its param buffer is made afresh from the params load writes
   o.io.validate();
   std::string const file = path.string();
   detail::unique_fd fd(::open(file.c_str(), O_RDONLY | O_CLOEXEC));

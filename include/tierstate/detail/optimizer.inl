@@ -48,6 +48,10 @@ TIERSTATE_OPTIMIZER::OffloadedOptimizer(hyperparameters const& defaults, options
     throw invalid_option("max_grad_norm", detail::to_text(opts.max_grad_norm),
                          "must be finite and >= 0 (0: no clipping)");
   }
+  if (on_device_ && opts.delayed_update) {
+    throw invalid_option("delayed_update", "true",
+                         "the delayed parameter update runs the update on the host: use OnHost compute");
+  }
   if (on_device_ && opts.max_grad_norm > 0.0) {
     throw invalid_option("max_grad_norm", detail::to_text(opts.max_grad_norm),
                          "clipping with OnDevice compute is not supported yet (the norm would need a "
@@ -353,7 +357,7 @@ void TIERSTATE_OPTIMIZER::update_chunk_range(std::size_t k, std::byte* chunk, st
     std::size_t const tofs = pc.tensor_begin + (lo - pc.chunk_begin);
     auto const& tensor     = tensors_[pc.tensor];
     arrays_t a;
-    a.param  = tensor.where == location::device ? param_stage + lo : tensor.param + tofs;
+    a.param  = update_params_on_device(pc.tensor) ? param_stage + lo : update_params(pc.tensor) + tofs;
     a.grad   = grads[pc.tensor].where == location::device ? grad_stage + lo : grads[pc.tensor].data + tofs;
     a.master = master != nullptr ? master + lo : nullptr;
     for (std::size_t j = 0; j < Rule::slot_count; ++j) { a.state[j] = state[j] + lo; }
@@ -367,6 +371,7 @@ step_result TIERSTATE_OPTIMIZER::step(std::span<grad_view<grad_type> const> grad
 {
   auto const t_start = std::chrono::steady_clock::now();
   check_not_streaming("step");
+  if (opts_.delayed_update) { return step_delayed(grads, grad_scale, ready); }
   check_not_lost("step");
   check_grads(grads);
   // Every group's coefficients first: a refused hyper-parameter or scale changes nothing.
@@ -388,6 +393,7 @@ step_result TIERSTATE_OPTIMIZER::step(std::span<grad_view<grad_type> const> grad
     return result;
   }
   run_step(grads, coefficients, result);
+  result.step                = ++step_;
   result.stats.total_seconds = detail::seconds_since(t_start);
   return result;
 }
@@ -465,7 +471,6 @@ void TIERSTATE_OPTIMIZER::run_step(std::span<grad_view<grad_type> const> grads,
         ++result.stats.chunks;
       }
       result.stats.tier_bytes_in_place = layout_->total_bytes();
-      result.step                      = ++step_;
       return;
     }
     // In place: one parallel pass over all elements; a thread's range may cross chunks.
@@ -496,7 +501,6 @@ void TIERSTATE_OPTIMIZER::run_step(std::span<grad_view<grad_type> const> grads,
       throw;
     }
   }
-  result.step = ++step_;
 }
 
 TIERSTATE_OPTIMIZER_TEMPLATE
@@ -732,7 +736,7 @@ void TIERSTATE_OPTIMIZER::step_overlapped_host(std::span<grad_view<grad_type> co
       }
       if constexpr (!Precision::has_master) {  // the param is its own master: it comes too
         auto const& t = tensors_[pc.tensor];
-        if (t.where == location::device) {
+        if (update_params_on_device(pc.tensor)) {
           device::copy_async(param_ring + b * ce + pc.chunk_begin, t.param + pc.tensor_begin,
                              pc.count * sizeof(param_type), d.d2h);
           stats.d2h_bytes += pc.count * sizeof(param_type);
@@ -783,7 +787,7 @@ void TIERSTATE_OPTIMIZER::step_overlapped_host(std::span<grad_view<grad_type> co
       for (std::size_t p = chunk_pieces_[k]; p < chunk_pieces_[k + 1]; ++p) {
         auto const& pc = pieces_[p];
         auto const& t  = tensors_[pc.tensor];
-        if (t.where == location::device && grads[pc.tensor].data != nullptr) {
+        if (update_params_on_device(pc.tensor) && grads[pc.tensor].data != nullptr) {
           device::copy_async(t.param + pc.tensor_begin, param_ring + b * ce + pc.chunk_begin,
                              pc.count * sizeof(param_type), d.h2d);
           stats.h2d_bytes += pc.count * sizeof(param_type);
@@ -1025,6 +1029,10 @@ TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::begin_step(double grad_scale, unsigned micro_batches)
 {
   check_not_streaming("begin_step");
+  if (opts_.delayed_update) {
+    throw logic_error("begin_step: streaming steps and delayed_update do not combine (the delayed "
+                      "update already runs during the next forward and backward): call step()");
+  }
   check_not_lost("begin_step");
   if (micro_batches == 0) { throw invalid_option("micro_batches", "0", "must be >= 1"); }
   if (tensors_.empty()) { throw logic_error("begin_step: no tensor is registered: add_tensor first"); }
@@ -1174,12 +1182,107 @@ void TIERSTATE_OPTIMIZER::drive_streaming_step()
   auto& st = *streaming_;
   try {
     run_step(st.views, st.coefficients, st.result);
+    st.result.step = ++step_;
   } catch (detail::skip_step_signal const&) {
     st.result.skipped = true;
     st.result.step    = step_;
   } catch (...) {
     st.error = std::current_exception();
   }
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+step_result TIERSTATE_OPTIMIZER::flush()
+{
+  if (!delayed_ || !delayed_->worker.joinable()) { return {}; }
+  auto& dl = *delayed_;
+  dl.worker.join();
+  if (dl.error) { std::rethrow_exception(std::exchange(dl.error, nullptr)); }
+  // The update's params into the model.
+  auto const* params = reinterpret_cast<param_type const*>(dl.params.data());
+  for (std::size_t t = 0; t < tensors_.size(); ++t) {
+    auto const& e          = tensors_[t];
+    param_type const* from = params + layout_->tensors()[t].offset;
+    if (e.where == location::device) {
+      device::copy(e.param, from, e.count * sizeof(param_type));
+    } else {
+      std::copy(from, from + e.count, e.param);
+    }
+  }
+  return dl.result;
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+step_result TIERSTATE_OPTIMIZER::step_delayed(std::span<grad_view<grad_type> const> grads,
+                                              double grad_scale, device::stream_view ready)
+{
+  auto const t_start = std::chrono::steady_clock::now();
+  check_grads(grads);
+  step_result const previous = flush();  // also the first place a failed update is reported
+  check_not_lost("step");
+  auto coefficients = coefficients_for(grad_scale);
+  materialize();
+  std::size_t const total = layout_->total_elements();
+  if (!delayed_) {
+    auto dl    = std::make_unique<delayed_state>();
+    dl.get()->grads  = PinnedHost(total * sizeof(grad_type));
+    dl.get()->params = PinnedHost(total * sizeof(param_type));
+    auto* params = reinterpret_cast<param_type*>(dl->params.data());
+    for (std::size_t t = 0; t < tensors_.size(); ++t) {
+      read_params(t, 0, tensors_[t].count, params + layout_->tensors()[t].offset);
+    }
+    dl->views.resize(tensors_.size());
+    delayed_ = std::move(dl);
+  }
+  auto& dl = *delayed_;
+  // The gradients into the optimizer's own buffer: the caller may reuse theirs at once.
+  auto* own = reinterpret_cast<grad_type*>(dl.grads.data());
+  if constexpr (device_params_) {
+    dev_->ready.record(ready);
+    dev_->d2h.wait(dev_->ready);
+  } else {
+    (void)ready;
+  }
+  for (std::size_t t = 0; t < tensors_.size(); ++t) {
+    auto const& g = grads[t];
+    if (g.data == nullptr) {
+      dl.views[t] = {};
+      continue;
+    }
+    grad_type* to = own + layout_->tensors()[t].offset;
+    if (g.where == location::device) {
+      if constexpr (device_params_) { device::copy_async(to, g.data, g.size * sizeof(grad_type), dev_->d2h); }
+    } else {
+      std::copy(g.data, g.data + g.size, to);
+    }
+    dl.views[t] = {to, g.size, location::host};
+  }
+  if constexpr (device_params_) { dev_->d2h.synchronize(); }
+
+  step_result r;
+  r.deferred = true;
+  r.stats    = previous.stats;
+  if (!check_and_clip(dl.views, grad_scale, coefficients, r)) {
+    r.skipped = true;
+    r.step    = step_;
+    r.stats.total_seconds = detail::seconds_since(t_start);
+    return r;
+  }
+  r.step          = ++step_;  // counted when started: a failure loses the state anyway
+  dl.coefficients = std::move(coefficients);
+  dl.result       = step_result{};
+  dl.result.step  = step_;
+  dl.worker       = std::thread([this] {
+    auto& d          = *delayed_;
+    auto const start = std::chrono::steady_clock::now();
+    try {
+      run_step(d.views, d.coefficients, d.result);
+    } catch (...) {
+      d.error = std::current_exception();
+    }
+    d.result.stats.total_seconds = detail::seconds_since(start);
+  });
+  return r;
 }
 
 TIERSTATE_OPTIMIZER_TEMPLATE
@@ -1192,6 +1295,7 @@ TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::copy_state(std::string_view tensor, slot s, std::span<float> to)
 {
   check_not_streaming("copy_state");
+  flush();
   check_not_lost("copy_state");
   std::size_t const t = find_tensor(tensor, "copy_state");
   materialize();
@@ -1226,6 +1330,7 @@ TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::write_state(std::string_view tensor, slot s, std::span<float const> from)
 {
   check_not_streaming("write_state");
+  flush();
   check_not_lost("write_state");
   std::size_t const t = find_tensor(tensor, "write_state");
   materialize();
