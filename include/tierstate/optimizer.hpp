@@ -389,6 +389,8 @@ class OffloadedOptimizer {
     return !delayed_ && tensors_[t].where == location::device;
   }
   void drive_streaming_step();
+  /// Tensor t's gradient is final (or absent): its chunks may become ready. Under st.m.
+  void mark_final(std::size_t t);
   void step_device_resident(std::span<grad_view<grad_type> const> grads,
                             std::vector<typename Rule::coefficients> const& coefficients,
                             step_stats& stats, bool& changed);

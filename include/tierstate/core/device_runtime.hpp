@@ -259,8 +259,9 @@ inline constexpr bool is_emulated = true;
 
 namespace detail {
 
-/// A worker thread that runs tasks in the order they were queued.
-class stream_worker {
+/// A worker thread that runs tasks in the order they were queued. Shared: an event keeps
+/// the worker it was recorded on alive, as a CUDA event outlives its stream.
+class stream_worker : public std::enable_shared_from_this<stream_worker> {
  public:
   stream_worker() : thread_([this] { run(); }) {}
   ~stream_worker()
@@ -376,7 +377,7 @@ class stream_view {
 
 class stream {
  public:
-  stream() : w_(std::make_unique<detail::stream_worker>()) {}
+  stream() : w_(std::make_shared<detail::stream_worker>()) {}
   stream(stream const&)            = delete;
   stream& operator=(stream const&) = delete;
 
@@ -386,7 +387,7 @@ class stream {
   void wait(event const& e) const { stream_view(w_.get()).wait(e); }
 
  private:
-  std::unique_ptr<detail::stream_worker> w_;
+  std::shared_ptr<detail::stream_worker> w_;
 };
 
 class event {
@@ -397,7 +398,7 @@ class event {
 
   void record(stream_view s)
   {
-    w_        = s.native();
+    w_        = s.native() != nullptr ? s.native()->shared_from_this() : nullptr;
     position_ = w_ != nullptr ? w_->position() : 0;
   }
   void synchronize() const
@@ -405,22 +406,23 @@ class event {
     if (w_ != nullptr) { w_->wait_for(position_); }
   }
   /// The recorded point: its stream and the number of tasks before it.
-  [[nodiscard]] std::pair<detail::stream_worker*, std::uint64_t> point() const noexcept
+  [[nodiscard]] std::pair<std::shared_ptr<detail::stream_worker>, std::uint64_t> point() const noexcept
   {
     return {w_, position_};
   }
 
  private:
-  detail::stream_worker* w_ = nullptr;
-  std::uint64_t position_   = 0;
+  std::shared_ptr<detail::stream_worker> w_;
+  std::uint64_t position_ = 0;
 };
 
 inline void stream_view::wait(event const& e) const
 {
   // The point as recorded now (a later record() does not move this wait, as in CUDA).
-  auto const [w, position] = e.point();
-  if (w == nullptr || w == w_) { return; }  // nothing recorded, or already in order
-  enqueue([w = w, position = position] { w->wait_for(position); });
+  auto [w, position] = e.point();
+  if (w == nullptr || w.get() == w_) { return; }  // nothing recorded, or already in order
+  // The task holds the other stream's worker: it outlives that stream's owner if need be.
+  enqueue([w = std::move(w), position = position] { w->wait_for(position); });
 }
 
 inline void copy_async(void* dst, void const* src, std::size_t bytes, stream_view s)

@@ -1122,21 +1122,26 @@ void TIERSTATE_OPTIMIZER::grad_ready(tensor_id t, grad_view<grad_type> g, device
       // The gradient is final after the work queued on `ready` so far.
       if (g.where == location::device) { st.grad_events[t]->record(ready); }
     }
-    if (++st.arrivals[t] == st.micro_batches) {
-      st.final_[t] = 1;
-      ++st.finals;
-      std::size_t const ce    = layout_->chunk_elements();
-      std::size_t const first = layout_->tensors()[t].offset / ce;
-      std::size_t const last  = (layout_->tensors()[t].offset + e.count - 1) / ce;
-      for (std::size_t k = first; k <= last; ++k) {
-        if (--st.pending[k] == 0) {
-          st.ready[k] = 1;
-          st.arrival.push_back(k);
-        }
-      }
-    }
+    if (++st.arrivals[t] == st.micro_batches) { mark_final(t); }
   }
   st.cv.notify_all();
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::mark_final(std::size_t t)
+{
+  auto& st     = *streaming_;
+  st.final_[t] = 1;
+  ++st.finals;
+  std::size_t const ce    = layout_->chunk_elements();
+  std::size_t const first = layout_->tensors()[t].offset / ce;
+  std::size_t const last  = (layout_->tensors()[t].offset + tensors_[t].count - 1) / ce;
+  for (std::size_t k = first; k <= last; ++k) {
+    if (--st.pending[k] == 0) {  // its last tensor: the chunk may go
+      st.ready[k] = 1;
+      st.arrival.push_back(k);
+    }
+  }
 }
 
 TIERSTATE_OPTIMIZER_TEMPLATE
@@ -1147,20 +1152,10 @@ step_result TIERSTATE_OPTIMIZER::finish_step()
   {
     // Every tensor not handed over has no gradient this step.
     std::lock_guard lock(st.m);
-    std::size_t const ce = layout_->chunk_elements();
     for (std::size_t t = 0; t < tensors_.size(); ++t) {
       if (st.final_[t] != 0) { continue; }
-      st.views[t]  = grad_view<grad_type>{};
-      st.final_[t] = 1;
-      ++st.finals;
-      std::size_t const first = layout_->tensors()[t].offset / ce;
-      std::size_t const last  = (layout_->tensors()[t].offset + tensors_[t].count - 1) / ce;
-      for (std::size_t k = first; k <= last; ++k) {
-        if (--st.pending[k] == 0) {
-          st.ready[k] = 1;
-          st.arrival.push_back(k);
-        }
-      }
+      st.views[t] = grad_view<grad_type>{};
+      mark_final(t);
     }
   }
   st.cv.notify_all();
