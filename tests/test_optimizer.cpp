@@ -6,6 +6,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -245,6 +246,45 @@ TEST_CASE("write_state and copy_state write and read every slot through the tier
   std::vector<float> ten(10);
   CHECK_THROWS_WITH(fp32.copy_state("p", slot::master, std::span<float>(ten)),
                     Catch::Contains("no slot master"));
+}
+
+TEST_CASE("state moved with copy_state, write_state and set_step_count steps on as the original",
+          "[optimizer]")
+{
+  // How state comes in from elsewhere (a torch.optim.AdamW state_dict): the slots through
+  // write_state, the step count through set_step_count. The next step must be the original's.
+  std::size_t const n = 7001;
+  std::vector<float> w(n), g(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    w[i] = std::sin(static_cast<float>(i)) * 0.5f;
+    g[i] = std::cos(static_cast<float>(i) * 0.37f) * 1e-2f;
+  }
+  std::vector<float> w2;
+  OffloadedOptimizer<AdamW, Fp32> a({.lr = 1e-2, .weight_decay = 0.1});
+  a.add_tensor("w", w.data(), n);
+  std::vector<grad_view<float>> views = {{g.data(), n, location::host}};
+  for (int s = 0; s < 3; ++s) { (void)a.step(views); }
+
+  w2 = w;
+  OffloadedOptimizer<AdamW, Fp32> b({.lr = 1e-2, .weight_decay = 0.1});
+  b.add_tensor("w", w2.data(), n);
+  std::vector<float> buf(n);
+  for (slot const s : AdamW::slots) {
+    a.copy_state("w", s, std::span<float>(buf));
+    b.write_state("w", s, buf);
+  }
+  CHECK_THROWS_WITH(b.set_step_count(-1), Catch::Contains("step_count") && Catch::Contains("-1"));
+  b.set_step_count(3);
+  CHECK(b.step_count() == 3);
+  CHECK(a.step(views).step == 4);
+  CHECK(b.step(views).step == 4);
+  CHECK(std::memcmp(w.data(), w2.data(), n * sizeof(float)) == 0);
+  b.set_step_count(0);  // a different bias correction: the params part
+  std::vector<float> const before = w2;
+  (void)a.step(views);
+  (void)b.step(views);
+  CHECK(std::memcmp(w.data(), w2.data(), n * sizeof(float)) != 0);
+  CHECK(w2 != before);
 }
 
 TEST_CASE("bad input gets a clear exception that names what was wrong", "[optimizer][errors]")

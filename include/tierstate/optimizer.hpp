@@ -255,6 +255,11 @@ class OffloadedOptimizer {
 
   /// Steps taken (skipped steps do not count), as torch.optim's state["step"].
   [[nodiscard]] std::int64_t step_count() const noexcept { return step_; }
+  /// Sets the step count, for state brought in from elsewhere with write_state (a
+  /// torch.optim.AdamW state_dict's state["step"]): the next step is number n + 1 and its
+  /// bias corrections are those of step n + 1. Refused (tierstate::invalid_option) for
+  /// n < 0 and (tierstate::logic_error) during a streaming step; flushes a delayed update.
+  void set_step_count(std::int64_t n);
 
   /// Reads slot `s` of `tensor` (every element, as float) into `to`, from any tier.
   void copy_state(std::string_view tensor, slot s, std::span<float> to);

@@ -1322,6 +1322,15 @@ void TIERSTATE_OPTIMIZER::copy_state(std::string_view tensor, slot s, std::span<
 }
 
 TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::set_step_count(std::int64_t n)
+{
+  check_not_streaming("set_step_count");
+  if (n < 0) { throw invalid_option("step_count", detail::to_text(n), "the step count must be >= 0"); }
+  flush();
+  step_ = n;
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::write_state(std::string_view tensor, slot s, std::span<float const> from)
 {
   check_not_streaming("write_state");
