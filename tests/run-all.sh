@@ -9,7 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-all_stages=(gcc-native clang-native gcc-baseline clang-baseline gcc-asan-ubsan clang-tsan fuzz bench)
+all_stages=(gcc-native clang-native gcc-baseline clang-baseline gcc-asan-ubsan clang-tsan pytorch fuzz bench)
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=("${all_stages[@]}")
 
@@ -54,6 +54,31 @@ PY
   [ "$bad" -eq 0 ]
 }
 
+run_pytorch() {
+  local venv=${TIERSTATE_TORCH_VENV:-$HOME/.cache/tierstate/torch-2.11.0}
+  local check="import torch, numpy; assert torch.__version__.split('+')[0] == '2.11.0', torch.__version__"
+  if ! "$venv/bin/python" -c "$check" 2>/dev/null; then
+    echo "making $venv: torch==2.11.0 from PyPI"
+    rm -rf "$venv"
+    python3 -m venv "$venv" || { echo "python3 -m venv failed: install python3-venv"; return 1; }
+    "$venv/bin/pip" install -q --disable-pip-version-check torch==2.11.0 numpy || return 1
+    "$venv/bin/python" -c "$check" || return 1
+  fi
+  "$venv/bin/python" -c "import torch; print('torch', torch.__version__, 'from', torch.__file__)"
+  mkdir -p build-pytorch
+  local out=build-pytorch/parity.log
+  TORCH_EXTENSIONS_DIR="$PWD/build-pytorch/torch_extensions" TIERSTATE_TEST_DIR="$PWD/build-pytorch" \
+    "$venv/bin/python" tests/pytorch/test_parity.py 2>&1 | grep -v "No CUDA runtime is found" | tee "$out"
+  local rc=${PIPESTATUS[0]}
+  local line
+  line=$(grep -E "^pytorch parity: [0-9]+ tests ran, [0-9]+ failed, [0-9]+ skipped" "$out") || {
+    failed=$((failed + 1)); echo "stage pytorch: the test did not finish"; return 1; }
+  read -r ran bad skip <<<"$(echo "$line" | sed -E 's/[^0-9]+/ /g')"
+  passed=$((passed + ran - bad)) failed=$((failed + bad)) skipped=$((skipped + skip))
+  echo "stage pytorch: $((ran - bad)) passed, $bad failed, $skip skipped"
+  [ "$rc" -eq 0 ]
+}
+
 run_stage() {
   local name=$1
   case $name in
@@ -75,6 +100,12 @@ run_stage() {
     clang-tsan)
       configure "$name" clang++ -Darch=native -Db_sanitize=thread -Db_lundef=false &&
         test_build "$name" TIERSTATE_TEST_LARGE_SIZE=65539 TSAN_OPTIONS=halt_on_error=1 ;;
+    # The PyTorch extension (examples/pytorch) against torch.optim.AdamW on CPU, with
+    # PyTorch 2.11.0 from PyPI in a virtual environment kept between runs
+    # (TIERSTATE_TORCH_VENV, default ~/.cache/tierstate/torch-2.11.0; made when missing:
+    # about 2.6 GB of wheels, torch's CUDA libraries included). The extension is compiled
+    # into build-pytorch/.
+    pytorch) run_pytorch ;;
     # libFuzzer on checkpoint loading, from the committed seeds, for TIERSTATE_FUZZ_SECONDS
     # (default 60) under ASan and UBSan; any finding fails the stage.
     fuzz)

@@ -1,0 +1,312 @@
+// SPDX-License-Identifier: Apache-2.0
+// Python bindings: tierstate_torch._C.Shard, one OffloadedOptimizer over the CPU parameters
+// of one dtype. The Python optimizer (tierstate_torch/optim.py) owns the param groups and
+// turns torch.optim's conventions into calls on its shards.
+//
+// The GIL is released while the optimizer works: its threads never call into Python, and
+// autograd's threads may hand over gradients (grad_ready) meanwhile.
+#include "shard.hpp"
+
+#include <torch/extension.h>
+
+#include <mutex>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace tierstate_torch {
+namespace {
+
+[[nodiscard]] dtype to_dtype(at::ScalarType t, char const* what)
+{
+  switch (t) {
+    case at::kFloat: return dtype::f32;
+    case at::kBFloat16: return dtype::bf16;
+    case at::kHalf: return dtype::f16;
+    default:
+      throw std::invalid_argument(std::string("tierstate_torch: ") + what +
+                                  " must be float32, bfloat16 or float16, not " +
+                                  std::string(c10::toString(t)));
+  }
+}
+
+[[nodiscard]] at::ScalarType to_scalar(dtype d)
+{
+  return d == dtype::f32 ? at::kFloat : d == dtype::bf16 ? at::kBFloat16 : at::kHalf;
+}
+
+[[nodiscard]] py::dict to_dict(result const& r)
+{
+  py::dict d;
+  d["found_nonfinite"]    = r.found_nonfinite;
+  d["skipped"]            = r.skipped;
+  d["deferred"]           = r.deferred;
+  d["step"]               = r.step;
+  d["grad_norm"]          = r.grad_norm;
+  d["tier_bytes_read"]    = r.tier_bytes_read;
+  d["tier_bytes_written"] = r.tier_bytes_written;
+  d["compute_seconds"]    = r.compute_seconds;
+  d["wait_seconds"]       = r.wait_seconds;
+  d["grad_wait_seconds"]  = r.grad_wait_seconds;
+  d["total_seconds"]      = r.total_seconds;
+  return d;
+}
+
+class py_shard {
+ public:
+  explicit py_shard(config c) : dtype_(c.param), shard_(make_shard(c)) {}
+
+  std::size_t add_tensor(std::string const& name, at::Tensor const& p)
+  {
+    check_param(name, p);
+    std::size_t const t = shard_->add_tensor(name, p.data_ptr(), static_cast<std::size_t>(p.numel()));
+    tensors_.push_back({name, p.data_ptr(), static_cast<std::size_t>(p.numel())});
+    live_.emplace_back();
+    return t;
+  }
+
+  std::size_t add_group(hyper const& h, std::vector<std::string> const& names)
+  {
+    return shard_->add_group(h, names);
+  }
+  void set_hyperparameters(std::size_t g, hyper const& h) { shard_->set_hyperparameters(g, h); }
+
+  py::dict step(std::vector<std::optional<at::Tensor>> const& grads, double grad_scale)
+  {
+    if (grads.size() != tensors_.size()) {
+      throw std::invalid_argument("tierstate_torch: step() got " + std::to_string(grads.size()) +
+                                  " gradients for " + std::to_string(tensors_.size()) + " tensors");
+    }
+    std::vector<grad_in> in(grads.size());
+    for (std::size_t t = 0; t < grads.size(); ++t) {
+      if (grads[t]) { in[t] = take_grad(t, *grads[t]); }
+    }
+    result r;
+    {
+      py::gil_scoped_release nogil;
+      r = shard_->step(in, grad_scale);
+    }
+    release_grads();
+    return to_dict(r);
+  }
+
+  void begin_step(double grad_scale, unsigned micro_batches)
+  {
+    py::gil_scoped_release nogil;
+    shard_->begin_step(grad_scale, micro_batches);
+  }
+
+  void grad_ready(std::size_t t, at::Tensor const& g)
+  {
+    if (t >= tensors_.size()) {
+      throw std::invalid_argument("tierstate_torch: grad_ready: no tensor " + std::to_string(t));
+    }
+    grad_in const in = take_grad(t, g);
+    py::gil_scoped_release nogil;
+    shard_->grad_ready(t, in);
+  }
+
+  py::dict finish_step()
+  {
+    result r;
+    {
+      py::gil_scoped_release nogil;
+      r = shard_->finish_step();
+    }
+    release_grads();
+    return to_dict(r);
+  }
+
+  py::dict flush()
+  {
+    result r;
+    {
+      py::gil_scoped_release nogil;
+      r = shard_->flush();
+    }
+    return to_dict(r);
+  }
+
+  void save(std::string const& path)
+  {
+    py::gil_scoped_release nogil;
+    shard_->save(path);
+  }
+  void load(std::string const& path)
+  {
+    py::gil_scoped_release nogil;
+    shard_->load(path);
+  }
+
+  at::Tensor get_state(std::string const& name, std::string const& slot)
+  {
+    auto out = at::empty({static_cast<std::int64_t>(count_of(name))}, at::kFloat);
+    py::gil_scoped_release nogil;
+    shard_->copy_state(name, slot, std::span<float>(out.data_ptr<float>(), static_cast<std::size_t>(out.numel())));
+    return out;
+  }
+
+  void set_state(std::string const& name, std::string const& slot, at::Tensor const& value)
+  {
+    std::size_t const n = count_of(name);
+    if (value.numel() != static_cast<std::int64_t>(n)) {
+      throw std::invalid_argument("tierstate_torch: state '" + slot + "' of '" + name + "' has " +
+                                  std::to_string(value.numel()) + " elements; the tensor has " +
+                                  std::to_string(n));
+    }
+    at::Tensor const v = value.detach().to(at::kCPU, at::kFloat).contiguous();
+    py::gil_scoped_release nogil;
+    shard_->write_state(name, slot, std::span<float const>(v.data_ptr<float>(), n));
+  }
+
+  /// Whether `p` is still the memory registered as tensor `t` (a model moved with .to() or
+  /// re-materialized is not).
+  [[nodiscard]] bool same_memory(std::size_t t, at::Tensor const& p) const
+  {
+    return t < tensors_.size() && p.data_ptr() == tensors_[t].data &&
+           static_cast<std::size_t>(p.numel()) == tensors_[t].count;
+  }
+
+  [[nodiscard]] std::int64_t step_count() const { return shard_->step_count(); }
+  void set_step_count(std::int64_t n) { shard_->set_step_count(n); }
+  [[nodiscard]] std::vector<std::string> slot_names() const { return shard_->slot_names(); }
+  [[nodiscard]] std::string composition() const { return shard_->composition(); }
+  [[nodiscard]] bool in_step() const { return shard_->in_step(); }
+  [[nodiscard]] bool state_lost() const { return shard_->state_lost(); }
+
+ private:
+  struct registered {
+    std::string name;
+    void* data;
+    std::size_t count;
+  };
+
+  void check_param(std::string const& name, at::Tensor const& p) const
+  {
+    auto const who = "tierstate_torch: parameter '" + name + "'";
+    if (!p.device().is_cpu()) {
+      throw std::invalid_argument(who + " is on " + p.device().str() +
+                                  "; this extension updates CPU parameters");
+    }
+    if (to_dtype(p.scalar_type(), "a parameter") != dtype_) {
+      throw std::invalid_argument(who + " is " + std::string(c10::toString(p.scalar_type())) +
+                                  "; this shard holds " + std::string(c10::toString(to_scalar(dtype_))));
+    }
+    if (!p.is_contiguous()) {
+      throw std::invalid_argument(who + " is not contiguous: it is updated in place through its memory");
+    }
+    if (p.is_sparse()) { throw std::invalid_argument(who + " is sparse"); }
+  }
+
+  std::size_t count_of(std::string const& name) const
+  {
+    for (auto const& r : tensors_) {
+      if (r.name == name) { return r.count; }
+    }
+    throw std::invalid_argument("tierstate_torch: no tensor named '" + name + "'");
+  }
+
+  /// Checks a gradient and keeps a contiguous CPU copy of it (or it) alive until the step
+  /// ends: the optimizer reads it after this call returns.
+  grad_in take_grad(std::size_t t, at::Tensor const& g)
+  {
+    auto const& r   = tensors_[t];
+    auto const who  = "tierstate_torch: the gradient of '" + r.name + "'";
+    if (g.is_sparse()) { throw std::invalid_argument(who + " is sparse; sparse gradients are not supported"); }
+    if (!g.device().is_cpu()) {
+      throw std::invalid_argument(who + " is on " + g.device().str() + "; this extension reads CPU gradients");
+    }
+    if (static_cast<std::size_t>(g.numel()) != r.count) {
+      throw std::invalid_argument(who + " has " + std::to_string(g.numel()) + " elements; the parameter has " +
+                                  std::to_string(r.count));
+    }
+    if (to_dtype(g.scalar_type(), "a gradient") != dtype_) {
+      throw std::invalid_argument(who + " is " + std::string(c10::toString(g.scalar_type())) +
+                                  "; the parameter is " + std::string(c10::toString(to_scalar(dtype_))));
+    }
+    at::Tensor c = g.detach().contiguous();
+    grad_in const in{c.data_ptr(), r.count};
+    std::lock_guard lock(live_mutex_);
+    live_[t] = std::move(c);
+    return in;
+  }
+
+  void release_grads()
+  {
+    std::lock_guard lock(live_mutex_);
+    for (auto& g : live_) { g.reset(); }
+  }
+
+  dtype dtype_;
+  std::unique_ptr<shard> shard_;
+  std::vector<registered> tensors_;
+  std::mutex live_mutex_;
+  std::vector<at::Tensor> live_;
+};
+
+}  // namespace
+
+std::unique_ptr<shard> make_shard(config const& c)
+{
+  if (c.decoupled) { return c.amsgrad ? make_adamw_amsgrad_shard(c) : make_adamw_shard(c); }
+  return c.amsgrad ? make_adam_amsgrad_shard(c) : make_adam_shard(c);
+}
+
+}  // namespace tierstate_torch
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
+{
+  namespace tt = tierstate_torch;
+  m.doc() = "tierstate's offloaded Adam/AdamW for CPU parameters (see tierstate_torch.optim)";
+
+  py::class_<tt::hyper>(m, "Hyper")
+    .def(py::init([](double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize) {
+           return tt::hyper{lr, beta1, beta2, eps, weight_decay, maximize};
+         }),
+         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
+         py::arg("maximize"));
+
+  py::class_<tt::py_shard>(m, "Shard")
+    .def(py::init([](bool decoupled, bool amsgrad, at::ScalarType param, at::ScalarType state,
+                     std::string tier, std::string directory, std::size_t chunk_elements,
+                     std::size_t threads, double max_grad_norm, std::string on_nonfinite,
+                     bool delayed_update, tt::hyper defaults) {
+           tt::config c;
+           c.decoupled      = decoupled;
+           c.amsgrad        = amsgrad;
+           c.param          = tt::to_dtype(param, "the parameter dtype");
+           c.state          = tt::to_dtype(state, "state_dtype");
+           c.tier           = std::move(tier);
+           c.directory      = std::move(directory);
+           c.chunk_elements = chunk_elements;
+           c.threads        = threads;
+           c.max_grad_norm  = max_grad_norm;
+           c.on_nonfinite   = std::move(on_nonfinite);
+           c.delayed_update = delayed_update;
+           c.defaults       = defaults;
+           return std::make_unique<tt::py_shard>(std::move(c));
+         }),
+         py::arg("decoupled"), py::arg("amsgrad"), py::arg("param_dtype"), py::arg("state_dtype"),
+         py::arg("tier"), py::arg("directory"), py::arg("chunk_elements"), py::arg("threads"),
+         py::arg("max_grad_norm"), py::arg("on_nonfinite"), py::arg("delayed_update"), py::arg("defaults"))
+    .def("add_tensor", &tt::py_shard::add_tensor)
+    .def("add_group", &tt::py_shard::add_group)
+    .def("set_hyperparameters", &tt::py_shard::set_hyperparameters)
+    .def("step", &tt::py_shard::step)
+    .def("begin_step", &tt::py_shard::begin_step)
+    .def("grad_ready", &tt::py_shard::grad_ready)
+    .def("finish_step", &tt::py_shard::finish_step)
+    .def("flush", &tt::py_shard::flush)
+    .def("save", &tt::py_shard::save)
+    .def("load", &tt::py_shard::load)
+    .def("get_state", &tt::py_shard::get_state)
+    .def("set_state", &tt::py_shard::set_state)
+    .def("same_memory", &tt::py_shard::same_memory)
+    .def("step_count", &tt::py_shard::step_count)
+    .def("set_step_count", &tt::py_shard::set_step_count)
+    .def("slot_names", &tt::py_shard::slot_names)
+    .def("composition", &tt::py_shard::composition)
+    .def("in_step", &tt::py_shard::in_step)
+    .def("state_lost", &tt::py_shard::state_lost);
+}

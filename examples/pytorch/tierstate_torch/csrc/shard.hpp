@@ -1,0 +1,105 @@
+// SPDX-License-Identifier: Apache-2.0
+// The extension's view of one OffloadedOptimizer: a run-time interface over the
+// compile-time compositions, free of torch and pybind so that the compositions compile in
+// their own translation units, in parallel, without PyTorch's headers.
+//
+// A "shard" is one optimizer over the parameters of one dtype: a PyTorch model may mix
+// fp32 and bf16 parameters, and one OffloadedOptimizer has one precision.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace tierstate_torch {
+
+enum class dtype : std::uint8_t { f32, bf16, f16 };
+
+/// One param group's hyper-parameters, as torch.optim.Adam(W) names them.
+struct hyper {
+  double lr           = 1e-3;
+  double beta1        = 0.9;
+  double beta2        = 0.999;
+  double eps          = 1e-8;
+  double weight_decay = 1e-2;
+  bool maximize       = false;
+};
+
+/// Everything that picks the composition and its options.
+struct config {
+  bool decoupled        = true;   ///< AdamW (true) or Adam (false)
+  bool amsgrad          = false;
+  dtype param           = dtype::f32;  ///< params and grads
+  dtype state           = dtype::f32;  ///< m and v (f32 or bf16)
+  std::string tier      = "pinned";  ///< "pinned" (PinnedHost) or "nvme" (NvmeFile)
+  std::string directory;           ///< NvmeFile: where the scratch file goes
+  unsigned depth        = 2;       ///< NvmeFile: Pipelined<Depth>, 1 to 4
+  std::size_t chunk_elements = std::size_t{1} << 20;
+  std::size_t threads   = 0;
+  double max_grad_norm  = 0.0;
+  std::string on_nonfinite = "skip_step";  ///< skip_step, report, ignore
+  bool delayed_update   = false;
+  hyper defaults{};
+};
+
+/// A gradient: a null `data` says the tensor has none this step.
+struct grad_in {
+  void const* data = nullptr;
+  std::size_t size = 0;
+};
+
+struct result {
+  bool found_nonfinite = false;
+  bool skipped         = false;
+  bool deferred        = false;
+  std::int64_t step    = 0;
+  double grad_norm     = 0;
+  std::uint64_t tier_bytes_read    = 0;
+  std::uint64_t tier_bytes_written = 0;
+  double compute_seconds = 0;
+  double wait_seconds    = 0;
+  double grad_wait_seconds = 0;
+  double total_seconds   = 0;
+};
+
+class shard {
+ public:
+  virtual ~shard() = default;
+  /// `param` points at `count` elements of the shard's dtype, updated in place.
+  virtual std::size_t add_tensor(std::string name, void* param, std::size_t count) = 0;
+  virtual std::size_t add_group(hyper const& h, std::vector<std::string> const& names) = 0;
+  virtual void set_hyperparameters(std::size_t group, hyper const& h) = 0;
+  virtual result step(std::span<grad_in const> grads, double grad_scale) = 0;
+  virtual void begin_step(double grad_scale, unsigned micro_batches) = 0;
+  /// Thread-safe.
+  virtual void grad_ready(std::size_t tensor, grad_in g) = 0;
+  virtual result finish_step() = 0;
+  virtual result flush() = 0;
+  [[nodiscard]] virtual bool in_step() const = 0;
+  virtual void save(std::string const& path) = 0;
+  virtual void load(std::string const& path) = 0;
+  virtual void copy_state(std::string_view tensor, std::string_view slot, std::span<float> to) = 0;
+  virtual void write_state(std::string_view tensor, std::string_view slot, std::span<float const> from) = 0;
+  [[nodiscard]] virtual std::int64_t step_count() const = 0;
+  virtual void set_step_count(std::int64_t n) = 0;
+  /// The slots this composition keeps ("master" first when it has one).
+  [[nodiscard]] virtual std::vector<std::string> slot_names() const = 0;
+  /// The composition, spelled as its C++ type.
+  [[nodiscard]] virtual std::string composition() const = 0;
+  [[nodiscard]] virtual bool state_lost() const = 0;
+};
+
+/// Throws std::invalid_argument naming the option for an unknown tier, dtype or policy.
+std::unique_ptr<shard> make_shard(config const& c);
+
+// One per rule, each in its own translation unit.
+std::unique_ptr<shard> make_adam_shard(config const& c);
+std::unique_ptr<shard> make_adamw_shard(config const& c);
+std::unique_ptr<shard> make_adam_amsgrad_shard(config const& c);
+std::unique_ptr<shard> make_adamw_amsgrad_shard(config const& c);
+
+}  // namespace tierstate_torch

@@ -1,0 +1,191 @@
+// SPDX-License-Identifier: Apache-2.0
+// shard over one OffloadedOptimizer composition, and the run-time choice among them for
+// one rule. Included by one translation unit per rule (shards_<rule>.cpp).
+#pragma once
+
+#include "shard.hpp"
+
+#include <tierstate/tierstate.hpp>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace tierstate_torch {
+
+namespace detail {
+
+[[nodiscard]] inline tierstate::slot parse_slot(std::string_view s)
+{
+  for (auto const v : {tierstate::slot::master, tierstate::slot::exp_avg, tierstate::slot::exp_avg_sq,
+                       tierstate::slot::max_exp_avg_sq}) {
+    if (tierstate::slot_name(v) == s) { return v; }
+  }
+  throw std::invalid_argument("tierstate_torch: no slot named '" + std::string(s) +
+                              "' (master, exp_avg, exp_avg_sq, max_exp_avg_sq)");
+}
+
+[[nodiscard]] inline tierstate::nonfinite_policy parse_policy(std::string const& s)
+{
+  if (s == "skip_step") { return tierstate::nonfinite_policy::skip_step; }
+  if (s == "report") { return tierstate::nonfinite_policy::report; }
+  if (s == "ignore") { return tierstate::nonfinite_policy::ignore; }
+  throw std::invalid_argument("tierstate_torch: on_nonfinite must be 'skip_step', 'report' or 'ignore', not '" +
+                              s + "'");
+}
+
+[[nodiscard]] inline result to_result(tierstate::step_result const& r)
+{
+  result o;
+  o.found_nonfinite    = r.found_nonfinite;
+  o.skipped            = r.skipped;
+  o.deferred           = r.deferred;
+  o.step               = r.step;
+  o.grad_norm          = r.grad_norm;
+  o.tier_bytes_read    = r.stats.tier_bytes_read;
+  o.tier_bytes_written = r.stats.tier_bytes_written;
+  o.compute_seconds    = r.stats.compute_seconds;
+  o.wait_seconds       = r.stats.wait_seconds;
+  o.grad_wait_seconds  = r.stats.grad_wait_seconds;
+  o.total_seconds      = r.stats.total_seconds;
+  return o;
+}
+
+template <class Rule, class Precision, class Tier, class Transfer>
+class shard_impl final : public shard {
+  using optimizer = tierstate::OffloadedOptimizer<Rule, Precision, Tier, Transfer>;
+  using param_t   = typename optimizer::param_type;
+  using grad_t    = typename optimizer::grad_type;
+
+  static typename Rule::hyperparameters to_rule(hyper const& h)
+  {
+    typename Rule::hyperparameters r;
+    r.lr           = h.lr;
+    r.betas        = {h.beta1, h.beta2};
+    r.eps          = h.eps;
+    r.weight_decay = h.weight_decay;
+    r.maximize     = h.maximize;
+    return r;
+  }
+
+  static typename optimizer::options options_for(config const& c)
+  {
+    typename optimizer::options o;
+    o.chunk_elements = c.chunk_elements;
+    o.threads        = c.threads;
+    o.on_nonfinite   = parse_policy(c.on_nonfinite);
+    o.max_grad_norm  = c.max_grad_norm;
+    o.delayed_update = c.delayed_update;
+    if constexpr (std::is_same_v<Tier, tierstate::NvmeFile>) { o.tier.directory = c.directory; }
+    return o;
+  }
+
+  [[nodiscard]] static tierstate::grad_view<grad_t> view(grad_in g) noexcept
+  {
+    if (g.data == nullptr) { return {}; }
+    return {static_cast<grad_t const*>(g.data), g.size, tierstate::location::host};
+  }
+
+  optimizer opt_;
+
+ public:
+  explicit shard_impl(config const& c) : opt_(to_rule(c.defaults), options_for(c)) {}
+
+  std::size_t add_tensor(std::string name, void* param, std::size_t count) override
+  {
+    return opt_.add_tensor(std::move(name), static_cast<param_t*>(param), count);
+  }
+  std::size_t add_group(hyper const& h, std::vector<std::string> const& names) override
+  {
+    return opt_.add_group(to_rule(h), names);
+  }
+  void set_hyperparameters(std::size_t group, hyper const& h) override
+  {
+    opt_.set_hyperparameters(group, to_rule(h));
+  }
+  result step(std::span<grad_in const> grads, double grad_scale) override
+  {
+    std::vector<tierstate::grad_view<grad_t>> views;
+    views.reserve(grads.size());
+    for (auto const& g : grads) { views.push_back(view(g)); }
+    return to_result(opt_.step(views, grad_scale));
+  }
+  void begin_step(double grad_scale, unsigned micro_batches) override
+  {
+    opt_.begin_step(grad_scale, micro_batches);
+  }
+  void grad_ready(std::size_t tensor, grad_in g) override { opt_.grad_ready(tensor, view(g)); }
+  result finish_step() override { return to_result(opt_.finish_step()); }
+  result flush() override { return to_result(opt_.flush()); }
+  [[nodiscard]] bool in_step() const override { return opt_.in_step(); }
+  void save(std::string const& path) override { opt_.save(path); }
+  void load(std::string const& path) override { opt_.load(path); }
+  void copy_state(std::string_view tensor, std::string_view slot, std::span<float> to) override
+  {
+    opt_.copy_state(tensor, parse_slot(slot), to);
+  }
+  void write_state(std::string_view tensor, std::string_view slot, std::span<float const> from) override
+  {
+    opt_.write_state(tensor, parse_slot(slot), from);
+  }
+  [[nodiscard]] std::int64_t step_count() const override { return opt_.step_count(); }
+  void set_step_count(std::int64_t n) override { opt_.set_step_count(n); }
+  [[nodiscard]] std::vector<std::string> slot_names() const override
+  {
+    std::vector<std::string> names;
+    if constexpr (Precision::has_master) { names.emplace_back("master"); }
+    for (auto const s : Rule::slots) { names.emplace_back(tierstate::slot_name(s)); }
+    return names;
+  }
+  [[nodiscard]] std::string composition() const override
+  {
+    std::string s("OffloadedOptimizer<");
+    s.append(Rule::name).append(", ").append(Precision::name()).append(", ").append(Tier::name);
+    s.append(std::is_same_v<Transfer, tierstate::Synchronous> ? ", Synchronous" : ", Pipelined<2>");
+    s.append(", OnHost>");
+    return s;
+  }
+  [[nodiscard]] bool state_lost() const override { return opt_.state_lost(); }
+};
+
+template <class Rule, class Precision>
+std::unique_ptr<shard> for_tier(config const& c)
+{
+  if (c.tier == "pinned") {
+    return std::make_unique<shard_impl<Rule, Precision, tierstate::PinnedHost, tierstate::Synchronous>>(c);
+  }
+  if (c.tier == "nvme") {
+    return std::make_unique<shard_impl<Rule, Precision, tierstate::NvmeFile, tierstate::Pipelined<2>>>(c);
+  }
+  throw std::invalid_argument("tierstate_torch: tier must be 'pinned' or 'nvme', not '" + c.tier + "'");
+}
+
+/// The precisions: params and grads of the param dtype, an fp32 master for bf16 and fp16
+/// params, m and v in fp32 or bf16.
+template <class Rule>
+std::unique_ptr<shard> for_rule(config const& c)
+{
+  using tierstate::bf16;
+  using tierstate::fp16;
+  using tierstate::Precision;
+  bool const bf16_state = c.state == dtype::bf16;
+  if (c.state == dtype::f16) {
+    throw std::invalid_argument("tierstate_torch: state_dtype must be float32 or bfloat16, not float16");
+  }
+  switch (c.param) {
+    case dtype::f32:
+      return bf16_state ? for_tier<Rule, Precision<float, float, float, bf16>>(c)
+                        : for_tier<Rule, Precision<float, float, float, float>>(c);
+    case dtype::bf16:
+      return bf16_state ? for_tier<Rule, Precision<bf16, bf16, float, bf16>>(c)
+                        : for_tier<Rule, Precision<bf16, bf16, float, float>>(c);
+    case dtype::f16:
+      return bf16_state ? for_tier<Rule, Precision<fp16, fp16, float, bf16>>(c)
+                        : for_tier<Rule, Precision<fp16, fp16, float, float>>(c);
+  }
+  throw std::invalid_argument("tierstate_torch: unknown param dtype");
+}
+
+}  // namespace detail
+
+}  // namespace tierstate_torch

@@ -1,0 +1,12 @@
+// SPDX-License-Identifier: Apache-2.0
+// The AdamWAmsgrad compositions (one translation unit per rule, so they compile in parallel).
+#include "shard_impl.hpp"
+
+namespace tierstate_torch {
+
+std::unique_ptr<shard> make_adamw_amsgrad_shard(config const& c)
+{
+  return detail::for_rule<tierstate::AdamWAmsgrad>(c);
+}
+
+}  // namespace tierstate_torch

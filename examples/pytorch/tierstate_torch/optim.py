@@ -1,0 +1,481 @@
+# SPDX-License-Identifier: Apache-2.0
+"""torch.optim.Adam and AdamW with their state offloaded by tierstate.
+
+    opt = tierstate_torch.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
+                                tier="nvme", path="/mnt/nvme/scratch")
+
+A drop-in replacement for torch.optim.AdamW (and Adam) on CPU parameters: param groups,
+LR schedulers, zero_grad, closures, GradScaler, state_dict/load_state_dict. The master
+copy (for bf16/fp16 params) and the moments live in the chosen tier, not in tensors:
+`tier="pinned"` keeps them in host memory, `tier="nvme"` in a scratch file under `path`,
+streamed through a few chunks of staging memory each step.
+
+What differs from torch.optim.AdamW:
+- The state is not in `optimizer.state` (it is not made of tensors); read a slot with
+  `get_state(param, "exp_avg")`, convert the whole state with `torch_state_dict()`.
+- `state_dict()` carries tierstate checkpoints (master included) plus the param groups;
+  `load_state_dict()` takes those, or a torch.optim.Adam(W) state_dict.
+- The step count is one per optimizer (all params must step together): a param whose
+  `.grad` is None in a step is left as it is, but the bias correction of its next step
+  counts the steps it missed (torch counts per param).
+- `params` are updated in place through their memory: the optimizer checks each step that
+  they were not moved or reallocated (`model.to(...)` after making the optimizer).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ._build import load_extension
+
+_C = None
+
+
+def _ext():
+    global _C
+    if _C is None:
+        _C = load_extension()
+    return _C
+
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_TIERS = ("pinned", "nvme")
+_COMPUTES = ("host",)
+_POLICIES = ("skip_step", "report", "ignore")
+_FORMAT = "tierstate_torch/1"
+
+
+def _number(x: Any, what: str) -> float:
+    if torch.is_tensor(x):
+        if x.numel() != 1:
+            raise ValueError(f"tierstate_torch: {what} must be a number, not a tensor of {x.numel()} elements")
+        return float(x.item())
+    return float(x)
+
+
+class _OffloadedAdamBase(torch.optim.Optimizer):
+    _decoupled: bool = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        tier: str = "pinned",
+        path: str | os.PathLike | None = None,
+        compute: str = "host",
+        state_dtype: torch.dtype = torch.float32,
+        chunk_elements: int = 1 << 20,
+        threads: int = 0,
+        max_grad_norm: float | None = None,
+        on_nonfinite: str = "skip_step",
+        delayed_update: bool = False,
+        overlap_backward: bool = False,
+        micro_batches: int = 1,
+        grad_scaler: "torch.amp.GradScaler | None" = None,
+    ) -> None:
+        name = type(self).__name__
+        if tier not in _TIERS:
+            raise ValueError(f"{name}: tier must be one of {_TIERS}, not {tier!r}")
+        if tier == "nvme":
+            if path is None:
+                raise ValueError(f"{name}: tier='nvme' needs path=, a directory for the scratch file")
+            if not Path(path).is_dir():
+                raise ValueError(f"{name}: path={str(path)!r} is not a directory")
+        elif path is not None:
+            raise ValueError(f"{name}: path= is for tier='nvme' (tier is {tier!r})")
+        if compute not in _COMPUTES:
+            raise ValueError(
+                f"{name}: compute={compute!r} is not available in this build: it updates CPU "
+                f"parameters on the host (compute='host'); 'device' needs CUDA parameters, which "
+                f"this extension does not take yet")
+        if state_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"{name}: state_dtype must be torch.float32 or torch.bfloat16, not {state_dtype}")
+        if on_nonfinite not in _POLICIES:
+            raise ValueError(f"{name}: on_nonfinite must be one of {_POLICIES}, not {on_nonfinite!r}")
+        if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+            raise ValueError(f"{name}: max_grad_norm must be a finite number > 0 (or None), not {max_grad_norm!r}")
+        if not (isinstance(micro_batches, int) and micro_batches >= 1):
+            raise ValueError(f"{name}: micro_batches must be an int >= 1, not {micro_batches!r}")
+        if micro_batches != 1 and not overlap_backward:
+            raise ValueError(f"{name}: micro_batches counts backward passes through the hooks: it needs "
+                             "overlap_backward=True (without it, accumulate into .grad and call step() once)")
+        if overlap_backward and delayed_update:
+            raise ValueError(f"{name}: overlap_backward and delayed_update do not combine")
+        if grad_scaler is not None and on_nonfinite != "skip_step":
+            raise ValueError(f"{name}: with a grad_scaler, on_nonfinite must be 'skip_step' (GradScaler "
+                             "skips the steps whose gradients overflowed)")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize)
+        self._shards: dict[torch.dtype, Any] | None = None
+        super().__init__(params, defaults)
+        self._options = dict(tier=tier, directory=str(path) if path is not None else "",
+                             chunk_elements=int(chunk_elements), threads=int(threads),
+                             max_grad_norm=float(max_grad_norm or 0.0), on_nonfinite=on_nonfinite,
+                             delayed_update=bool(delayed_update))
+        self._state_dtype = state_dtype
+        self._amsgrad = bool(amsgrad)
+        self._overlap = bool(overlap_backward)
+        self._micro_batches = micro_batches
+        self._grad_scaler = grad_scaler
+        self._streaming_scale: float | None = None
+        self._hooks: list[Any] = []
+        self._pushed: dict[int, tuple] = {}
+        # GradScaler hands this optimizer the scale and found_inf instead of unscaling the
+        # gradients: the update divides the scale out on the fly.
+        self._step_supports_amp_scaling = True
+        self.last_step: dict[str, Any] = {}
+        for group in self.param_groups:
+            self._check_group(group)
+        if self._overlap:
+            self._build()
+
+    # -- the params ---------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_shards", None) is not None:
+            raise RuntimeError(f"{type(self).__name__}: add_param_group after the state was made (the "
+                               "first step, state_dict or overlap_backward): the set of tensors is fixed")
+        super().add_param_group(param_group)
+        if hasattr(self, "_options"):
+            self._check_group(self.param_groups[-1])
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        name = type(self).__name__
+        if bool(group["amsgrad"]) != self._amsgrad:
+            raise ValueError(f"{name}: every param group must have amsgrad={self._amsgrad} (the rule is "
+                             "chosen once, when the optimizer is made)")
+        for p in group["params"]:
+            if p.dtype not in _DTYPES:
+                raise ValueError(f"{name}: a parameter of dtype {p.dtype}: float32, bfloat16 and float16 are supported")
+            if p.device.type != "cpu":
+                raise ValueError(f"{name}: a parameter is on {p.device}; this build updates CPU parameters")
+        self._hyper(group)  # validates now rather than at the first step
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _hyper(self, group: dict[str, Any]):
+        beta1, beta2 = group["betas"]
+        values = (_number(group["lr"], "lr"), _number(beta1, "betas[0]"), _number(beta2, "betas[1]"),
+                  _number(group["eps"], "eps"), _number(group["weight_decay"], "weight_decay"),
+                  bool(group["maximize"]))
+        lr, b1, b2, eps, wd, _ = values
+        name = type(self).__name__
+        if not lr >= 0:
+            raise ValueError(f"{name}: invalid learning rate {lr}")
+        if not eps >= 0:
+            raise ValueError(f"{name}: invalid epsilon value {eps}")
+        if not 0 <= b1 < 1:
+            raise ValueError(f"{name}: invalid beta parameter at index 0: {b1}")
+        if not 0 <= b2 < 1:
+            raise ValueError(f"{name}: invalid beta parameter at index 1: {b2}")
+        if not wd >= 0:
+            raise ValueError(f"{name}: invalid weight_decay value {wd}")
+        return values
+
+    def _build(self) -> None:
+        """Makes one shard per parameter dtype, registers every param and its group."""
+        if self._shards is not None:
+            return
+        C = _ext()
+        params = self._params()
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError(f"{type(self).__name__}: a parameter appears twice")
+        shards: dict[torch.dtype, Any] = {}
+        self._where: list[tuple[torch.dtype, int]] = []  # per global index: (shard, tensor)
+        members: dict[torch.dtype, list[int]] = {}
+        defaults = self._hyper(self.defaults)
+        for i, p in enumerate(params):
+            if p.dtype not in shards:
+                shards[p.dtype] = C.Shard(
+                    decoupled=self._decoupled, amsgrad=self._amsgrad, param_dtype=p.dtype,
+                    state_dtype=self._state_dtype, defaults=C.Hyper(*defaults), **self._options)
+                members[p.dtype] = []
+            if not p.is_contiguous():
+                raise ValueError(f"{type(self).__name__}: parameter {i} is not contiguous")
+            t = shards[p.dtype].add_tensor(f"p{i}", p.detach())
+            self._where.append((p.dtype, t))
+            members[p.dtype].append(i)
+        self._group_ids: dict[tuple[torch.dtype, int], int] = {}
+        i = 0
+        for gi, group in enumerate(self.param_groups):
+            by_dtype: dict[torch.dtype, list[str]] = {}
+            for p in group["params"]:
+                by_dtype.setdefault(p.dtype, []).append(f"p{i}")
+                i += 1
+            for dt, names in by_dtype.items():
+                self._group_ids[(dt, gi)] = shards[dt].add_group(C.Hyper(*self._hyper(group)), names)
+        if len(shards) > 1 and self._options["max_grad_norm"] > 0:
+            raise ValueError(f"{type(self).__name__}: max_grad_norm with parameters of several dtypes "
+                             f"({', '.join(_DTYPES[d] for d in shards)}): clip with "
+                             "torch.nn.utils.clip_grad_norm_ before step() instead")
+        self._shards = shards
+        self._members = members
+        if self._overlap:
+            for i, p in enumerate(params):
+                self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_hook, i)))
+
+    def _push_hyperparameters(self, force: bool = False) -> None:
+        """Hands the groups' hyper-parameters to the shards when they changed (schedulers)."""
+        C = _ext()
+        for gi, group in enumerate(self.param_groups):
+            values = self._hyper(group)
+            if not force and self._pushed.get(gi) == values:
+                continue
+            for dt, shard in self._shards.items():
+                g = self._group_ids.get((dt, gi))
+                if g is not None:
+                    shard.set_hyperparameters(g, C.Hyper(*values))
+            self._pushed[gi] = values
+
+    def _check_memory(self) -> None:
+        for i, p in enumerate(self._params()):
+            dt, t = self._where[i]
+            if p.dtype != dt or not self._shards[dt].same_memory(t, p):
+                raise RuntimeError(
+                    f"{type(self).__name__}: parameter {i} is no longer the memory it was registered with "
+                    "(moved with .to(), or its .data replaced): make the optimizer after the model is in place")
+
+    # -- stepping -----------------------------------------------------------------------
+
+    def _amp(self) -> tuple[float, bool]:
+        """GradScaler's scale and whether it found an inf or NaN (set by GradScaler.step)."""
+        scale = getattr(self, "grad_scale", None)
+        found = getattr(self, "found_inf", None)
+        s = 1.0 if scale is None else _number(scale, "grad_scale")
+        f = False if found is None else bool(_number(found, "found_inf") != 0)
+        return s, f
+
+    def _grad_hook(self, i: int, p: torch.Tensor) -> None:
+        dt, t = self._where[i]
+        if self._streaming_scale is None:
+            scale = 1.0
+            if self._grad_scaler is not None and self._grad_scaler.is_enabled():
+                scale = _number(self._grad_scaler.get_scale(), "the grad_scaler's scale")
+            self._push_hyperparameters()
+            for shard in self._shards.values():
+                shard.begin_step(scale, self._micro_batches)
+            self._streaming_scale = scale
+        self._shards[dt].grad_ready(t, p.grad)
+
+    def _combine(self, results: list[dict[str, Any]]) -> dict[str, Any]:
+        out = dict(results[0])
+        for r in results[1:]:
+            for k, v in r.items():
+                if isinstance(v, bool):
+                    out[k] = out[k] or v
+                elif k in ("step", "grad_norm"):
+                    out[k] = v if k == "step" else math.hypot(out[k], v)
+                else:
+                    out[k] = out[k] + v
+        return out
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._build()
+        self._check_memory()
+        scale, found_inf = self._amp()
+        if self._streaming_scale is not None:
+            used = self._streaming_scale
+            self._streaming_scale = None
+            results = [shard.finish_step() for shard in self._shards.values()]
+            if scale != 1.0 and scale != used:
+                raise RuntimeError(f"{type(self).__name__}: GradScaler stepped with scale {scale}, but the "
+                                   f"gradients were handed over with scale {used}: pass the same GradScaler "
+                                   "as grad_scaler=")
+            if found_inf and not any(r["skipped"] for r in results):
+                raise RuntimeError(f"{type(self).__name__}: GradScaler found an inf/NaN that the streaming "
+                                   "step did not")
+            self.last_step = self._combine(results)
+            return loss
+        if found_inf:  # GradScaler's skip: nothing changes, the step count included
+            self.last_step = {"skipped": True, "found_nonfinite": True, "step": self.step_count()}
+            return loss
+        self._push_hyperparameters()
+        params = self._params()
+        if len(self._shards) > 1 and self._options["on_nonfinite"] == "skip_step":
+            # One shard must not step while another skips.
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads and not all(bool(torch.isfinite(g).all()) for g in grads):
+                self.last_step = {"skipped": True, "found_nonfinite": True, "step": self.step_count()}
+                return loss
+        results = []
+        for dt, shard in self._shards.items():
+            grads = [params[i].grad for i in self._members[dt]]
+            results.append(shard.step(grads, scale))
+        self.last_step = self._combine(results)
+        return loss
+
+    def flush(self) -> None:
+        """delayed_update: finishes the update in flight and writes its params."""
+        if self._shards is not None:
+            for shard in self._shards.values():
+                shard.flush()
+
+    def step_count(self) -> int:
+        return 0 if self._shards is None else next(iter(self._shards.values())).step_count()
+
+    def composition(self) -> list[str]:
+        """The C++ type of each shard's optimizer."""
+        self._build()
+        return [shard.composition() for shard in self._shards.values()]
+
+    def get_state(self, param: torch.Tensor, slot: str) -> torch.Tensor:
+        """One slot ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq") of a param, as fp32."""
+        self._build()
+        i = self._index(param)
+        dt, _ = self._where[i]
+        return self._shards[dt].get_state(f"p{i}", slot).view(param.shape)
+
+    def _index(self, param: torch.Tensor) -> int:
+        for i, p in enumerate(self._params()):
+            if p is param:
+                return i
+        raise ValueError(f"{type(self).__name__}: the tensor is not one of this optimizer's parameters")
+
+    # -- state_dict ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The param groups (as torch.optim keeps them) and one tierstate checkpoint per dtype."""
+        self._build()
+        sd = super().state_dict()
+        shards = {}
+        with tempfile.TemporaryDirectory(prefix="tierstate-sd-") as d:
+            for dt, shard in self._shards.items():
+                f = Path(d) / f"{_DTYPES[dt]}.tsck"
+                shard.save(str(f))
+                data = torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.uint8)
+                shards[_DTYPES[dt]] = {"checkpoint": data, "params": list(self._members[dt])}
+        sd["tierstate"] = {"format": _FORMAT, "shards": shards}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Takes a state_dict() of this class, or a torch.optim.Adam/AdamW state_dict."""
+        if "tierstate" not in state_dict:
+            self._load_torch_state_dict(state_dict)
+            return
+        ts = state_dict["tierstate"]
+        if ts.get("format") != _FORMAT:
+            raise ValueError(f"{type(self).__name__}: a state_dict of format {ts.get('format')!r}; "
+                             f"this is {_FORMAT}")
+        self._build()
+        ours = {_DTYPES[dt]: dt for dt in self._shards}
+        if set(ts["shards"]) != set(ours):
+            raise ValueError(f"{type(self).__name__}: the state_dict has state for parameters of dtypes "
+                             f"{sorted(ts['shards'])}; this optimizer's are {sorted(ours)}")
+        for key, info in ts["shards"].items():
+            if list(info["params"]) != self._members[ours[key]]:
+                raise ValueError(f"{type(self).__name__}: the state_dict's {key} parameters are "
+                                 f"{list(info['params'])}; this optimizer's are {self._members[ours[key]]}")
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        with tempfile.TemporaryDirectory(prefix="tierstate-sd-") as d:
+            for key, info in ts["shards"].items():
+                f = Path(d) / f"{key}.tsck"
+                f.write_bytes(info["checkpoint"].numpy().tobytes())
+                self._shards[ours[key]].load(str(f))
+        self._pushed.clear()
+        self._push_hyperparameters(force=True)
+
+    def torch_state_dict(self) -> dict[str, Any]:
+        """The state as torch.optim.Adam/AdamW keeps it, loadable by one over the same params.
+        The moments are in each param's dtype, as torch keeps them; a master is not kept."""
+        self._build()
+        self.flush()
+        groups = []
+        index = 0
+        for group in self.param_groups:
+            g = {k: v for k, v in group.items() if k != "params"}
+            g.update(foreach=None, capturable=False, differentiable=False, fused=None,
+                     decoupled_weight_decay=self._decoupled)
+            g["params"] = list(range(index, index + len(group["params"])))
+            index += len(group["params"])
+            groups.append(g)
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        steps = self.step_count()
+        if steps > 0:
+            slots = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self._amsgrad else [])
+            for i, p in enumerate(self._params()):
+                dt, _ = self._where[i]
+                s = {"step": torch.tensor(float(steps), dtype=torch.float32)}
+                for slot in slots:
+                    s[slot] = self._shards[dt].get_state(f"p{i}", slot).view(p.shape).to(p.dtype)
+                state[i] = s
+        return {"state": state, "param_groups": groups}
+
+    def _load_torch_state_dict(self, sd: dict[str, Any]) -> None:
+        name = type(self).__name__
+        if "param_groups" not in sd or "state" not in sd:
+            raise ValueError(f"{name}: not a state_dict (no 'state' and 'param_groups')")
+        self._build()
+        for g in sd["param_groups"]:
+            if bool(g.get("amsgrad", False)) != self._amsgrad:
+                raise ValueError(f"{name}: the state_dict has amsgrad={g.get('amsgrad')}; this optimizer "
+                                 f"has amsgrad={self._amsgrad}")
+            decoupled = bool(g.get("decoupled_weight_decay", False))
+            if decoupled != self._decoupled and _number(g.get("weight_decay", 0), "weight_decay") != 0:
+                raise ValueError(f"{name}: the state_dict is torch.optim."
+                                 f"{'AdamW' if decoupled else 'Adam'}'s with weight decay; this is "
+                                 f"{'AdamW' if self._decoupled else 'Adam'}")
+        params = self._params()
+        state = sd["state"]
+        steps = {int(_number(s["step"], "step")) for s in state.values()}
+        if len(steps) > 1 or (state and len(state) != len(params)):
+            raise ValueError(f"{name}: the state_dict's params have different step counts "
+                             f"({sorted(steps)}, {len(state)} of {len(params)} params with state); "
+                             "this optimizer keeps one step count for all")
+        super().load_state_dict({"state": {}, "param_groups": [
+            {k: v for k, v in g.items() if k in ("lr", "betas", "eps", "weight_decay", "amsgrad",
+                                                 "maximize", "params", "initial_lr", "param_names")}
+            for g in sd["param_groups"]]})
+        # The param indices now match (torch's load checked the group sizes).
+        slots = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self._amsgrad else [])
+        for i, p in enumerate(params):
+            dt, _ = self._where[i]
+            shard = self._shards[dt]
+            if "master" in shard.slot_names():
+                shard.set_state(f"p{i}", "master", p.detach().reshape(-1))
+            s = state.get(i, state.get(str(i)))
+            for slot in slots:
+                value = torch.zeros(p.numel()) if s is None else s[slot].reshape(-1)
+                shard.set_state(f"p{i}", slot, value)
+        n = steps.pop() if steps else 0
+        for shard in self._shards.values():
+            shard.set_step_count(n)
+        self._pushed.clear()
+        self._push_hyperparameters(force=True)
+
+
+class AdamW(_OffloadedAdamBase):
+    """torch.optim.AdamW (decoupled weight decay, default 1e-2), state offloaded."""
+
+    _decoupled = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
+                 **kwargs) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+class Adam(_OffloadedAdamBase):
+    """torch.optim.Adam (L2 weight decay, default 0), state offloaded."""
+
+    _decoupled = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False,
+                 **kwargs) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)

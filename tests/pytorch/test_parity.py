@@ -1,0 +1,326 @@
+# SPDX-License-Identifier: Apache-2.0
+"""tierstate_torch against torch.optim: a small transformer trained from one seed with
+torch.optim.AdamW and with tierstate_torch.AdamW (state in PinnedHost, and in NvmeFile),
+every step's loss within 1e-4 relative and the final params within 1e-4 * (|p| + lr);
+then the parts a user swapping optimizers relies on: param groups and an LR schedule,
+post-accumulate-grad hooks with gradient accumulation, GradScaler, state_dict round trips
+and conversions to and from torch.optim.AdamW's, Adam with AMSGrad, bf16 params, errors.
+
+Run: python tests/pytorch/test_parity.py  (PyTorch 2.11.0 on CPU; the extension builds on
+first use).
+"""
+from __future__ import annotations
+
+import copy
+import io
+import math
+import os
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "pytorch"))
+import tierstate_torch  # noqa: E402
+
+STEPS = 50
+LR = 3e-3
+VOCAB, SEQ, BATCH, WIDTH = 48, 24, 6, 32
+SCRATCH = os.environ.get("TIERSTATE_TEST_DIR", tempfile.gettempdir())
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: causal multi-head attention, then a GELU MLP.
+
+    The key projection has no bias (as in Whisper): a key bias adds the same q.b to every
+    score of a row, which softmax cancels, so its true gradient is zero and what backward
+    computes for it is rounding noise. Adam divides that noise by its own magnitude and
+    moves such a bias by about lr per step in the noise's direction: two correct
+    implementations that round one operation differently (torch.optim.AdamW's foreach and
+    single-tensor paths included) drift apart there by O(lr), whatever the optimizer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = 4
+        self.norm1 = nn.LayerNorm(WIDTH)
+        self.q = nn.Linear(WIDTH, WIDTH)
+        self.k = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.v = nn.Linear(WIDTH, WIDTH)
+        self.out = nn.Linear(WIDTH, WIDTH)
+        self.norm2 = nn.LayerNorm(WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (f(h).view(b, t, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(b, t, WIDTH))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyLM(nn.Module):
+    """A two-block causal transformer language model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.pos = nn.Parameter(torch.randn(SEQ, WIDTH) * 0.02)
+        self.blocks = nn.Sequential(Block(), Block())
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        return self.head(self.norm(self.blocks(x)))
+
+
+def make_model(dtype: torch.dtype = torch.float32) -> TinyLM:
+    torch.manual_seed(1234)
+    return TinyLM().to(dtype)
+
+
+def batches(n: int, seed: int = 99) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Sequences with structure to learn: each token is the previous one plus a small step."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        start = torch.randint(0, VOCAB, (BATCH, 1), generator=g)
+        steps = torch.randint(1, 4, (BATCH, SEQ), generator=g)
+        seq = (start + steps.cumsum(1)) % VOCAB
+        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
+    return out
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
+
+
+def groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict]:
+    """Weight decay on matrices, none on biases, norms and embeddings' positions."""
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "pos"]
+    rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and n != "pos")]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def schedule(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warmup over 10 steps, then cosine decay."""
+    def f(step: int) -> float:
+        if step < 10:
+            return (step + 1) / 10
+        return 0.5 * (1 + math.cos(math.pi * (step - 10) / (STEPS - 10)))
+    return torch.optim.lr_scheduler.LambdaLR(opt, f)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, data, sched=None, scaler=None,
+          micro_batches: int = 1) -> list[float]:
+    losses = []
+    for x, y in data:
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for xm, ym in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+            loss = loss_of(model, xm, ym) / micro_batches
+            (scaler.scale(loss) if scaler else loss).backward()
+            total += loss.item()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if sched:
+            sched.step()
+        losses.append(total)
+    return losses
+
+
+class Parity(unittest.TestCase):
+    def assert_parity(self, ref_losses, losses, ref_model, model, lr=LR):
+        self.assertEqual(len(ref_losses), len(losses))
+        for i, (a, b) in enumerate(zip(ref_losses, losses)):
+            self.assertLessEqual(abs(a - b), 1e-4 * abs(a), f"step {i + 1}: loss {b} vs torch's {a}")
+        for (name, p), q in zip(ref_model.named_parameters(), model.parameters()):
+            bound = 1e-4 * (p.detach().abs() + lr)
+            excess = ((p.detach() - q.detach()).abs() - bound).max().item()
+            self.assertLessEqual(excess, 0.0, f"parameter {name} differs beyond 1e-4*(|p|+lr)")
+
+    def reference(self, data, **kw):
+        model = make_model()
+        opt = torch.optim.AdamW(groups(model), lr=LR, betas=(0.9, 0.95))
+        return model, train(model, opt, data, schedule(opt), **kw)
+
+    def ours(self, data, tier, path=None, **kw):
+        model = make_model()
+        opt = tierstate_torch.AdamW(groups(model), lr=LR, betas=(0.9, 0.95), tier=tier, path=path,
+                                    chunk_elements=4096, **kw)
+        return model, opt
+
+    def test_transformer_50_steps_pinned_and_nvme(self):
+        data = batches(STEPS)
+        ref_model, ref_losses = self.reference(data)
+        self.assertLess(ref_losses[-1], 0.75 * ref_losses[0], "the model did not learn: a weak test")
+        with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+            for tier, path in (("pinned", None), ("nvme", d)):
+                with self.subTest(tier=tier):
+                    model, opt = self.ours(data, tier, path)
+                    losses = train(model, opt, data, schedule(opt))
+                    self.assert_parity(ref_losses, losses, ref_model, model)
+                    self.assertEqual(opt.step_count(), STEPS)
+                    if tier == "nvme":
+                        self.assertIn("NvmeFile", opt.composition()[0])
+                        self.assertGreater(opt.last_step["tier_bytes_read"], 0)
+
+    def test_hooks_overlap_backward_with_accumulation(self):
+        data = batches(20, seed=5)
+        ref_model, ref_losses = self.reference(data, micro_batches=2)
+        with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+            model, opt = self.ours(data, "nvme", d, overlap_backward=True, micro_batches=2)
+            losses = train(model, opt, data, schedule(opt), micro_batches=2)
+        self.assert_parity(ref_losses, losses, ref_model, model)
+        self.assertEqual(opt.step_count(), 20)
+
+    def test_grad_scaler_and_a_skipped_step(self):
+        data = batches(12, seed=7)
+
+        def run(make_opt, hooks=False):
+            model = make_model()
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=4)
+            opt = make_opt(model, scaler)
+            losses = []
+            for i, (x, y) in enumerate(data):
+                opt.zero_grad(set_to_none=True)
+                loss = loss_of(model, x, y)
+                if i == 5:  # an overflow: the step is skipped and the scale backs off
+                    loss = loss + model.head.bias.sum() * float("inf")
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                losses.append(loss.item() if i != 5 else 0.0)
+            return model, losses, scaler.get_scale(), opt
+
+        ref_model, ref_losses, ref_scale, _ = run(
+            lambda m, s: torch.optim.AdamW(m.parameters(), lr=LR))
+        model, losses, scale, opt = run(lambda m, s: tierstate_torch.AdamW(m.parameters(), lr=LR))
+        self.assert_parity(ref_losses, losses, ref_model, model)
+        self.assertEqual(scale, ref_scale)
+        self.assertEqual(opt.step_count(), 11)
+        model, losses, scale, opt = run(lambda m, s: tierstate_torch.AdamW(
+            m.parameters(), lr=LR, overlap_backward=True, grad_scaler=s))
+        self.assert_parity(ref_losses, losses, ref_model, model)
+        self.assertEqual(opt.step_count(), 11)
+
+    def test_state_dict_round_trip_is_exact(self):
+        data = batches(30, seed=11)
+        model, opt = self.ours(data, "pinned")
+        sched = schedule(opt)
+        train(model, opt, data[:20], sched)
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, buf)
+        rest_a = train(model, opt, data[20:], sched)
+
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+        with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+            model2 = make_model()
+            model2.load_state_dict(saved["model"])
+            opt2 = tierstate_torch.AdamW(groups(model2), lr=LR, betas=(0.9, 0.95), tier="nvme", path=d,
+                                         chunk_elements=4096)
+            sched2 = schedule(opt2)
+            sched2.load_state_dict(saved["sched"])
+            opt2.load_state_dict(saved["opt"])
+            rest_b = train(model2, opt2, data[20:], sched2)
+        self.assertEqual(rest_a, rest_b)
+        for p, q in zip(model.parameters(), model2.parameters()):
+            self.assertTrue(torch.equal(p, q))
+
+    def test_converts_to_and_from_torch_adamw(self):
+        data = batches(30, seed=13)
+        # torch -> tierstate
+        ref = make_model()
+        ref_opt = torch.optim.AdamW(groups(ref), lr=LR, betas=(0.9, 0.95))
+        train(ref, ref_opt, data[:20])
+        model = copy.deepcopy(ref)
+        opt = tierstate_torch.AdamW(groups(model), lr=LR, betas=(0.9, 0.95), chunk_elements=4096)
+        opt.load_state_dict(ref_opt.state_dict())
+        self.assertEqual(opt.step_count(), 20)
+        ref_losses = train(ref, ref_opt, data[20:])
+        losses = train(model, opt, data[20:])
+        self.assert_parity(ref_losses, losses, ref, model)
+        # tierstate -> torch
+        back = copy.deepcopy(model)
+        back_opt = torch.optim.AdamW(groups(back), lr=LR, betas=(0.9, 0.95))
+        back_opt.load_state_dict(opt.torch_state_dict())
+        self.assertTrue(back_opt.param_groups[0]["decoupled_weight_decay"])
+        more = batches(5, seed=17)
+        self.assert_parity(train(back, back_opt, more), train(model, opt, more), back, model)
+        # A state_dict with per-param steps that differ is refused, naming why.
+        sd = ref_opt.state_dict()
+        sd["state"][0]["step"] = torch.tensor(3.0)
+        with self.assertRaisesRegex(ValueError, "different step counts"):
+            opt.load_state_dict(sd)
+
+    def test_adam_amsgrad_maximize(self):
+        data = batches(15, seed=19)
+        ref = make_model()
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=LR, weight_decay=1e-2, amsgrad=True, maximize=True)
+        model = make_model()
+        opt = tierstate_torch.Adam(model.parameters(), lr=LR, weight_decay=1e-2, amsgrad=True, maximize=True,
+                                   chunk_elements=2048, threads=2)
+        self.assertIn("adam_amsgrad", opt.composition()[0])
+        self.assert_parity(train(ref, ref_opt, data), train(model, opt, data), ref, model)
+        sd = opt.torch_state_dict()
+        self.assertIn("max_exp_avg_sq", sd["state"][0])
+
+    def test_bf16_params_with_a_master(self):
+        data = batches(10, seed=23)
+        model = make_model(torch.bfloat16)
+        opt = tierstate_torch.AdamW(model.parameters(), lr=1e-2, state_dtype=torch.bfloat16)
+        self.assertIn("bf16/bf16/fp32/bf16", opt.composition()[0])
+        losses = train(model, opt, data * 3)
+        self.assertLess(losses[-1], losses[0])
+        w = model.head.weight
+        master = opt.get_state(w, "master")
+        self.assertEqual(master.dtype, torch.float32)
+        self.assertTrue(torch.equal(master.to(torch.bfloat16), w.detach()))
+
+    def test_mixed_dtypes_make_one_shard_each(self):
+        model = make_model()
+        model.head.to(torch.bfloat16)
+        opt = tierstate_torch.AdamW(model.parameters(), lr=1e-3)
+        self.assertEqual(len(opt.composition()), 2)
+
+    def test_bad_input_is_refused_by_name(self):
+        model = make_model()
+        with self.assertRaisesRegex(ValueError, "tier must be one of"):
+            tierstate_torch.AdamW(model.parameters(), tier="disk")
+        with self.assertRaisesRegex(ValueError, "needs path="):
+            tierstate_torch.AdamW(model.parameters(), tier="nvme")
+        with self.assertRaisesRegex(ValueError, "not a directory"):
+            tierstate_torch.AdamW(model.parameters(), tier="nvme", path="/nonexistent/dir")
+        with self.assertRaisesRegex(ValueError, "compute='device'"):
+            tierstate_torch.AdamW(model.parameters(), compute="device")
+        with self.assertRaisesRegex(ValueError, "invalid learning rate"):
+            tierstate_torch.AdamW(model.parameters(), lr=-1.0)
+        with self.assertRaisesRegex(ValueError, "amsgrad"):
+            tierstate_torch.AdamW([{"params": [model.pos], "amsgrad": True}, {"params": [model.head.bias]}])
+        opt = tierstate_torch.AdamW(model.parameters())
+        x, y = batches(1)[0]
+        loss_of(model, x, y).backward()
+        opt.step()
+        with self.assertRaisesRegex(RuntimeError, "after the state was made"):
+            opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)]})
+        model.head.weight.data = model.head.weight.data.clone()
+        with self.assertRaisesRegex(RuntimeError, "no longer the memory"):
+            opt.step()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    result = unittest.main(verbosity=2, exit=False).result
+    ran = result.testsRun - len(result.skipped)
+    print(f"pytorch parity: {ran} tests ran, {len(result.failures) + len(result.errors)} failed, "
+          f"{len(result.skipped)} skipped")
+    sys.exit(0 if result.wasSuccessful() and not result.skipped else 1)
