@@ -100,18 +100,22 @@ class uring_engine {
     if (pieces.empty()) { return; }
     std::mutex m;
     detail::first_failure failure;
+    ring_failure stuck;
     std::size_t const used = std::min<std::size_t>(rings_.size(), pieces.size());
     pool_.parallel_for(used, 1, [&](std::size_t b, std::size_t e) {
       for (std::size_t i = b; i < e; ++i) {
         std::deque<detail::piece> todo;
         for (std::size_t p = i; p < pieces.size(); p += used) { todo.push_back(pieces[p]); }
-        detail::first_failure f = drive(rings_[i].ring, requests, std::move(todo));
-        if (f.error != 0) {
+        ring_failure s;
+        detail::first_failure f = drive(rings_[i], requests, std::move(todo), s);
+        if (f.error != 0 || s.error != 0) {
           std::scoped_lock lock(m);
-          failure.note(f.error, f.where);
+          if (f.error != 0) { failure.note(f.error, f.where); }
+          if (s.error != 0 && stuck.error == 0) { stuck = s; }
         }
       }
     });
+    if (stuck.error != 0) { broken_ = stuck; }
     failure.rethrow(requests);
   }
 
@@ -178,7 +182,7 @@ class uring_engine {
   static constexpr unsigned forever = ~0u;
 
   /// For tests, the ring-level counterpart of io::fault_plan (which fails pieces): the next
-  /// `times` streaming calls of `call`, on any ring, return -`error` without entering the
+  /// `times` calls of `call` (streamed or batched), on any ring, return -`error` without entering the
   /// kernel, as the calls of a failing ring do (what they would have submitted stays queued
   /// in the ring). fail_ring(call, 0, 0) plants nothing. May be called from any thread.
   void fail_ring(ring_call call, int error, unsigned times = 1) noexcept
@@ -525,14 +529,19 @@ class uring_engine {
            p.data + p.length <= registered_.data() + registered_.size();
   }
 
-  /// Runs `todo` through one ring; returns its first failure (after draining).
-  detail::first_failure drive(io_uring& ring, std::span<request const> requests,
-                              std::deque<detail::piece> todo) noexcept
+  /// Runs `todo` through one ring; returns its first failure (after draining). When the
+  /// ring itself fails, the pieces prepared but not submitted are submitted and every piece
+  /// waited out before returning (a later call must not submit them against buffers the
+  /// caller has freed); `stuck` is the ring call that would not drain, if any.
+  detail::first_failure drive(ring_holder& h, std::span<request const> requests,
+                              std::deque<detail::piece> todo, ring_failure& stuck) noexcept
   {
+    io_uring& ring = h.ring;
     std::vector<detail::piece> slots(opts_.queue_depth);
     std::vector<unsigned> free_slots;
     for (unsigned s = opts_.queue_depth; s-- > 0;) { free_slots.push_back(s); }
-    unsigned in_flight = 0;
+    unsigned& in_flight = h.in_flight;
+    in_flight           = 0;
     detail::first_failure failure;
 
     while ((!todo.empty() && failure.error == 0) || in_flight > 0) {
@@ -561,16 +570,15 @@ class uring_engine {
         ++in_flight;
       }
       if (in_flight == 0) { continue; }
-      int const w = io_uring_submit_and_wait(&ring, 1);
+      int const planted_error = planted(ring_call::submit);
+      int const w             = planted_error != 0 ? -planted_error : io_uring_submit_and_wait(&ring, 1);
       if (w < 0 && w != -EINTR && w != -EAGAIN && w != -EBUSY) {
-        // The ring itself failed. Pieces may still be in flight: wait for them without
-        // submitting more, so no buffer is left in the kernel's hands.
+        // The ring itself failed. Pieces may be in the kernel's hands and others only
+        // prepared: drain submits those and waits for all (dropping their results), so no
+        // buffer is left in the kernel's hands and nothing stale stays queued in the ring.
         failure.note(-w, slots[0]);
-        io_uring_cqe* cqe = nullptr;
-        while (in_flight > 0 && io_uring_wait_cqe(&ring, &cqe) == 0) {
-          io_uring_cqe_seen(&ring, cqe);
-          --in_flight;
-        }
+        stuck = drain(h);
+        in_flight = 0;
         return failure;
       }
       io_uring_cqe* cqe = nullptr;
