@@ -1238,6 +1238,15 @@ step_result TIERSTATE_OPTIMIZER::step_delayed(std::span<grad_view<grad_type> con
   } else {
     (void)ready;
   }
+  // Host gradients are copied by the pool, in pieces of at most 16 Ki elements (a copy
+  // of a model's gradients is memory-bound: one thread does not saturate the memory).
+  struct host_copy {
+    grad_type const* from;
+    grad_type* to;
+    std::size_t n;
+  };
+  std::vector<host_copy> pieces;
+  constexpr std::size_t piece_elements = std::size_t{1} << 14;
   for (std::size_t t = 0; t < tensors_.size(); ++t) {
     auto const& g = grads[t];
     if (g.data == nullptr) {
@@ -1248,10 +1257,15 @@ step_result TIERSTATE_OPTIMIZER::step_delayed(std::span<grad_view<grad_type> con
     if (g.where == location::device) {
       if constexpr (device_params_) { device::copy_async(to, g.data, g.size * sizeof(grad_type), dev_->d2h); }
     } else {
-      std::copy(g.data, g.data + g.size, to);
+      for (std::size_t b = 0; b < g.size; b += piece_elements) {
+        pieces.push_back({g.data + b, to + b, std::min(piece_elements, g.size - b)});
+      }
     }
     dl.views[t] = {to, g.size, location::host};
   }
+  pool_.parallel_for(pieces.size(), 1, [&](std::size_t b, std::size_t e) {
+    for (std::size_t i = b; i < e; ++i) { std::copy_n(pieces[i].from, pieces[i].n, pieces[i].to); }
+  });
   if constexpr (device_params_) { dev_->d2h.synchronize(); }
 
   step_result r;
