@@ -7,7 +7,10 @@
 #   gpu-bundle/bin/      test_device_cuda, gpu_compositions_cuda, gpu_step_cuda: nvcc,
 #                        sm_90, host code for x86-64-v3, liburing linked statically
 #   gpu-bundle/include/  the headers they need (xsimd, Catch2, liburing, xxHash), so that
-#   gpu-bundle/lib/      the script can rebuild there (with liburing.a) if a binary does not start
+#   gpu-bundle/lib/      the script can rebuild there (with liburing.a) if a binary does not start;
+#                        and tierstate_torch_C_cuda.so, the PyTorch extension's CUDA build (sm_90,
+#                        x86-64-v3), when PyTorch 2.11.0 is here (TORCH_PYTHON, default the
+#                        pytorch test stage's environment)
 #
 #   bash bench/gpu_prepare.sh [BUNDLE_DIR]     (default gpu-bundle; then carry it)
 set -euo pipefail
@@ -19,5 +22,17 @@ cp -r /usr/include/xsimd /usr/include/catch2 /usr/include/liburing /usr/include/
   /usr/include/xxhash.h "$B/include/"
 cp /usr/lib/x86_64-linux-gnu/liburing.a "$B/lib/"
 bash bench/gpu_build.sh "$B" "$NVCC"
-ls -la "$B/bin"
+PY=${TORCH_PYTHON:-$HOME/.cache/tierstate/torch-2.11.0/bin/python}
+if "$PY" -c "import torch" 2>/dev/null; then
+  TORCH_EXTENSIONS_DIR="$PWD/$B/torch-build" TIERSTATE_TORCH_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 \
+    TIERSTATE_TORCH_CFLAGS="-O3 -march=x86-64-v3" TIERSTATE_TORCH_LDFLAGS="$PWD/$B/lib/liburing.a" \
+    "$PY" -c "import sys; sys.path.insert(0, 'examples/pytorch')
+from tierstate_torch._build import load_extension
+load_extension()"
+  cp "$B/torch-build/tierstate_torch_C_cuda/tierstate_torch_C_cuda.so" "$B/lib/"
+  rm -rf "$B/torch-build"
+else
+  echo "no PyTorch at $PY: the bundle has no PyTorch extension (gpu_script.sh then builds it there)"
+fi
+ls -la "$B/bin" "$B/lib"
 du -sh "$B"

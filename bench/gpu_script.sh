@@ -2,9 +2,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # The GPU run, for a lent GPU machine (an H200: sm_90). Needs the bundle made beforehand by
 # bench/gpu_prepare.sh (carried with the checkout); rebuilds a binary there with nvcc and
-# the bundle's headers if it does not start. Runs the GPU tests, the example, then the
-# gpu_step benchmark (1e9 elements in memory, 2.5e8 on NVMe under /tmp), each under a
-# timeout, all within 5 minutes. Logs and JSON lines go to OUT (default gpu-out).
+# the bundle's headers if it does not start. Runs the GPU tests, the example, the PyTorch
+# parity test on the GPU, then the gpu_step benchmark (1e9 elements in memory, 2.5e8 on NVMe
+# under /tmp), each under a timeout, all within 10 minutes (a build of the PyTorch extension
+# there included). Logs and JSON lines go to OUT (default gpu-out).
 #
 #   bash bench/gpu_script.sh [BUNDLE_DIR]
 set -uo pipefail
@@ -42,6 +43,22 @@ echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/test_device_cuda.log"
 stamp "example"
 timeout 30 "$B/bin/gpu_compositions_cuda" --elements 20000000 --steps 20 2>&1 | tee "$OUT/gpu_compositions.log"
 echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_compositions.log"
+
+stamp "PyTorch parity on the GPU"
+# The bundle's prebuilt extension, or (if it does not import) a build here against the
+# bundle's headers.
+py=$(command -v python3 || command -v python)
+ext="$B/lib/tierstate_torch_C_cuda.so"
+if ! TIERSTATE_TORCH_PREBUILT="$ext" "$py" -c "import sys; sys.path.insert(0, 'examples/pytorch')
+from tierstate_torch._build import load_extension; load_extension()" >"$OUT/pytorch_import.log" 2>&1; then
+  stamp "the prebuilt extension does not import here (pytorch_import.log): building it"
+  ext=""
+fi
+TIERSTATE_TORCH_PREBUILT="$ext" TIERSTATE_TORCH_CUDA=1 TORCH_EXTENSIONS_DIR="$PWD/$OUT/torch-build" \
+  TIERSTATE_TORCH_DEPS_CFLAGS="-isystem $PWD/$B/include" TIERSTATE_TORCH_LDFLAGS="$PWD/$B/lib/liburing.a" \
+  TIERSTATE_TEST_DIR=/tmp timeout 240 "$py" tests/pytorch/test_parity_cuda.py 2>&1 | tee "$OUT/pytorch_parity_cuda.log"
+echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/pytorch_parity_cuda.log"
+rm -rf "$OUT/torch-build"
 
 stamp "gpu_step"
 timeout 160 "$B/bin/gpu_step_cuda" --steps 3 2>&1 | tee "$OUT/gpu_step.jsonl"

@@ -55,9 +55,15 @@ PY
 }
 
 run_pytorch() {
-  local venv=${TIERSTATE_TORCH_VENV:-$HOME/.cache/tierstate/torch-2.11.0}
+  local own=$HOME/.cache/tierstate/torch-2.11.0
+  local venv=${TIERSTATE_TORCH_VENV:-$own}
   local check="import torch, numpy; assert torch.__version__.split('+')[0] == '2.11.0', torch.__version__"
   if ! "$venv/bin/python" -c "$check" 2>/dev/null; then
+    if [ "$venv" != "$own" ]; then
+      echo "TIERSTATE_TORCH_VENV=$venv does not give torch 2.11.0 and numpy:"
+      "$venv/bin/python" -c "$check"
+      return 1
+    fi
     echo "making $venv: torch==2.11.0 from PyPI"
     rm -rf "$venv"
     python3 -m venv "$venv" || { echo "python3 -m venv failed: install python3-venv"; return 1; }

@@ -5,13 +5,27 @@ The build is cached (by PyTorch, under TORCH_EXTENSIONS_DIR or ~/.cache/torch_ex
 and redone when a source or header changes. It needs g++ >= 12 (C++20), tierstate's
 headers, and the headers of xsimd, liburing (and its library) and xxHash:
     apt-get install g++ libxsimd-dev liburing-dev libxxhash-dev pkg-config
+and, for compute='device', Thrust (the CUDA toolkit's include/cccl).
+
+Two builds:
+- with CUDA (when torch.cuda.is_available(), or TIERSTATE_TORCH_CUDA=1): tierstate's
+  device runtime on the CUDA runtime, the OnDevice kernels compiled by nvcc (CUDA_HOME) for
+  TORCH_CUDA_ARCH_LIST (default: the GPUs present, else 9.0);
+- without (a CPU-only PyTorch, or TIERSTATE_TORCH_CUDA=0): CPU params, and tierstate's
+  emulated device, whose OnDevice kernels run on Thrust's CPP backend.
 
 Environment:
-    TIERSTATE_INCLUDE       tierstate's include directory (default: this checkout's, else
-                            what `pkg-config --cflags tierstate` says)
-    TIERSTATE_TORCH_CFLAGS  the optimization flags (default: -O3 -march=native: the host
-                            kernels use the widest SIMD this CPU has)
+    TIERSTATE_INCLUDE        tierstate's include directory (default: this checkout's, else
+                             what `pkg-config --cflags tierstate` says)
+    TIERSTATE_THRUST_INCLUDE the folder holding thrust/ (default: $CUDA_HOME/include/cccl,
+                             /usr/local/cuda/include/cccl, else the system's)
+    TIERSTATE_TORCH_CFLAGS   the host optimization flags (default: -O3 -march=native: the
+                             host kernels use the widest SIMD this CPU has)
     TIERSTATE_TORCH_VERBOSE=1  print the compiler's command lines
+    TIERSTATE_TORCH_DEPS_CFLAGS / TIERSTATE_TORCH_LDFLAGS
+                             the flags for liburing and xxHash (default: pkg-config's), for
+                             machines without their packages (bench/gpu_prepare.sh)
+    TIERSTATE_TORCH_PREBUILT a built extension (.so) to import instead of building
 """
 from __future__ import annotations
 
@@ -21,8 +35,7 @@ import subprocess
 from pathlib import Path
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = ["bindings.cpp", "shards_adam.cpp", "shards_adamw.cpp",
-            "shards_adam_amsgrad.cpp", "shards_adamw_amsgrad.cpp"]
+_RULES = ["adam", "adamw", "adam_amsgrad", "adamw_amsgrad"]
 
 
 def _pkg_config(*args: str) -> list[str]:
@@ -46,17 +59,89 @@ def _include_flags() -> list[str]:
     return _pkg_config("--cflags", "tierstate")
 
 
+def _thrust_include() -> str | None:
+    given = os.environ.get("TIERSTATE_THRUST_INCLUDE")
+    if given:
+        return given
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    for home in filter(None, homes):
+        if (Path(home) / "include" / "cccl" / "thrust").is_dir():
+            return str(Path(home) / "include" / "cccl")
+    if Path("/usr/include/thrust").is_dir():
+        return "/usr/include"
+    return None
+
+
+def with_cuda() -> bool:
+    """Whether the build is the CUDA one."""
+    forced = os.environ.get("TIERSTATE_TORCH_CUDA")
+    if forced in ("0", "1"):
+        return forced == "1"
+    import torch
+    return torch.cuda.is_available()
+
+
+def _deps_cflags() -> list[str]:
+    given = os.environ.get("TIERSTATE_TORCH_DEPS_CFLAGS")
+    return shlex.split(given) if given is not None else _pkg_config("--cflags", "liburing", "libxxhash")
+
+
+def _ldflags() -> list[str]:
+    given = os.environ.get("TIERSTATE_TORCH_LDFLAGS")
+    return shlex.split(given) if given is not None else _pkg_config("--libs", "liburing")
+
+
+def _import_prebuilt(path: str):
+    import importlib.util
+    import torch  # noqa: F401  (the extension links against its libraries)
+
+    name = Path(path).name.split(".")[0]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise RuntimeError(f"tierstate_torch: TIERSTATE_TORCH_PREBUILT={path} is not an importable module")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_extension():
+    prebuilt = os.environ.get("TIERSTATE_TORCH_PREBUILT")
+    if prebuilt:
+        return _import_prebuilt(prebuilt)
     from torch.utils.cpp_extension import load
 
-    cflags = ["-std=c++20", "-DNDEBUG", "-Wno-deprecated-declarations"]
-    cflags += shlex.split(os.environ.get("TIERSTATE_TORCH_CFLAGS", "-O3 -march=native"))
-    cflags += _include_flags()
-    cflags += [f for f in _pkg_config("--cflags", "liburing", "libxxhash")]
+    cuda = with_cuda()
+    common = ["-std=c++20", "-DNDEBUG"] + _include_flags() + _deps_cflags()
+    host = shlex.split(os.environ.get("TIERSTATE_TORCH_CFLAGS", "-O3 -march=native"))
+    sources = [_CSRC / "bindings.cpp"] + [_CSRC / f"shards_{r}.cpp" for r in _RULES]
+    cflags = common + host + ["-Wno-deprecated-declarations"]
+    cuda_cflags: list[str] = []
+    if cuda:
+        cflags.append("-DTIERSTATE_ENABLE_CUDA")
+        sources += [_CSRC / f"device_shards_{r}.cu" for r in _RULES]
+        # PyTorch's nvcc flags switch off __half and __nv_bfloat16's operators and
+        # conversions, which the device kernels use; switched back on for these files.
+        cuda_cflags = common + ["-DTIERSTATE_ENABLE_CUDA", "--expt-relaxed-constexpr", "-O3",
+                                "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+                                "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
+                                "-U__CUDA_NO_BFLOAT16_OPERATORS__"]
+        cuda_cflags += [f for h in host for f in ("-Xcompiler", h)]
+        import torch
+        if "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+    else:
+        thrust = _thrust_include()
+        if thrust is not None:
+            cflags += ["-isystem", thrust, "-DTHRUST_DEVICE_SYSTEM=THRUST_DEVICE_SYSTEM_CPP"]
+            sources += [_CSRC / f"device_shards_{r}.cpp" for r in _RULES]
+        else:
+            sources.append(_CSRC / "no_device_shards.cpp")
     return load(
-        name="tierstate_torch_C",
-        sources=[str(_CSRC / s) for s in _SOURCES],
+        name="tierstate_torch_C_cuda" if cuda else "tierstate_torch_C",
+        sources=[str(s) for s in sources],
         extra_cflags=cflags,
-        extra_ldflags=_pkg_config("--libs", "liburing"),
+        extra_cuda_cflags=cuda_cflags or None,
+        extra_ldflags=_ldflags(),
+        with_cuda=cuda,
         verbose=os.environ.get("TIERSTATE_TORCH_VERBOSE") == "1",
     )

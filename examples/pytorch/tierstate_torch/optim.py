@@ -4,11 +4,18 @@
     opt = tierstate_torch.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
                                 tier="nvme", path="/mnt/nvme/scratch")
 
-A drop-in replacement for torch.optim.AdamW (and Adam) on CPU parameters: param groups,
-LR schedulers, zero_grad, closures, GradScaler, state_dict/load_state_dict. The master
-copy (for bf16/fp16 params) and the moments live in the chosen tier, not in tensors:
-`tier="pinned"` keeps them in host memory, `tier="nvme"` in a scratch file under `path`,
-streamed through a few chunks of staging memory each step.
+A drop-in replacement for torch.optim.AdamW (and Adam): param groups, LR schedulers,
+zero_grad, closures, GradScaler, state_dict/load_state_dict. The master copy (for
+bf16/fp16 params) and the moments live in the chosen tier, not in tensors: `tier="pinned"`
+keeps them in host memory, `tier="nvme"` in a scratch file under `path`, streamed through a
+few chunks of staging memory each step; `tier="device"` in GPU memory (no offload, with
+compute="device"). `compute="host"` runs the update on the CPU (for CUDA params: ZeRO-
+Offload, gradients down and params up over PCIe, overlapped chunk by chunk);
+`compute="device"` runs it on the GPU, the state streamed in and out.
+
+Testing aid: with TIERSTATE_TORCH_EMULATED_DEVICE=1 and a build without CUDA, CPU params
+are handled as device params on tierstate's emulated device (device memory is host memory,
+its streams are threads), so the GPU compositions run on a machine without a GPU.
 
 What differs from torch.optim.AdamW:
 - The state is not in `optimizer.state` (it is not made of tensors); read a slot with
@@ -20,9 +27,12 @@ What differs from torch.optim.AdamW:
   counts the steps it missed (torch counts per param).
 - `params` are updated in place through their memory: the optimizer checks each step that
   they were not moved or reallocated (`model.to(...)` after making the optimizer).
+- With overlap_backward, the update reads each gradient when backward hands it over:
+  changing gradients or hyper-parameters between backward and step() is refused.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -45,8 +55,8 @@ def _ext():
 
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_TIERS = ("pinned", "nvme")
-_COMPUTES = ("host",)
+_TIERS = ("pinned", "nvme", "device")
+_COMPUTES = ("host", "device")
 _POLICIES = ("skip_step", "report", "ignore")
 _FORMAT = "tierstate_torch/1"
 
@@ -57,6 +67,21 @@ def _number(x: Any, what: str) -> float:
             raise ValueError(f"tierstate_torch: {what} must be a number, not a tensor of {x.numel()} elements")
         return float(x.item())
     return float(x)
+
+
+def _key_name(key: tuple) -> str:
+    return f"{_DTYPES[key[0]]}@{key[1]}"
+
+
+def _on(device: torch.device):
+    """The CUDA device current while a shard on it works (tierstate calls the runtime on the
+    current device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _stream(device: torch.device) -> int:
+    """The stream PyTorch queues work on for `device` (its gradients are ready after it)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
 class _OffloadedAdamBase(torch.optim.Optimizer):
@@ -96,10 +121,10 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
         elif path is not None:
             raise ValueError(f"{name}: path= is for tier='nvme' (tier is {tier!r})")
         if compute not in _COMPUTES:
-            raise ValueError(
-                f"{name}: compute={compute!r} is not available in this build: it updates CPU "
-                f"parameters on the host (compute='host'); 'device' needs CUDA parameters, which "
-                f"this extension does not take yet")
+            raise ValueError(f"{name}: compute must be one of {_COMPUTES}, not {compute!r}")
+        if tier == "device" and compute != "device":
+            raise ValueError(f"{name}: tier='device' keeps the state where compute='device' updates it: "
+                             "pass compute='device' (or offload to tier='pinned' or 'nvme')")
         if state_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"{name}: state_dtype must be torch.float32 or torch.bfloat16, not {state_dtype}")
         if on_nonfinite not in _POLICIES:
@@ -120,11 +145,12 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
                         maximize=maximize)
         self._shards: dict[torch.dtype, Any] | None = None
         super().__init__(params, defaults)
-        self._options = dict(tier=tier, directory=str(path) if path is not None else "",
+        self._options = dict(tier=tier, compute=compute, directory=str(path) if path is not None else "",
                              chunk_elements=int(chunk_elements), threads=int(threads),
                              max_grad_norm=float(max_grad_norm or 0.0), on_nonfinite=on_nonfinite,
                              delayed_update=bool(delayed_update))
         self._state_dtype = state_dtype
+        self._emulated = os.environ.get("TIERSTATE_TORCH_EMULATED_DEVICE") == "1"
         self._amsgrad = bool(amsgrad)
         self._overlap = bool(overlap_backward)
         self._micro_batches = micro_batches
@@ -157,10 +183,13 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
             raise ValueError(f"{name}: every param group must have amsgrad={self._amsgrad} (the rule is "
                              "chosen once, when the optimizer is made)")
         for p in group["params"]:
+            if self._options["compute"] == "device" and p.device.type == "cpu" and not self._emulated:
+                raise ValueError(f"{name}: compute='device' updates CUDA parameters; a parameter is on cpu "
+                                 "(use compute='host')")
             if p.dtype not in _DTYPES:
                 raise ValueError(f"{name}: a parameter of dtype {p.dtype}: float32, bfloat16 and float16 are supported")
-            if p.device.type != "cpu":
-                raise ValueError(f"{name}: a parameter is on {p.device}; this build updates CPU parameters")
+            if p.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"{name}: a parameter is on {p.device}; CPU and CUDA parameters are supported")
         self._hyper(group)  # validates now rather than at the first step
 
     def _params(self) -> list[torch.Tensor]:
@@ -185,47 +214,74 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
             raise ValueError(f"{name}: invalid weight_decay value {wd}")
         return values
 
+    def _device_params(self, p: torch.Tensor) -> bool:
+        return p.is_cuda or self._emulated
+
     def _build(self) -> None:
-        """Makes one shard per parameter dtype, registers every param and its group."""
+        """Makes one shard per parameter dtype and device, registers every param and its group."""
         if self._shards is not None:
             return
         C = _ext()
+        name = type(self).__name__
+        if self._emulated and not C.device_is_emulated():
+            raise RuntimeError(f"{name}: TIERSTATE_TORCH_EMULATED_DEVICE=1 needs the build without CUDA "
+                               "(TIERSTATE_TORCH_CUDA=0)")
         params = self._params()
         if len({id(p) for p in params}) != len(params):
-            raise ValueError(f"{type(self).__name__}: a parameter appears twice")
-        shards: dict[torch.dtype, Any] = {}
-        self._where: list[tuple[torch.dtype, int]] = []  # per global index: (shard, tensor)
-        members: dict[torch.dtype, list[int]] = {}
+            raise ValueError(f"{name}: a parameter appears twice")
+        shards: dict[tuple, Any] = {}
+        self._where: list[tuple[tuple, int]] = []  # per global index: (shard key, tensor)
+        members: dict[tuple, list[int]] = {}
         defaults = self._hyper(self.defaults)
         for i, p in enumerate(params):
-            if p.dtype not in shards:
-                shards[p.dtype] = C.Shard(
-                    decoupled=self._decoupled, amsgrad=self._amsgrad, param_dtype=p.dtype,
-                    state_dtype=self._state_dtype, defaults=C.Hyper(*defaults), **self._options)
-                members[p.dtype] = []
             if not p.is_contiguous():
-                raise ValueError(f"{type(self).__name__}: parameter {i} is not contiguous")
-            t = shards[p.dtype].add_tensor(f"p{i}", p.detach())
-            self._where.append((p.dtype, t))
-            members[p.dtype].append(i)
-        self._group_ids: dict[tuple[torch.dtype, int], int] = {}
+                raise ValueError(f"{name}: parameter {i} is not contiguous")
+            if p.is_cuda and C.device_is_emulated():
+                raise ValueError(f"{name}: parameter {i} is on {p.device}, but the extension was built "
+                                 "without CUDA (TIERSTATE_TORCH_CUDA=0, or torch.cuda was not available)")
+            if self._options["compute"] == "device" and not self._device_params(p):
+                raise ValueError(f"{name}: compute='device' updates CUDA parameters; parameter {i} is on "
+                                 f"{p.device} (use compute='host')")
+            key = (p.dtype, p.device)
+            if key not in shards:
+                with _on(p.device):
+                    shards[key] = C.Shard(
+                        decoupled=self._decoupled, amsgrad=self._amsgrad, param_dtype=p.dtype,
+                        state_dtype=self._state_dtype, device_params=self._device_params(p),
+                        defaults=C.Hyper(*defaults), **self._options)
+                members[key] = []
+            with _on(p.device):
+                t = shards[key].add_tensor(f"p{i}", p.detach())
+            self._where.append((key, t))
+            members[key].append(i)
+        self._group_ids: dict[tuple[tuple, int], int] = {}
         i = 0
         for gi, group in enumerate(self.param_groups):
-            by_dtype: dict[torch.dtype, list[str]] = {}
+            by_key: dict[tuple, list[str]] = {}
             for p in group["params"]:
-                by_dtype.setdefault(p.dtype, []).append(f"p{i}")
+                by_key.setdefault((p.dtype, p.device), []).append(f"p{i}")
                 i += 1
-            for dt, names in by_dtype.items():
-                self._group_ids[(dt, gi)] = shards[dt].add_group(C.Hyper(*self._hyper(group)), names)
+            for key, names in by_key.items():
+                self._group_ids[(key, gi)] = shards[key].add_group(C.Hyper(*self._hyper(group)), names)
         if len(shards) > 1 and self._options["max_grad_norm"] > 0:
-            raise ValueError(f"{type(self).__name__}: max_grad_norm with parameters of several dtypes "
-                             f"({', '.join(_DTYPES[d] for d in shards)}): clip with "
+            raise ValueError(f"{name}: max_grad_norm with parameters of several dtypes or devices "
+                             f"({', '.join(_key_name(k) for k in shards)}): clip with "
                              "torch.nn.utils.clip_grad_norm_ before step() instead")
+        if len(shards) > 1 and self._overlap:
+            raise ValueError(f"{name}: overlap_backward with parameters of several dtypes or devices "
+                             f"({', '.join(_key_name(k) for k in shards)}): each would check its own "
+                             "gradients for inf/NaN and could step while another skips; use one dtype, "
+                             "or overlap_backward=False")
         self._shards = shards
         self._members = members
+        self._versions = [p._version for p in params]
+        self._masters = any("master" in shard.slot_names() for shard in shards.values())
         if self._overlap:
+            self._arrivals = [0] * len(params)
+            self._grad_versions: list[int | None] = [None] * len(params)
             for i, p in enumerate(params):
-                self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_hook, i)))
+                if p.requires_grad:  # a frozen param never gets a gradient (nor a hook)
+                    self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_hook, i)))
 
     def _push_hyperparameters(self, force: bool = False) -> None:
         """Hands the groups' hyper-parameters to the shards when they changed (schedulers)."""
@@ -234,16 +290,33 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
             values = self._hyper(group)
             if not force and self._pushed.get(gi) == values:
                 continue
-            for dt, shard in self._shards.items():
-                g = self._group_ids.get((dt, gi))
+            for key, shard in self._shards.items():
+                g = self._group_ids.get((key, gi))
                 if g is not None:
                     shard.set_hyperparameters(g, C.Hyper(*values))
             self._pushed[gi] = values
 
+    def _sync_masters(self) -> None:
+        """A bf16/fp16 param changed in place since the last step (load_state_dict, a
+        clamp, an EMA swap: anything that bumps its version) gets its fp32 master from it, so
+        the next update starts from the param the user sees, as torch's would."""
+        params = self._params()
+        for i, p in enumerate(params):
+            if p._version != self._versions[i]:
+                key, _ = self._where[i]
+                shard = self._shards[key]
+                if "master" in shard.slot_names():
+                    with _on(key[1]):
+                        shard.set_state(f"p{i}", "master", p.detach().reshape(-1))
+                self._versions[i] = p._version
+
+    def _note_versions(self) -> None:
+        self._versions = [p._version for p in self._params()]
+
     def _check_memory(self) -> None:
         for i, p in enumerate(self._params()):
-            dt, t = self._where[i]
-            if p.dtype != dt or not self._shards[dt].same_memory(t, p):
+            key, t = self._where[i]
+            if (p.dtype, p.device) != key or not self._shards[key].same_memory(t, p):
                 raise RuntimeError(
                     f"{type(self).__name__}: parameter {i} is no longer the memory it was registered with "
                     "(moved with .to(), or its .data replaced): make the optimizer after the model is in place")
@@ -259,16 +332,24 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
         return s, f
 
     def _grad_hook(self, i: int, p: torch.Tensor) -> None:
-        dt, t = self._where[i]
+        key, t = self._where[i]
         if self._streaming_scale is None:
             scale = 1.0
             if self._grad_scaler is not None and self._grad_scaler.is_enabled():
                 scale = _number(self._grad_scaler.get_scale(), "the grad_scaler's scale")
+            self._check_memory()
+            self._sync_masters()
             self._push_hyperparameters()
-            for shard in self._shards.values():
-                shard.begin_step(scale, self._micro_batches)
+            self._arrivals = [0] * len(self._arrivals)
+            self._grad_versions = [None] * len(self._grad_versions)
+            for key2, shard in self._shards.items():
+                with _on(key2[1]):
+                    shard.begin_step(scale, self._micro_batches)
             self._streaming_scale = scale
-        self._shards[dt].grad_ready(t, p.grad)
+        with _on(key[1]):
+            self._shards[key].grad_ready(t, p.grad, _stream(key[1]))
+        self._arrivals[i] += 1
+        self._grad_versions[i] = p.grad._version
 
     def _combine(self, results: list[dict[str, Any]]) -> dict[str, Any]:
         out = dict(results[0])
@@ -292,21 +373,11 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
         self._check_memory()
         scale, found_inf = self._amp()
         if self._streaming_scale is not None:
-            used = self._streaming_scale
-            self._streaming_scale = None
-            results = [shard.finish_step() for shard in self._shards.values()]
-            if scale != 1.0 and scale != used:
-                raise RuntimeError(f"{type(self).__name__}: GradScaler stepped with scale {scale}, but the "
-                                   f"gradients were handed over with scale {used}: pass the same GradScaler "
-                                   "as grad_scaler=")
-            if found_inf and not any(r["skipped"] for r in results):
-                raise RuntimeError(f"{type(self).__name__}: GradScaler found an inf/NaN that the streaming "
-                                   "step did not")
-            self.last_step = self._combine(results)
-            return loss
+            return self._finish_streaming(loss, scale, found_inf)
         if found_inf:  # GradScaler's skip: nothing changes, the step count included
             self.last_step = {"skipped": True, "found_nonfinite": True, "step": self.step_count()}
             return loss
+        self._sync_masters()
         self._push_hyperparameters()
         params = self._params()
         if len(self._shards) > 1 and self._options["on_nonfinite"] == "skip_step":
@@ -316,17 +387,77 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
                 self.last_step = {"skipped": True, "found_nonfinite": True, "step": self.step_count()}
                 return loss
         results = []
-        for dt, shard in self._shards.items():
-            grads = [params[i].grad for i in self._members[dt]]
-            results.append(shard.step(grads, scale))
+        for key, shard in self._shards.items():
+            grads = [params[i].grad for i in self._members[key]]
+            with _on(key[1]):
+                results.append(shard.step(grads, scale, _stream(key[1])))
+        self._note_versions()
         self.last_step = self._combine(results)
         return loss
+
+    def _finish_streaming(self, loss, scale: float, found_inf: bool):
+        name = type(self).__name__
+        used = self._streaming_scale
+        params = self._params()
+        problems = []
+        # torch steps every param whose .grad is set: one used in fewer than micro_batches
+        # backward passes (or given a .grad by hand) is handed over now, as it is.
+        for i, p in enumerate(params):
+            if p.grad is not None and self._arrivals[i] < self._micro_batches:
+                key, t = self._where[i]
+                with _on(key[1]):
+                    for _ in range(self._micro_batches - self._arrivals[i]):
+                        self._shards[key].grad_ready(t, p.grad, _stream(key[1]))
+            elif self._grad_versions[i] is not None and (p.grad is None or p.grad._version != self._grad_versions[i]):
+                problems.append(i)
+        if getattr(self, "grad_scale", None) is not None:
+            # GradScaler.step's inf check multiplies the gradients by 1 in place: their
+            # versions move, their values do not.
+            problems = []
+        changed_hyper = any(self._pushed.get(gi) != self._hyper(g) for gi, g in enumerate(self.param_groups))
+        self._streaming_scale = None
+        results = []
+        for key, shard in self._shards.items():
+            with _on(key[1]):
+                results.append(shard.finish_step())
+        self._note_versions()
+        self.last_step = self._combine(results)
+        # What the update could not see: it ran on the gradients as backward handed them over.
+        if problems:
+            raise RuntimeError(
+                f"{name}: with overlap_backward the update reads each gradient as backward hands it over, "
+                f"but {len(problems)} gradient(s) (params {problems[:5]}) changed afterwards (clip_grad_norm_, "
+                "GradScaler.unscale_, or another in-place edit); this step used them unchanged. Clip with "
+                "max_grad_norm= and let the optimizer unscale (pass grad_scaler=)")
+        if changed_hyper:
+            raise RuntimeError(f"{name}: with overlap_backward the hyper-parameters are read at the first "
+                               "gradient of the step, and a param group changed after it; this step used the "
+                               "old values. Change them before backward (schedulers: sched.step() after "
+                               "opt.step(), as usual)")
+        if found_inf and scale == 1.0 and used != 1.0:
+            raise RuntimeError(f"{name}: GradScaler.unscale_ was called on the gradients the streaming step "
+                               "had already taken (scaled): with overlap_backward, do not unscale_")
+        if scale != 1.0 and scale != used:
+            raise RuntimeError(f"{name}: GradScaler stepped with scale {scale}, but the gradients were "
+                               f"handed over with scale {used}: pass the same GradScaler as grad_scaler=")
+        if found_inf and not self.last_step["skipped"]:
+            raise RuntimeError(f"{name}: GradScaler found an inf/NaN that the streaming step did not")
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._streaming_scale is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}: zero_grad during a streaming step: backward handed gradients "
+                "over (overlap_backward) and step() has not been called; call step() after every backward "
+                "pass (or micro_batches of them)")
+        super().zero_grad(set_to_none)
 
     def flush(self) -> None:
         """delayed_update: finishes the update in flight and writes its params."""
         if self._shards is not None:
-            for shard in self._shards.values():
-                shard.flush()
+            for key, shard in self._shards.items():
+                with _on(key[1]):
+                    shard.flush()
 
     def step_count(self) -> int:
         return 0 if self._shards is None else next(iter(self._shards.values())).step_count()
@@ -340,8 +471,9 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
         """One slot ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq") of a param, as fp32."""
         self._build()
         i = self._index(param)
-        dt, _ = self._where[i]
-        return self._shards[dt].get_state(f"p{i}", slot).view(param.shape)
+        key, _ = self._where[i]
+        with _on(key[1]):
+            return self._shards[key].get_state(f"p{i}", slot).view(param.shape)
 
     def _index(self, param: torch.Tensor) -> int:
         for i, p in enumerate(self._params()):
@@ -357,11 +489,12 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
         sd = super().state_dict()
         shards = {}
         with tempfile.TemporaryDirectory(prefix="tierstate-sd-") as d:
-            for dt, shard in self._shards.items():
-                f = Path(d) / f"{_DTYPES[dt]}.tsck"
-                shard.save(str(f))
+            for n, (key, shard) in enumerate(self._shards.items()):
+                f = Path(d) / f"{n}.tsck"
+                with _on(key[1]):
+                    shard.save(str(f))
                 data = torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.uint8)
-                shards[_DTYPES[dt]] = {"checkpoint": data, "params": list(self._members[dt])}
+                shards[_key_name(key)] = {"checkpoint": data, "params": list(self._members[key])}
         sd["tierstate"] = {"format": _FORMAT, "shards": shards}
         return sd
 
@@ -375,20 +508,30 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: a state_dict of format {ts.get('format')!r}; "
                              f"this is {_FORMAT}")
         self._build()
-        ours = {_DTYPES[dt]: dt for dt in self._shards}
+        ours = {_key_name(key): key for key in self._shards}
         if set(ts["shards"]) != set(ours):
-            raise ValueError(f"{type(self).__name__}: the state_dict has state for parameters of dtypes "
+            raise ValueError(f"{type(self).__name__}: the state_dict has state for parameters of "
                              f"{sorted(ts['shards'])}; this optimizer's are {sorted(ours)}")
         for key, info in ts["shards"].items():
             if list(info["params"]) != self._members[ours[key]]:
                 raise ValueError(f"{type(self).__name__}: the state_dict's {key} parameters are "
                                  f"{list(info['params'])}; this optimizer's are {self._members[ours[key]]}")
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        if len(state_dict["param_groups"]) != len(self.param_groups):
+            raise ValueError(f"{type(self).__name__}: the state_dict has {len(state_dict['param_groups'])} "
+                             f"param groups; this optimizer has {len(self.param_groups)}")
+        # Each shard's load checks everything before it changes anything.
         with tempfile.TemporaryDirectory(prefix="tierstate-sd-") as d:
-            for key, info in ts["shards"].items():
-                f = Path(d) / f"{key}.tsck"
-                f.write_bytes(info["checkpoint"].numpy().tobytes())
-                self._shards[ours[key]].load(str(f))
+            for n, (name, info) in enumerate(ts["shards"].items()):
+                f = Path(d) / f"{n}.tsck"
+                f.write_bytes(info["checkpoint"].cpu().numpy().tobytes())
+                try:
+                    with _on(ours[name][1]):
+                        self._shards[ours[name]].load(str(f))
+                except Exception as e:
+                    raise type(e)(f"{type(self).__name__}.load_state_dict: the checkpoint of the {name} "
+                                  f"parameters: {e}") from e
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        self._note_versions()
         self._pushed.clear()
         self._push_hyperparameters(force=True)
 
@@ -411,10 +554,12 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
         if steps > 0:
             slots = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self._amsgrad else [])
             for i, p in enumerate(self._params()):
-                dt, _ = self._where[i]
+                key, _ = self._where[i]
                 s = {"step": torch.tensor(float(steps), dtype=torch.float32)}
                 for slot in slots:
-                    s[slot] = self._shards[dt].get_state(f"p{i}", slot).view(p.shape).to(p.dtype)
+                    with _on(key[1]):
+                        value = self._shards[key].get_state(f"p{i}", slot)
+                    s[slot] = value.view(p.shape).to(device=p.device, dtype=p.dtype)
                 state[i] = s
         return {"state": state, "param_groups": groups}
 
@@ -446,17 +591,20 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
         # The param indices now match (torch's load checked the group sizes).
         slots = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self._amsgrad else [])
         for i, p in enumerate(params):
-            dt, _ = self._where[i]
-            shard = self._shards[dt]
-            if "master" in shard.slot_names():
-                shard.set_state(f"p{i}", "master", p.detach().reshape(-1))
+            key, _ = self._where[i]
+            shard = self._shards[key]
             s = state.get(i, state.get(str(i)))
-            for slot in slots:
-                value = torch.zeros(p.numel()) if s is None else s[slot].reshape(-1)
-                shard.set_state(f"p{i}", slot, value)
+            with _on(key[1]):
+                if "master" in shard.slot_names():
+                    shard.set_state(f"p{i}", "master", p.detach().reshape(-1))
+                for slot in slots:
+                    value = torch.zeros(p.numel()) if s is None else s[slot].reshape(-1)
+                    shard.set_state(f"p{i}", slot, value)
         n = steps.pop() if steps else 0
-        for shard in self._shards.values():
-            shard.set_step_count(n)
+        for key, shard in self._shards.items():
+            with _on(key[1]):
+                shard.set_step_count(n)
+        self._note_versions()
         self._pushed.clear()
         self._push_hyperparameters(force=True)
 

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Python bindings: tierstate_torch._C.Shard, one OffloadedOptimizer over the CPU parameters
-// of one dtype. The Python optimizer (tierstate_torch/optim.py) owns the param groups and
+// Python bindings: tierstate_torch._C.Shard, one OffloadedOptimizer over the parameters of
+// one dtype on one device. The Python optimizer (tierstate_torch/optim.py) owns the param groups and
 // turns torch.optim's conventions into calls on its shards.
 //
 // The GIL is released while the optimizer works: its threads never call into Python, and
@@ -55,7 +55,7 @@ namespace {
 
 class py_shard {
  public:
-  explicit py_shard(config c) : dtype_(c.param), shard_(make_shard(c)) {}
+  explicit py_shard(config c) : dtype_(c.param), device_params_(c.device_params), shard_(make_shard(c)) {}
 
   std::size_t add_tensor(std::string const& name, at::Tensor const& p)
   {
@@ -72,22 +72,22 @@ class py_shard {
   }
   void set_hyperparameters(std::size_t g, hyper const& h) { shard_->set_hyperparameters(g, h); }
 
-  py::dict step(std::vector<std::optional<at::Tensor>> const& grads, double grad_scale)
+  py::dict step(std::vector<std::optional<at::Tensor>> const& grads, double grad_scale, std::uintptr_t stream)
   {
     if (grads.size() != tensors_.size()) {
       throw std::invalid_argument("tierstate_torch: step() got " + std::to_string(grads.size()) +
                                   " gradients for " + std::to_string(tensors_.size()) + " tensors");
     }
     std::vector<grad_in> in(grads.size());
+    std::vector<at::Tensor> held(grads.size());  // alive until the step returns
     for (std::size_t t = 0; t < grads.size(); ++t) {
-      if (grads[t]) { in[t] = take_grad(t, *grads[t]); }
+      if (grads[t]) { in[t] = checked_grad(t, *grads[t], held[t]); }
     }
     result r;
     {
       py::gil_scoped_release nogil;
-      r = shard_->step(in, grad_scale);
+      r = shard_->step(in, grad_scale, stream);
     }
-    release_grads();
     return to_dict(r);
   }
 
@@ -97,24 +97,36 @@ class py_shard {
     shard_->begin_step(grad_scale, micro_batches);
   }
 
-  void grad_ready(std::size_t t, at::Tensor const& g)
+  void grad_ready(std::size_t t, at::Tensor const& g, std::uintptr_t stream)
   {
     if (t >= tensors_.size()) {
       throw std::invalid_argument("tierstate_torch: grad_ready: no tensor " + std::to_string(t));
     }
-    grad_in const in = take_grad(t, g);
-    py::gil_scoped_release nogil;
-    shard_->grad_ready(t, in);
+    at::Tensor held;
+    grad_in in = checked_grad(t, g, held);
+    in.stream  = stream;
+    {
+      py::gil_scoped_release nogil;
+      shard_->grad_ready(t, in);
+    }
+    // Kept from now until the step ends: the optimizer reads it after this returns. Only
+    // once handed over: a refused call must not drop the gradient an earlier call handed
+    // over, which the step still reads.
+    std::lock_guard lock(live_mutex_);
+    live_[t] = std::move(held);
   }
 
   py::dict finish_step()
   {
+    struct release_at_exit {
+      py_shard& s;
+      ~release_at_exit() { s.release_grads(); }  // the step is over, even when it failed
+    } const release{*this};
     result r;
     {
       py::gil_scoped_release nogil;
       r = shard_->finish_step();
     }
-    release_grads();
     return to_dict(r);
   }
 
@@ -185,10 +197,7 @@ class py_shard {
   void check_param(std::string const& name, at::Tensor const& p) const
   {
     auto const who = "tierstate_torch: parameter '" + name + "'";
-    if (!p.device().is_cpu()) {
-      throw std::invalid_argument(who + " is on " + p.device().str() +
-                                  "; this extension updates CPU parameters");
-    }
+    check_device(who, p);
     if (to_dtype(p.scalar_type(), "a parameter") != dtype_) {
       throw std::invalid_argument(who + " is " + std::string(c10::toString(p.scalar_type())) +
                                   "; this shard holds " + std::string(c10::toString(to_scalar(dtype_))));
@@ -199,6 +208,17 @@ class py_shard {
     if (p.is_sparse()) { throw std::invalid_argument(who + " is sparse"); }
   }
 
+  /// Host params are CPU tensors; device params are CUDA tensors (CPU tensors on the
+  /// emulated device of a build without CUDA).
+  void check_device(std::string const& who, at::Tensor const& x) const
+  {
+    bool const want_cuda = device_params_ && !device_is_emulated();
+    if (want_cuda ? x.device().is_cuda() : x.device().is_cpu()) { return; }
+    throw std::invalid_argument(who + " is on " + x.device().str() + "; this optimizer's " +
+                                (device_params_ ? "device" : "host") + " params are on " +
+                                (want_cuda ? "cuda" : device_params_ ? "cpu (the emulated device)" : "cpu"));
+  }
+
   std::size_t count_of(std::string const& name) const
   {
     for (auto const& r : tensors_) {
@@ -207,16 +227,14 @@ class py_shard {
     throw std::invalid_argument("tierstate_torch: no tensor named '" + name + "'");
   }
 
-  /// Checks a gradient and keeps a contiguous CPU copy of it (or it) alive until the step
-  /// ends: the optimizer reads it after this call returns.
-  grad_in take_grad(std::size_t t, at::Tensor const& g)
+  /// Checks a gradient; `held` becomes the tensor the optimizer reads (`g`, or a contiguous
+  /// copy), which the caller keeps alive for as long as the optimizer may read it.
+  grad_in checked_grad(std::size_t t, at::Tensor const& g, at::Tensor& held) const
   {
     auto const& r   = tensors_[t];
     auto const who  = "tierstate_torch: the gradient of '" + r.name + "'";
     if (g.is_sparse()) { throw std::invalid_argument(who + " is sparse; sparse gradients are not supported"); }
-    if (!g.device().is_cpu()) {
-      throw std::invalid_argument(who + " is on " + g.device().str() + "; this extension reads CPU gradients");
-    }
+    check_device(who, g);
     if (static_cast<std::size_t>(g.numel()) != r.count) {
       throw std::invalid_argument(who + " has " + std::to_string(g.numel()) + " elements; the parameter has " +
                                   std::to_string(r.count));
@@ -225,11 +243,8 @@ class py_shard {
       throw std::invalid_argument(who + " is " + std::string(c10::toString(g.scalar_type())) +
                                   "; the parameter is " + std::string(c10::toString(to_scalar(dtype_))));
     }
-    at::Tensor c = g.detach().contiguous();
-    grad_in const in{c.data_ptr(), r.count};
-    std::lock_guard lock(live_mutex_);
-    live_[t] = std::move(c);
-    return in;
+    held = g.detach().contiguous();
+    return {held.data_ptr(), r.count, 0};
   }
 
   void release_grads()
@@ -239,6 +254,7 @@ class py_shard {
   }
 
   dtype dtype_;
+  bool device_params_;
   std::unique_ptr<shard> shard_;
   std::vector<registered> tensors_;
   std::mutex live_mutex_;
@@ -249,6 +265,13 @@ class py_shard {
 
 std::unique_ptr<shard> make_shard(config const& c)
 {
+  if (c.compute == "device") {
+    if (c.decoupled) { return c.amsgrad ? make_adamw_amsgrad_device_shard(c) : make_adamw_device_shard(c); }
+    return c.amsgrad ? make_adam_amsgrad_device_shard(c) : make_adam_device_shard(c);
+  }
+  if (c.compute != "host") {
+    throw std::invalid_argument("tierstate_torch: compute must be 'host' or 'device', not '" + c.compute + "'");
+  }
   if (c.decoupled) { return c.amsgrad ? make_adamw_amsgrad_shard(c) : make_adamw_shard(c); }
   return c.amsgrad ? make_adam_amsgrad_shard(c) : make_adam_shard(c);
 }
@@ -258,7 +281,7 @@ std::unique_ptr<shard> make_shard(config const& c)
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
   namespace tt = tierstate_torch;
-  m.doc() = "tierstate's offloaded Adam/AdamW for CPU parameters (see tierstate_torch.optim)";
+  m.doc() = "tierstate's offloaded Adam/AdamW (see tierstate_torch.optim)";
 
   py::class_<tt::hyper>(m, "Hyper")
     .def(py::init([](double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize) {
@@ -269,7 +292,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 
   py::class_<tt::py_shard>(m, "Shard")
     .def(py::init([](bool decoupled, bool amsgrad, at::ScalarType param, at::ScalarType state,
-                     std::string tier, std::string directory, std::size_t chunk_elements,
+                     std::string tier, std::string compute, bool device_params, std::string directory,
+                     std::size_t chunk_elements,
                      std::size_t threads, double max_grad_norm, std::string on_nonfinite,
                      bool delayed_update, tt::hyper defaults) {
            tt::config c;
@@ -278,6 +302,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
            c.param          = tt::to_dtype(param, "the parameter dtype");
            c.state          = tt::to_dtype(state, "state_dtype");
            c.tier           = std::move(tier);
+           c.compute        = std::move(compute);
+           c.device_params  = device_params;
            c.directory      = std::move(directory);
            c.chunk_elements = chunk_elements;
            c.threads        = threads;
@@ -288,7 +314,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
            return std::make_unique<tt::py_shard>(std::move(c));
          }),
          py::arg("decoupled"), py::arg("amsgrad"), py::arg("param_dtype"), py::arg("state_dtype"),
-         py::arg("tier"), py::arg("directory"), py::arg("chunk_elements"), py::arg("threads"),
+         py::arg("tier"), py::arg("compute"), py::arg("device_params"), py::arg("directory"), py::arg("chunk_elements"), py::arg("threads"),
          py::arg("max_grad_norm"), py::arg("on_nonfinite"), py::arg("delayed_update"), py::arg("defaults"))
     .def("add_tensor", &tt::py_shard::add_tensor)
     .def("add_group", &tt::py_shard::add_group)
@@ -309,4 +335,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     .def("composition", &tt::py_shard::composition)
     .def("in_step", &tt::py_shard::in_step)
     .def("state_lost", &tt::py_shard::state_lost);
+  m.def("device_is_emulated", &tt::device_is_emulated,
+        "Whether device memory is host memory here (a build without CUDA)");
 }

@@ -35,9 +35,10 @@ struct config {
   bool amsgrad          = false;
   dtype param           = dtype::f32;  ///< params and grads
   dtype state           = dtype::f32;  ///< m and v (f32 or bf16)
-  std::string tier      = "pinned";  ///< "pinned" (PinnedHost) or "nvme" (NvmeFile)
+  std::string tier      = "pinned";  ///< "pinned" (PinnedHost), "nvme" (NvmeFile), "device" (Device)
+  std::string compute   = "host";    ///< "host" (OnHost, xsimd) or "device" (OnDevice, Thrust)
+  bool device_params    = false;     ///< params and grads in device memory (CudaOverlapped)
   std::string directory;           ///< NvmeFile: where the scratch file goes
-  unsigned depth        = 2;       ///< NvmeFile: Pipelined<Depth>, 1 to 4
   std::size_t chunk_elements = std::size_t{1} << 20;
   std::size_t threads   = 0;
   double max_grad_norm  = 0.0;
@@ -46,10 +47,12 @@ struct config {
   hyper defaults{};
 };
 
-/// A gradient: a null `data` says the tensor has none this step.
+/// A gradient: a null `data` says the tensor has none this step. Device gradients are
+/// read after the work queued so far on `stream` (a cudaStream_t; 0: the legacy default).
 struct grad_in {
-  void const* data = nullptr;
-  std::size_t size = 0;
+  void const* data     = nullptr;
+  std::size_t size     = 0;
+  std::uintptr_t stream = 0;
 };
 
 struct result {
@@ -73,7 +76,8 @@ class shard {
   virtual std::size_t add_tensor(std::string name, void* param, std::size_t count) = 0;
   virtual std::size_t add_group(hyper const& h, std::vector<std::string> const& names) = 0;
   virtual void set_hyperparameters(std::size_t group, hyper const& h) = 0;
-  virtual result step(std::span<grad_in const> grads, double grad_scale) = 0;
+  /// `stream`: device gradients are read after the work queued on it so far.
+  virtual result step(std::span<grad_in const> grads, double grad_scale, std::uintptr_t stream) = 0;
   virtual void begin_step(double grad_scale, unsigned micro_batches) = 0;
   /// Thread-safe.
   virtual void grad_ready(std::size_t tensor, grad_in g) = 0;
@@ -96,10 +100,20 @@ class shard {
 /// Throws std::invalid_argument naming the option for an unknown tier, dtype or policy.
 std::unique_ptr<shard> make_shard(config const& c);
 
-// One per rule, each in its own translation unit.
+/// Whether this build's device is tierstate's emulated one (built without CUDA): device
+/// memory is then host memory, and "device" params are CPU tensors.
+bool device_is_emulated() noexcept;
+
+// One per rule and compute, each in its own translation unit: shards_<rule>.cpp (OnHost:
+// host params, or device params through CudaOverlapped) and device_shards_<rule>.cpp
+// (OnDevice; compiled by nvcc, as device_shards_<rule>.cu, with CUDA).
 std::unique_ptr<shard> make_adam_shard(config const& c);
 std::unique_ptr<shard> make_adamw_shard(config const& c);
 std::unique_ptr<shard> make_adam_amsgrad_shard(config const& c);
 std::unique_ptr<shard> make_adamw_amsgrad_shard(config const& c);
+std::unique_ptr<shard> make_adam_device_shard(config const& c);
+std::unique_ptr<shard> make_adamw_device_shard(config const& c);
+std::unique_ptr<shard> make_adam_amsgrad_device_shard(config const& c);
+std::unique_ptr<shard> make_adamw_amsgrad_device_shard(config const& c);
 
 }  // namespace tierstate_torch

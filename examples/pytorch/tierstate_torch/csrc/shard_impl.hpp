@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // shard over one OffloadedOptimizer composition, and the run-time choice among them for
-// one rule. Included by one translation unit per rule (shards_<rule>.cpp).
+// one rule. Included by one translation unit per rule and compute (shards_<rule>.cpp for
+// OnHost, device_shards_<rule>.cpp for OnDevice, which includes on_device.hpp first).
 #pragma once
 
 #include "shard.hpp"
@@ -34,6 +35,15 @@ namespace detail {
                               s + "'");
 }
 
+[[nodiscard]] inline tierstate::device::stream_view to_stream([[maybe_unused]] std::uintptr_t s) noexcept
+{
+#if defined(TIERSTATE_ENABLE_CUDA)
+  return tierstate::device::stream_view(reinterpret_cast<cudaStream_t>(s));
+#else
+  return {};  // the emulated device: gradients are ready when handed over
+#endif
+}
+
 [[nodiscard]] inline result to_result(tierstate::step_result const& r)
 {
   result o;
@@ -51,9 +61,11 @@ namespace detail {
   return o;
 }
 
-template <class Rule, class Precision, class Tier, class Transfer>
+template <class Rule, class Precision, class Tier, class Transfer, class Compute = tierstate::OnHost<>>
 class shard_impl final : public shard {
-  using optimizer = tierstate::OffloadedOptimizer<Rule, Precision, Tier, Transfer>;
+  using optimizer = tierstate::OffloadedOptimizer<Rule, Precision, Tier, Transfer, Compute>;
+  static constexpr bool device_params = tierstate::is_cuda_overlapped_v<Transfer>;
+  static constexpr auto where = device_params ? tierstate::location::device : tierstate::location::host;
   using param_t   = typename optimizer::param_type;
   using grad_t    = typename optimizer::grad_type;
 
@@ -83,7 +95,7 @@ class shard_impl final : public shard {
   [[nodiscard]] static tierstate::grad_view<grad_t> view(grad_in g) noexcept
   {
     if (g.data == nullptr) { return {}; }
-    return {static_cast<grad_t const*>(g.data), g.size, tierstate::location::host};
+    return {static_cast<grad_t const*>(g.data), g.size, where};
   }
 
   optimizer opt_;
@@ -93,7 +105,7 @@ class shard_impl final : public shard {
 
   std::size_t add_tensor(std::string name, void* param, std::size_t count) override
   {
-    return opt_.add_tensor(std::move(name), static_cast<param_t*>(param), count);
+    return opt_.add_tensor(std::move(name), static_cast<param_t*>(param), count, where);
   }
   std::size_t add_group(hyper const& h, std::vector<std::string> const& names) override
   {
@@ -103,18 +115,21 @@ class shard_impl final : public shard {
   {
     opt_.set_hyperparameters(group, to_rule(h));
   }
-  result step(std::span<grad_in const> grads, double grad_scale) override
+  result step(std::span<grad_in const> grads, double grad_scale, std::uintptr_t stream) override
   {
     std::vector<tierstate::grad_view<grad_t>> views;
     views.reserve(grads.size());
     for (auto const& g : grads) { views.push_back(view(g)); }
-    return to_result(opt_.step(views, grad_scale));
+    return to_result(opt_.step(views, grad_scale, to_stream(stream)));
   }
   void begin_step(double grad_scale, unsigned micro_batches) override
   {
     opt_.begin_step(grad_scale, micro_batches);
   }
-  void grad_ready(std::size_t tensor, grad_in g) override { opt_.grad_ready(tensor, view(g)); }
+  void grad_ready(std::size_t tensor, grad_in g) override
+  {
+    opt_.grad_ready(tensor, view(g), to_stream(g.stream));
+  }
   result finish_step() override { return to_result(opt_.finish_step()); }
   result flush() override { return to_result(opt_.flush()); }
   [[nodiscard]] bool in_step() const override { return opt_.in_step(); }
@@ -141,28 +156,44 @@ class shard_impl final : public shard {
   {
     std::string s("OffloadedOptimizer<");
     s.append(Rule::name).append(", ").append(Precision::name()).append(", ").append(Tier::name);
-    s.append(std::is_same_v<Transfer, tierstate::Synchronous> ? ", Synchronous" : ", Pipelined<2>");
-    s.append(", OnHost>");
+    s.append(std::is_same_v<Transfer, tierstate::Synchronous> ? ", Synchronous"
+             : device_params                                    ? ", CudaOverlapped<2>"
+                                                                : ", Pipelined<2>");
+    s.append(Compute::runs_on_device ? ", OnDevice>" : ", OnHost>");
     return s;
   }
   [[nodiscard]] bool state_lost() const override { return opt_.state_lost(); }
 };
 
-template <class Rule, class Precision>
-std::unique_ptr<shard> for_tier(config const& c)
+[[noreturn]] inline void refuse_tier(config const& c)
 {
-  if (c.tier == "pinned") {
-    return std::make_unique<shard_impl<Rule, Precision, tierstate::PinnedHost, tierstate::Synchronous>>(c);
-  }
-  if (c.tier == "nvme") {
-    return std::make_unique<shard_impl<Rule, Precision, tierstate::NvmeFile, tierstate::Pipelined<2>>>(c);
-  }
-  throw std::invalid_argument("tierstate_torch: tier must be 'pinned' or 'nvme', not '" + c.tier + "'");
+  throw std::invalid_argument("tierstate_torch: tier '" + c.tier + "' with compute '" + c.compute +
+                              "' and " + (c.device_params ? "device" : "host") +
+                              " params: the tiers are 'pinned' and 'nvme' (any compute), and 'device' "
+                              "(compute 'device' only)");
 }
+
+/// OnHost: host params (Synchronous in memory, Pipelined<2> from NVMe), or device params
+/// streamed to the host and back (CudaOverlapped<2>: ZeRO-Offload).
+struct on_host {
+  template <class Rule, class Precision>
+  static std::unique_ptr<shard> make(config const& c)
+  {
+    using namespace tierstate;
+    if (c.device_params) {
+      if (c.tier == "pinned") { return std::make_unique<shard_impl<Rule, Precision, PinnedHost, CudaOverlapped<2>>>(c); }
+      if (c.tier == "nvme") { return std::make_unique<shard_impl<Rule, Precision, NvmeFile, CudaOverlapped<2>>>(c); }
+    } else {
+      if (c.tier == "pinned") { return std::make_unique<shard_impl<Rule, Precision, PinnedHost, Synchronous>>(c); }
+      if (c.tier == "nvme") { return std::make_unique<shard_impl<Rule, Precision, NvmeFile, Pipelined<2>>>(c); }
+    }
+    refuse_tier(c);
+  }
+};
 
 /// The precisions: params and grads of the param dtype, an fp32 master for bf16 and fp16
 /// params, m and v in fp32 or bf16.
-template <class Rule>
+template <class Rule, class Compositions>
 std::unique_ptr<shard> for_rule(config const& c)
 {
   using tierstate::bf16;
@@ -174,14 +205,14 @@ std::unique_ptr<shard> for_rule(config const& c)
   }
   switch (c.param) {
     case dtype::f32:
-      return bf16_state ? for_tier<Rule, Precision<float, float, float, bf16>>(c)
-                        : for_tier<Rule, Precision<float, float, float, float>>(c);
+      return bf16_state ? Compositions::template make<Rule, Precision<float, float, float, bf16>>(c)
+                        : Compositions::template make<Rule, Precision<float, float, float, float>>(c);
     case dtype::bf16:
-      return bf16_state ? for_tier<Rule, Precision<bf16, bf16, float, bf16>>(c)
-                        : for_tier<Rule, Precision<bf16, bf16, float, float>>(c);
+      return bf16_state ? Compositions::template make<Rule, Precision<bf16, bf16, float, bf16>>(c)
+                        : Compositions::template make<Rule, Precision<bf16, bf16, float, float>>(c);
     case dtype::f16:
-      return bf16_state ? for_tier<Rule, Precision<fp16, fp16, float, bf16>>(c)
-                        : for_tier<Rule, Precision<fp16, fp16, float, float>>(c);
+      return bf16_state ? Compositions::template make<Rule, Precision<fp16, fp16, float, bf16>>(c)
+                        : Compositions::template make<Rule, Precision<fp16, fp16, float, float>>(c);
   }
   throw std::invalid_argument("tierstate_torch: unknown param dtype");
 }

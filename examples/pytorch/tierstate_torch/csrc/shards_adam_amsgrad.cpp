@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-// The AdamAmsgrad compositions (one translation unit per rule, so they compile in parallel).
+// The AdamAmsgrad compositions with OnHost compute (one translation unit per rule and compute, so
+// they compile in parallel).
 #include "shard_impl.hpp"
 
 namespace tierstate_torch {
 
 std::unique_ptr<shard> make_adam_amsgrad_shard(config const& c)
 {
-  return detail::for_rule<tierstate::AdamAmsgrad>(c);
+  return detail::for_rule<tierstate::AdamAmsgrad, detail::on_host>(c);
 }
 
 }  // namespace tierstate_torch

@@ -1,12 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// The AdamW compositions (one translation unit per rule, so they compile in parallel).
+// The AdamW compositions with OnHost compute (one translation unit per rule and compute, so
+// they compile in parallel).
 #include "shard_impl.hpp"
 
 namespace tierstate_torch {
 
 std::unique_ptr<shard> make_adamw_shard(config const& c)
 {
-  return detail::for_rule<tierstate::AdamW>(c);
+  return detail::for_rule<tierstate::AdamW, detail::on_host>(c);
 }
+
+bool device_is_emulated() noexcept { return tierstate::device::is_emulated; }
 
 }  // namespace tierstate_torch

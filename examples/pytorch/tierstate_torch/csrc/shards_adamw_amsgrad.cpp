@@ -1,12 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
-// The AdamWAmsgrad compositions (one translation unit per rule, so they compile in parallel).
+// The AdamWAmsgrad compositions with OnHost compute (one translation unit per rule and compute, so
+// they compile in parallel).
 #include "shard_impl.hpp"
 
 namespace tierstate_torch {
 
 std::unique_ptr<shard> make_adamw_amsgrad_shard(config const& c)
 {
-  return detail::for_rule<tierstate::AdamWAmsgrad>(c);
+  return detail::for_rule<tierstate::AdamWAmsgrad, detail::on_host>(c);
 }
 
 }  // namespace tierstate_torch

@@ -1,0 +1,14 @@
+// SPDX-License-Identifier: Apache-2.0
+// The AdamWAmsgrad compositions with OnDevice compute: Thrust's CUDA backend when compiled by nvcc
+// (as device_shards_adamw_amsgrad.cu, with TIERSTATE_ENABLE_CUDA), its CPP backend on tierstate's
+// emulated device otherwise.
+#include "device_shards.hpp"
+
+namespace tierstate_torch {
+
+std::unique_ptr<shard> make_adamw_amsgrad_device_shard(config const& c)
+{
+  return detail::for_rule<tierstate::AdamWAmsgrad, detail::on_device>(c);
+}
+
+}  // namespace tierstate_torch
