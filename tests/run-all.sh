@@ -82,7 +82,12 @@ run_pytorch() {
   read -r ran bad skip <<<"$(echo "$line" | sed -E 's/[^0-9]+/ /g')"
   passed=$((passed + ran - bad)) failed=$((failed + bad)) skipped=$((skipped + skip))
   echo "stage pytorch: $((ran - bad)) passed, $bad failed, $skip skipped"
-  [ "$rc" -eq 0 ]
+  [ "$rc" -eq 0 ] || return 1
+  # The step against torch.optim.AdamW's implementations, JSON lines for the record.
+  TORCH_EXTENSIONS_DIR="$PWD/build-pytorch/torch_extensions" TIERSTATE_TORCH_CUDA=0 \
+    "$venv/bin/python" bench/torch_step.py --elements 16777216 --reps 5 \
+    ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} 2>&1 | grep -v "No CUDA runtime is found"
+  [ "${PIPESTATUS[0]}" -eq 0 ]
 }
 
 run_stage() {
@@ -110,7 +115,7 @@ run_stage() {
     # PyTorch 2.11.0 from PyPI in a virtual environment kept between runs
     # (TIERSTATE_TORCH_VENV, default ~/.cache/tierstate/torch-2.11.0; made when missing:
     # about 2.6 GB of wheels, torch's CUDA libraries included). The extension is compiled
-    # into build-pytorch/.
+    # into build-pytorch/. Then bench/torch_step.py against torch.optim.AdamW.
     pytorch) run_pytorch ;;
     # libFuzzer on checkpoint loading, from the committed seeds, for TIERSTATE_FUZZ_SECONDS
     # (default 60) under ASan and UBSan; any finding fails the stage.
