@@ -95,8 +95,8 @@ run_stage() {
   case $name in
     # gcc-native also builds the CUDA variants with nvcc (sm_90; their tests skip without a
     # GPU) and must find Thrust for the device tests: both are required, not detected.
-    gcc-native) configure "$name" g++ -Darch=native -Dcuda=enabled -Dthrust=enabled && test_build "$name" ;;
-    clang-native) configure "$name" clang++ -Darch=native -Dthrust=enabled -Dnvcc_targets=false && test_build "$name" ;;
+    gcc-native) configure "$name" g++ -Darch=native -Dcuda=enabled -Dthrust=enabled -Dnvcc_targets=true && test_build "$name" ;;
+    clang-native) configure "$name" clang++ -Darch=native -Dthrust=enabled && test_build "$name" ;;
     # The baseline x86-64 builds also prove that nothing needs the CUDA toolkit.
     gcc-baseline) configure "$name" g++ -Darch=x86-64 -Dcuda=disabled -Dthrust=enabled && test_build "$name" ;;
     clang-baseline) configure "$name" clang++ -Darch=x86-64 -Dcuda=disabled -Dthrust=enabled && test_build "$name" ;;
