@@ -193,6 +193,30 @@ TEST_CASE("the device kernel refuses missing arrays, and finds non-finite values
   h.upload();
   CHECK(device::any_nonfinite(s, h.device, 3));
   CHECK_FALSE(device::any_nonfinite(s, h.device, 1));
+
+  // The queued form: tensors mark one flag, read once.
+  auto* flag     = static_cast<std::uint32_t*>(device::allocate_async(sizeof(std::uint32_t), s));
+  auto read_flag = [&] {
+    std::uint32_t v = 7;
+    device::copy_async(&v, flag, sizeof v, s);
+    s.synchronize();
+    return v;
+  };
+  device::zero_async(flag, sizeof(std::uint32_t), s);
+  mirrored<float> f(std::vector<float>(70001, 0.5f));
+  device::mark_nonfinite_async(s, f.device, 70001, flag);
+  device::mark_nonfinite_async(s, h.device, 1, flag);
+  CHECK(read_flag() == 0);
+  device::mark_nonfinite_async(s, g.device, 5000, flag);  // the infinity at 4999
+  device::mark_nonfinite_async(s, f.device, 70001, flag);  // leaves the mark as it is
+  CHECK(read_flag() == 1);
+  device::zero_async(flag, sizeof(std::uint32_t), s);
+  f.host[0] = -std::numeric_limits<float>::infinity();
+  f.upload();
+  device::mark_nonfinite_async(s, f.device, 70001, flag);
+  CHECK(read_flag() == 1);
+  device::deallocate_async(flag, s);
+  s.synchronize();
 }
 
 // --- the compositions --------------------------------------------------------------------

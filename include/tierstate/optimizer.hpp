@@ -327,6 +327,7 @@ class OffloadedOptimizer {
     PinnedHost param_stage{0};  ///< OnHost: buffers x chunk_elements params
     std::byte* state_stage = nullptr;  ///< OnDevice with a host tier: buffers chunks, device memory
     std::size_t state_stage_bytes = 0;
+    std::uint32_t* nonfinite_flag = nullptr;  ///< OnDevice: device memory, set by the inf/NaN check
     ~device_resources()
     {
       try {
@@ -336,6 +337,7 @@ class OffloadedOptimizer {
       } catch (...) {  // a failure was reported by the step it belonged to
       }
       device::deallocate_async(state_stage, compute);
+      device::deallocate_async(nonfinite_flag, compute);
     }
   };
   /// The part of a tensor that falls in one chunk.

@@ -216,10 +216,14 @@ void TIERSTATE_OPTIMIZER::materialize()
     if constexpr (!on_device_) {
       dev->grad_stage  = PinnedHost(B * lay.chunk_elements() * sizeof(grad_type));
       dev->param_stage = PinnedHost(B * lay.chunk_elements() * sizeof(param_type));
-    } else if constexpr (!device_tier<StateTier>) {
-      dev->state_stage_bytes = B * lay.chunk_bytes();
-      dev->state_stage =
-        static_cast<std::byte*>(device::allocate_async(dev->state_stage_bytes, dev->compute));
+    } else {
+      dev->nonfinite_flag =
+        static_cast<std::uint32_t*>(device::allocate_async(sizeof(std::uint32_t), dev->compute));
+      if constexpr (!device_tier<StateTier>) {
+        dev->state_stage_bytes = B * lay.chunk_bytes();
+        dev->state_stage =
+          static_cast<std::byte*>(device::allocate_async(dev->state_stage_bytes, dev->compute));
+      }
       dev->compute.synchronize();
     }
   }
@@ -607,16 +611,28 @@ bool TIERSTATE_OPTIMIZER::find_nonfinite(std::span<grad_view<grad_type> const> g
     }
   });
   if constexpr (device_params_) {
-    // Device gradients: on the device for OnDevice; else copied, a chunk's worth at a
-    // time, into the PCIe staging and looked at there.
-    for (std::size_t t = 0; t < grads.size() && !found.load(); ++t) {
-      auto const& g = grads[t];
-      if (g.where != location::device || g.data == nullptr) { continue; }
-      if constexpr (on_device_) {
-        if (Compute::any_nonfinite(device::stream_view(dev_->compute), g.data, g.size)) { found = true; }
-      } else {
-        std::size_t const ce = layout_->chunk_elements();
-        auto* stage          = reinterpret_cast<grad_type*>(dev_->grad_stage.data());
+    // Device gradients: on the device for OnDevice, every tensor marking one flag, then one
+    // wait for it; else copied, a chunk's worth at a time, into the PCIe staging and looked
+    // at there.
+    if constexpr (on_device_) {
+      if (found.load()) { return true; }
+      device::stream_view const s(dev_->compute);
+      device::zero_async(dev_->nonfinite_flag, sizeof(std::uint32_t), s);
+      for (auto const& g : grads) {
+        if (g.where == location::device && g.data != nullptr) {
+          Compute::mark_nonfinite_async(s, g.data, g.size, dev_->nonfinite_flag);
+        }
+      }
+      std::uint32_t flag = 0;
+      device::copy_async(&flag, dev_->nonfinite_flag, sizeof flag, s);
+      s.synchronize();
+      return flag != 0;
+    } else {
+      std::size_t const ce = layout_->chunk_elements();
+      auto* stage          = reinterpret_cast<grad_type*>(dev_->grad_stage.data());
+      for (std::size_t t = 0; t < grads.size() && !found.load(); ++t) {
+        auto const& g = grads[t];
+        if (g.where != location::device || g.data == nullptr) { continue; }
         for (std::size_t i = 0; i < g.size && !found.load(); i += ce) {
           std::size_t const m = std::min(ce, g.size - i);
           device::copy_async(stage, g.data + i, m * sizeof(grad_type), dev_->d2h);

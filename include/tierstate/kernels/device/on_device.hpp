@@ -27,6 +27,11 @@ struct OnDevice {
   {
     return device::any_nonfinite(s, x, n);
   }
+  template <storage_type T>
+  static void mark_nonfinite_async(device::stream_view s, T const* x, std::size_t n, std::uint32_t* flag)
+  {
+    device::mark_nonfinite_async(s, x, n, flag);
+  }
 };
 
 }  // namespace TIERSTATE_DEVICE_ABI

@@ -80,6 +80,12 @@ void update_async(stream_view s, typename R::coefficients const& k,
 template <storage_type T>
 [[nodiscard]] bool any_nonfinite(stream_view s, T const* x, std::size_t n);
 
+/// Queues on `s`, and returns at once: sets *flag (device memory) to 1 when any of x[0, n)
+/// (device memory) is infinite or NaN; leaves it as it is otherwise. Looking at many
+/// tensors this way costs one wait in all (for the flag), not one per tensor.
+template <storage_type T>
+void mark_nonfinite_async(stream_view s, T const* x, std::size_t n, std::uint32_t* flag);
+
 }  // namespace TIERSTATE_DEVICE_ABI
 }  // namespace tierstate::device
 

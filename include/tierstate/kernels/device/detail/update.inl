@@ -119,6 +119,25 @@ struct is_nonfinite_bits {
   TIERSTATE_HOST_DEVICE bool operator()(Bits v) const noexcept { return (v & Exponent) == Exponent; }
 };
 
+/// Sets *flag when it sees an infinity or NaN (every writer writes the same 1).
+template <class Bits, Bits Exponent>
+struct mark_nonfinite_bits {
+  std::uint32_t* flag;
+  TIERSTATE_HOST_DEVICE void operator()(Bits v) const noexcept
+  {
+    if (is_nonfinite_bits<Bits, Exponent>{}(v)) { *flag = 1; }
+  }
+};
+
+/// The bits of a storage type, and its exponent mask.
+template <storage_type T>
+struct nonfinite_traits {
+  using bits_t = std::conditional_t<std::is_same_v<T, float>, std::uint32_t, std::uint16_t>;
+  static constexpr bits_t exponent = std::is_same_v<T, float>  ? bits_t(0x7f800000u)
+                                     : std::is_same_v<T, bf16> ? bits_t(0x7f80u)
+                                                               : bits_t(0x7c00u);
+};
+
 template <class P, std::size_t S, std::size_t... I>
 auto zip_begin(update_arrays<P, S> const& a, std::index_sequence<I...>)
 {
@@ -158,17 +177,31 @@ template <storage_type T>
 bool any_nonfinite(stream_view s, T const* x, std::size_t n)
 {
   if (n == 0) { return false; }
-  using bits_t = std::conditional_t<std::is_same_v<T, float>, std::uint32_t, std::uint16_t>;
-  constexpr bits_t exponent = std::is_same_v<T, float>  ? bits_t(0x7f800000u)
-                              : std::is_same_v<T, bf16> ? bits_t(0x7f80u)
-                                                        : bits_t(0x7c00u);
+  using traits = detail::nonfinite_traits<T>;
+  using bits_t = typename traits::bits_t;
   auto const* b = reinterpret_cast<bits_t const*>(x);
-  detail::is_nonfinite_bits<bits_t, exponent> const pred{};
+  detail::is_nonfinite_bits<bits_t, traits::exponent> const pred{};
 #if defined(TIERSTATE_ENABLE_CUDA)
   return thrust::any_of(thrust::cuda::par.on(s.native()), b, b + n, pred);
 #else
   s.synchronize();
   return thrust::any_of(thrust::device, b, b + n, pred);
+#endif
+}
+
+template <storage_type T>
+void mark_nonfinite_async(stream_view s, T const* x, std::size_t n, std::uint32_t* flag)
+{
+  if (n == 0) { return; }
+  using traits = detail::nonfinite_traits<T>;
+  using bits_t = typename traits::bits_t;
+  auto const* b = reinterpret_cast<bits_t const*>(x);
+  detail::mark_nonfinite_bits<bits_t, traits::exponent> const f{flag};
+#if defined(TIERSTATE_ENABLE_CUDA)
+  thrust::for_each(thrust::cuda::par_nosync.on(s.native()), b, b + n, f);
+  TIERSTATE_CUDA_TRY(cudaGetLastError());
+#else
+  s.enqueue([=] { thrust::for_each(thrust::device, b, b + n, f); });
 #endif
 }
 
