@@ -235,6 +235,26 @@ class Parity(unittest.TestCase):
         opt.param_groups[0]["lr"] = 0.5
         with self.assertRaisesRegex(RuntimeError, "hyper-parameters are read at the first"):
             opt.step()
+        # A refused step still ended: the optimizer goes on.
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+        self.assertEqual(opt.step_count(), 3)
+        # GradScaler.unscale_ on gradients already handed over, scaled: refused, and the
+        # scaler's attributes do not leak into the next step.
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        opt = tierstate_torch.AdamW(model.parameters(), lr=LR, overlap_backward=True, grad_scaler=scaler)
+        scaler.scale(loss_of(model, x, y)).backward()
+        scaler.unscale_(opt)
+        with self.assertRaisesRegex(RuntimeError, "unscale_ was called"):
+            scaler.step(opt)
+        self.assertFalse(hasattr(opt, "grad_scale") or hasattr(opt, "found_inf"))
+        scaler.update()
+        opt.zero_grad()
+        scaler.scale(loss_of(model, x, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        self.assertEqual(opt.step_count(), 2)
         mixed = make_model()
         mixed.head.to(torch.bfloat16)
         with self.assertRaisesRegex(ValueError, "overlap_backward with parameters of several dtypes"):
@@ -252,6 +272,16 @@ class Parity(unittest.TestCase):
         opt.step()  # lr 0: the param is written back from the master
         self.assertTrue(torch.equal(model.head.weight, edited))
         self.assertTrue(torch.equal(opt.get_state(model.head.weight, "master"), edited.float()))
+        # A write that changes nothing (an EMA swap out and back) keeps the master's precision.
+        opt.param_groups[0]["lr"] = 1e-3
+        opt.step()
+        master = opt.get_state(model.head.weight, "master")
+        self.assertFalse(torch.equal(master, model.head.weight.float()))  # finer than bf16
+        with torch.no_grad():
+            model.head.weight.copy_(model.head.weight.clone())
+        opt.param_groups[0]["lr"] = 0.0
+        opt.step()
+        self.assertTrue(torch.equal(opt.get_state(model.head.weight, "master"), master))
 
     def test_hooks_overlap_backward_with_accumulation(self):
         data = batches(20, seed=5)

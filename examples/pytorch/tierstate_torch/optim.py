@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 import math
 import os
 import tempfile
@@ -70,6 +71,7 @@ def _number(x: Any, what: str) -> float:
 
 
 def _key_name(key: tuple) -> str:
+    """A shard's name for messages (its dtype and device)."""
     return f"{_DTYPES[key[0]]}@{key[1]}"
 
 
@@ -82,6 +84,14 @@ def _on(device: torch.device):
 def _stream(device: torch.device) -> int:
     """The stream PyTorch queues work on for `device` (its gradients are ready after it)."""
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _grad_hook(optimizer: "weakref.ref[_OffloadedAdamBase]", i: int, p: torch.Tensor) -> None:
+    """The post-accumulate-grad hook. It holds its optimizer weakly: the params outlive an
+    optimizer that is replaced, and a hook must neither keep it alive nor feed it steps."""
+    opt = optimizer()
+    if opt is not None:
+        opt._grad_hook(i, p)
 
 
 class _OffloadedAdamBase(torch.optim.Optimizer):
@@ -214,6 +224,10 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
             raise ValueError(f"{name}: invalid weight_decay value {wd}")
         return values
 
+    def __del__(self) -> None:
+        for handle in getattr(self, "_hooks", []):
+            handle.remove()
+
     def _device_params(self, p: torch.Tensor) -> bool:
         return p.is_cuda or self._emulated
 
@@ -281,7 +295,8 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
             self._grad_versions: list[int | None] = [None] * len(params)
             for i, p in enumerate(params):
                 if p.requires_grad:  # a frozen param never gets a gradient (nor a hook)
-                    self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._grad_hook, i)))
+                    hook = functools.partial(_grad_hook, weakref.ref(self), i)
+                    self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     def _push_hyperparameters(self, force: bool = False) -> None:
         """Hands the groups' hyper-parameters to the shards when they changed (schedulers)."""
@@ -298,8 +313,10 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
 
     def _sync_masters(self) -> None:
         """A bf16/fp16 param changed in place since the last step (load_state_dict, a
-        clamp, an EMA swap: anything that bumps its version) gets its fp32 master from it, so
-        the next update starts from the param the user sees, as torch's would."""
+        clamp, an EMA swap: anything that bumps its version counter; not edits through
+        `.data`, which bypass it) gets its fp32 master from it where the two now disagree, so
+        the next update starts from the param the user sees, as torch's would. Elements the
+        edit left as they were keep their master's full precision."""
         params = self._params()
         for i, p in enumerate(params):
             if p._version != self._versions[i]:
@@ -307,7 +324,11 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
                 shard = self._shards[key]
                 if "master" in shard.slot_names():
                     with _on(key[1]):
-                        shard.set_state(f"p{i}", "master", p.detach().reshape(-1))
+                        master = shard.get_state(f"p{i}", "master")
+                        now = p.detach().reshape(-1).cpu()
+                        edited = master.to(p.dtype) != now
+                        if bool(edited.any()):
+                            shard.set_state(f"p{i}", "master", torch.where(edited, now.float(), master))
                 self._versions[i] = p._version
 
     def _note_versions(self) -> None:
@@ -323,13 +344,22 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
 
     # -- stepping -----------------------------------------------------------------------
 
-    def _amp(self) -> tuple[float, bool]:
-        """GradScaler's scale and whether it found an inf or NaN (set by GradScaler.step)."""
+    def _amp(self) -> tuple[float, bool, bool]:
+        """What GradScaler.step set on this optimizer: the scale the gradients carry (1 when
+        none), whether it found an inf or NaN, and whether GradScaler.unscale_ already
+        unscaled them (found_inf set, grad_scale None)."""
         scale = getattr(self, "grad_scale", None)
         found = getattr(self, "found_inf", None)
         s = 1.0 if scale is None else _number(scale, "grad_scale")
         f = False if found is None else bool(_number(found, "found_inf") != 0)
-        return s, f
+        return s, f, found is not None and scale is None
+
+    def _forget_amp(self) -> None:
+        """GradScaler deletes grad_scale and found_inf after a step() that returns; after one
+        that raises, they would stay and multiply into the next step's scale."""
+        for attribute in ("grad_scale", "found_inf"):
+            if attribute in self.__dict__:
+                delattr(self, attribute)
 
     def _grad_hook(self, i: int, p: torch.Tensor) -> None:
         key, t = self._where[i]
@@ -365,15 +395,23 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
+        try:
+            return self._step(closure)
+        except BaseException:
+            self._forget_amp()
+            raise
+
+    def _step(self, closure: Callable[[], Any] | None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.last_step = {}
         self._build()
-        self._check_memory()
-        scale, found_inf = self._amp()
+        scale, found_inf, unscaled = self._amp()
         if self._streaming_scale is not None:
-            return self._finish_streaming(loss, scale, found_inf)
+            return self._finish_streaming(loss, scale, found_inf, unscaled)
+        self._check_memory()
         if found_inf:  # GradScaler's skip: nothing changes, the step count included
             self.last_step = {"skipped": True, "found_nonfinite": True, "step": self.step_count()}
             return loss
@@ -395,48 +433,63 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
         self.last_step = self._combine(results)
         return loss
 
-    def _finish_streaming(self, loss, scale: float, found_inf: bool):
+    def _finish_streaming(self, loss, scale: float, found_inf: bool, unscaled: bool):
+        """Ends the streaming step the hooks began. Whatever is refused here, the step is
+        ended (every shard's finish_step runs), so the optimizer is never left inside it."""
         name = type(self).__name__
         used = self._streaming_scale
         params = self._params()
         problems = []
-        # torch steps every param whose .grad is set: one used in fewer than micro_batches
-        # backward passes (or given a .grad by hand) is handed over now, as it is.
-        for i, p in enumerate(params):
-            if p.grad is not None and self._arrivals[i] < self._micro_batches:
-                key, t = self._where[i]
-                with _on(key[1]):
-                    for _ in range(self._micro_batches - self._arrivals[i]):
-                        self._shards[key].grad_ready(t, p.grad, _stream(key[1]))
-            elif self._grad_versions[i] is not None and (p.grad is None or p.grad._version != self._grad_versions[i]):
-                problems.append(i)
-        if getattr(self, "grad_scale", None) is not None:
-            # GradScaler.step's inf check multiplies the gradients by 1 in place: their
-            # versions move, their values do not.
-            problems = []
-        changed_hyper = any(self._pushed.get(gi) != self._hyper(g) for gi, g in enumerate(self.param_groups))
-        self._streaming_scale = None
-        results = []
-        for key, shard in self._shards.items():
-            with _on(key[1]):
-                results.append(shard.finish_step())
-        self._note_versions()
+        refusal = None
+        try:
+            self._check_memory()
+            changed_hyper = any(self._pushed.get(gi) != self._hyper(g) for gi, g in enumerate(self.param_groups))
+            # torch steps every param whose .grad is set: one used in fewer than micro_batches
+            # backward passes (or given a .grad by hand) is handed over now, as it is.
+            for i, p in enumerate(params):
+                if p.grad is not None and self._arrivals[i] < self._micro_batches:
+                    key, t = self._where[i]
+                    with _on(key[1]):
+                        while self._arrivals[i] < self._micro_batches:
+                            self._shards[key].grad_ready(t, p.grad, _stream(key[1]))
+                            self._arrivals[i] += 1
+                elif self._grad_versions[i] is not None and (p.grad is None or
+                                                             p.grad._version != self._grad_versions[i]):
+                    problems.append(i)
+        except Exception as e:  # ended below all the same, then raised
+            refusal, changed_hyper = e, False
+        finally:
+            self._streaming_scale = None
+            results, failure = [], None
+            for key, shard in self._shards.items():
+                try:
+                    with _on(key[1]):
+                        results.append(shard.finish_step())
+                except Exception as e:
+                    failure = failure or e
+            self._note_versions()
+        if failure is not None:
+            raise failure
         self.last_step = self._combine(results)
+        if refusal is not None:
+            raise refusal
         # What the update could not see: it ran on the gradients as backward handed them over.
+        mixed = ("the update had already read some of them, so the state now mixes steps from the "
+                 "gradients before and after the change (reload a checkpoint to undo it)")
         if problems:
             raise RuntimeError(
                 f"{name}: with overlap_backward the update reads each gradient as backward hands it over, "
                 f"but {len(problems)} gradient(s) (params {problems[:5]}) changed afterwards (clip_grad_norm_, "
-                "GradScaler.unscale_, or another in-place edit); this step used them unchanged. Clip with "
-                "max_grad_norm= and let the optimizer unscale (pass grad_scaler=)")
+                f"or another in-place edit): {mixed}. Clip with max_grad_norm=")
+        if unscaled:
+            raise RuntimeError(f"{name}: GradScaler.unscale_ was called on gradients the streaming step had "
+                               f"already taken, scaled: {mixed}. With overlap_backward, pass the GradScaler as "
+                               "grad_scaler= and do not call unscale_ (clip with max_grad_norm=)")
         if changed_hyper:
             raise RuntimeError(f"{name}: with overlap_backward the hyper-parameters are read at the first "
                                "gradient of the step, and a param group changed after it; this step used the "
                                "old values. Change them before backward (schedulers: sched.step() after "
                                "opt.step(), as usual)")
-        if found_inf and scale == 1.0 and used != 1.0:
-            raise RuntimeError(f"{name}: GradScaler.unscale_ was called on the gradients the streaming step "
-                               "had already taken (scaled): with overlap_backward, do not unscale_")
         if scale != 1.0 and scale != used:
             raise RuntimeError(f"{name}: GradScaler stepped with scale {scale}, but the gradients were "
                                f"handed over with scale {used}: pass the same GradScaler as grad_scaler=")
@@ -494,9 +547,13 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
                 with _on(key[1]):
                     shard.save(str(f))
                 data = torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.uint8)
-                shards[_key_name(key)] = {"checkpoint": data, "params": list(self._members[key])}
+                # Named by dtype and members, not device: it loads on another GPU, or the CPU.
+                shards[self._saved_name(key)] = {"checkpoint": data, "params": list(self._members[key])}
         sd["tierstate"] = {"format": _FORMAT, "shards": shards}
         return sd
+
+    def _saved_name(self, key: tuple) -> str:
+        return f"{_DTYPES[key[0]]}/{self._members[key][0]}"
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Takes a state_dict() of this class, or a torch.optim.Adam/AdamW state_dict."""
@@ -508,7 +565,7 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: a state_dict of format {ts.get('format')!r}; "
                              f"this is {_FORMAT}")
         self._build()
-        ours = {_key_name(key): key for key in self._shards}
+        ours = {self._saved_name(key): key for key in self._shards}
         if set(ts["shards"]) != set(ours):
             raise ValueError(f"{type(self).__name__}: the state_dict has state for parameters of "
                              f"{sorted(ts['shards'])}; this optimizer's are {sorted(ours)}")
@@ -516,20 +573,34 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
             if list(info["params"]) != self._members[ours[key]]:
                 raise ValueError(f"{type(self).__name__}: the state_dict's {key} parameters are "
                                  f"{list(info['params'])}; this optimizer's are {self._members[ours[key]]}")
-        if len(state_dict["param_groups"]) != len(self.param_groups):
-            raise ValueError(f"{type(self).__name__}: the state_dict has {len(state_dict['param_groups'])} "
-                             f"param groups; this optimizer has {len(self.param_groups)}")
-        # Each shard's load checks everything before it changes anything.
+        sizes = [len(g["params"]) for g in state_dict["param_groups"]]
+        if sizes != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(f"{type(self).__name__}: the state_dict's param groups have {sizes} params; "
+                             f"this optimizer's have {[len(g['params']) for g in self.param_groups]}")
+        # Each shard's load checks everything before it changes anything; with several, the
+        # ones loaded before a failing one are put back from a copy made first.
         with tempfile.TemporaryDirectory(prefix="tierstate-sd-") as d:
+            backups = {}
+            if len(self._shards) > 1:
+                for n, (key, shard) in enumerate(self._shards.items()):
+                    backups[key] = Path(d) / f"backup-{n}.tsck"
+                    with _on(key[1]):
+                        shard.save(str(backups[key]))
+            done = []
             for n, (name, info) in enumerate(ts["shards"].items()):
                 f = Path(d) / f"{n}.tsck"
                 f.write_bytes(info["checkpoint"].cpu().numpy().tobytes())
+                key = ours[name]
                 try:
-                    with _on(ours[name][1]):
-                        self._shards[ours[name]].load(str(f))
+                    with _on(key[1]):
+                        self._shards[key].load(str(f))
                 except Exception as e:
-                    raise type(e)(f"{type(self).__name__}.load_state_dict: the checkpoint of the {name} "
-                                  f"parameters: {e}") from e
+                    for k in done:
+                        with _on(k[1]):
+                            self._shards[k].load(str(backups[k]))
+                    raise type(e)(f"{type(self).__name__}.load_state_dict: the checkpoint of the "
+                                  f"{_key_name(key)} parameters: {e}") from e
+                done.append(key)
         super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
         self._note_versions()
         self._pushed.clear()

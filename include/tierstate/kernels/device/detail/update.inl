@@ -12,6 +12,7 @@
 #include <thrust/system/cuda/execution_policy.h>
 #endif
 
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 #include <utility>
@@ -119,13 +120,19 @@ struct is_nonfinite_bits {
   TIERSTATE_HOST_DEVICE bool operator()(Bits v) const noexcept { return (v & Exponent) == Exponent; }
 };
 
-/// Sets *flag when it sees an infinity or NaN (every writer writes the same 1).
+/// Sets *flag when it sees an infinity or NaN (every writer writes the same 1; on the host
+/// backends, whose threads are C++ threads, as an atomic store).
 template <class Bits, Bits Exponent>
 struct mark_nonfinite_bits {
   std::uint32_t* flag;
   TIERSTATE_HOST_DEVICE void operator()(Bits v) const noexcept
   {
-    if (is_nonfinite_bits<Bits, Exponent>{}(v)) { *flag = 1; }
+    if (!is_nonfinite_bits<Bits, Exponent>{}(v)) { return; }
+#if defined(__CUDA_ARCH__)
+    *flag = 1;
+#else
+    std::atomic_ref<std::uint32_t>(*flag).store(1, std::memory_order_relaxed);
+#endif
   }
 };
 
