@@ -137,6 +137,23 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, data, sched=None, scaler
     return losses
 
 
+def train_scaled(model: nn.Module, opt: torch.optim.Optimizer, scaler, data, overflow_at: int = 5):
+    """GradScaler's loop, with an overflow planted at step `overflow_at` (that step is
+    skipped and the scale backs off). Returns the losses (0 for the overflowed step) and the
+    final scale."""
+    losses = []
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_of(model, x, y)
+        if i == overflow_at:
+            loss = loss + model.head.bias.sum() * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        losses.append(loss.item() if i != overflow_at else 0.0)
+    return losses, scaler.get_scale()
+
+
 class Parity(unittest.TestCase):
     def assert_parity(self, ref_losses, losses, ref_model, model, lr=LR):
         self.assertEqual(len(ref_losses), len(losses))
@@ -295,21 +312,11 @@ class Parity(unittest.TestCase):
     def test_grad_scaler_and_a_skipped_step(self):
         data = batches(12, seed=7)
 
-        def run(make_opt, hooks=False):
+        def run(make_opt):
             model = make_model()
             scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=4)
             opt = make_opt(model, scaler)
-            losses = []
-            for i, (x, y) in enumerate(data):
-                opt.zero_grad(set_to_none=True)
-                loss = loss_of(model, x, y)
-                if i == 5:  # an overflow: the step is skipped and the scale backs off
-                    loss = loss + model.head.bias.sum() * float("inf")
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-                losses.append(loss.item() if i != 5 else 0.0)
-            return model, losses, scaler.get_scale(), opt
+            return (model, *train_scaled(model, opt, scaler, data), opt)
 
         ref_model, ref_losses, ref_scale, _ = run(
             lambda m, s: torch.optim.AdamW(m.parameters(), lr=LR))

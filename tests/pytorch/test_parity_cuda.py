@@ -71,17 +71,7 @@ class CudaParity(unittest.TestCase):
                     opt = (tierstate_torch.AdamW(model.parameters(), lr=tp.LR, compute=compute, tier=tier,
                                                  overlap_backward=True, grad_scaler=scaler)
                            if ours else torch.optim.AdamW(model.parameters(), lr=tp.LR))
-                    losses = []
-                    for i, (x, y) in enumerate(data):
-                        opt.zero_grad(set_to_none=True)
-                        loss = tp.loss_of(model, x, y)
-                        if i == 5:
-                            loss = loss + model.head.bias.sum() * float("inf")
-                        scaler.scale(loss).backward()
-                        scaler.step(opt)
-                        scaler.update()
-                        losses.append(loss.item() if i != 5 else 0.0)
-                    runs.append((model, losses, scaler.get_scale()))
+                    runs.append((model, *tp.train_scaled(model, opt, scaler, data)))
                 self.assert_parity(runs[0][1], runs[1][1], runs[0][0], runs[1][0])
                 self.assertEqual(runs[0][2], runs[1][2])
 

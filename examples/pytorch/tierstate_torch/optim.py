@@ -387,8 +387,10 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
             for k, v in r.items():
                 if isinstance(v, bool):
                     out[k] = out[k] or v
-                elif k in ("step", "grad_norm"):
-                    out[k] = v if k == "step" else math.hypot(out[k], v)
+                elif k == "step":
+                    out[k] = v  # the same in every shard
+                elif k == "grad_norm":
+                    out[k] = math.hypot(out[k], v)  # the norm over all shards' gradients
                 else:
                     out[k] = out[k] + v
         return out
@@ -609,8 +611,7 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
     def torch_state_dict(self) -> dict[str, Any]:
         """The state as torch.optim.Adam/AdamW keeps it, loadable by one over the same params.
         The moments are in each param's dtype, as torch keeps them; a master is not kept."""
-        self._build()
-        self.flush()
+        self._build()  # (get_state flushes a delayed update itself)
         groups = []
         index = 0
         for group in self.param_groups:
