@@ -57,6 +57,7 @@ TIERSTATE_OPTIMIZER::OffloadedOptimizer(hyperparameters const& defaults, options
                          "clipping with OnDevice compute is not supported yet (the norm would need a "
                          "device reduction); clip in the framework, or compute on the host");
   }
+  if constexpr (preflight_tier<StateTier>) { StateTier::preflight(opts.tier); }
   groups_.push_back(defaults);
 }
 

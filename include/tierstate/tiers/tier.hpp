@@ -94,4 +94,12 @@ concept staging_aware_tier = tier<T> && requires(T& t, std::span<std::byte> regi
   { t.register_staging(region) } -> std::same_as<int>;
 };
 
+/// A tier that can check its options before any memory or file is made: the optimizer's
+/// constructor calls `T::preflight(options)`, so a bad place for the state (a missing or
+/// read-only directory, a limit too small) fails there, not at the first step. It throws
+/// what the constructor would (tierstate::invalid_option, tierstate::io_error) and leaves
+/// nothing behind.
+template <class T>
+concept preflight_tier = tier<T> && requires(typename T::options const& o) { T::preflight(o); };
+
 }  // namespace tierstate
