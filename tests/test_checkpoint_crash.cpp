@@ -1,11 +1,18 @@
 // SPDX-License-Identifier: Apache-2.0
 // The crash test: a child process resumes from the checkpoint, steps, and saves, telling the
-// parent each operation of the save through a pipe; the parent kills it with SIGKILL in a
-// chosen phase (the writes, the file's fsync, the rename, the directory's fsync), 50 times
-// in each: half the kills land exactly at an operation's start, half at a random moment
-// (0-300 us) after it began. After every kill the checkpoint must load, hold exactly the
-// state of the step it claims, and claim the step the save's phase allows: the previous one
-// before the rename, the new one once the rename is done.
+// parent each operation of the save through a pipe; the parent kills it with SIGKILL or
+// SIGTERM (preemption; its default action ends the process as abruptly) in a chosen phase
+// (the writes, the file's fsync, the rename, the directory's fsync), 50 times in each: half
+// the kills land exactly at an operation's start, half at a random moment (0-300 us) after
+// it began. After every kill the checkpoint must load, hold exactly the state of the step it
+// claims, and claim the step the save's phase allows: the previous one before the rename,
+// the new one once the rename is done.
+//
+// And nothing is left behind: the save's temporary file is nameless until it is complete, so
+// a kill leaves at most a name that exists for the instant between linking it and renaming
+// it (only a kill in the rename phase, mid-operation, can land there), and the next save of
+// the same checkpoint removes such a leftover of a dead process. The directory is checked
+// after every kill, and must hold only the checkpoint at the end.
 //
 // SIGKILL leaves the page cache intact, so this checks atomicity, not durability against a
 // power cut; the order of writes, fsync, rename and directory fsync that durability needs is
@@ -72,6 +79,91 @@ Opt::options child_options()
   }
 }
 
+/// Kills during steps and loads, and ends by exit and by exception: NvmeFile's scratch
+/// directory and the checkpoint's directory must hold nothing new afterwards. Returns the
+/// number of failures.
+int leftovers_of_steps_and_loads(std::filesystem::path const& ckpt, std::mt19937& rng)
+{
+  using N = NvmeOpt<Bf16Mixed, Pipelined<2>>;
+  scratch_dir scratch;
+  auto const ckpt_dir = ckpt.parent_path();
+  int failures = 0, kills = 0;
+  enum class ending { sigkill_in_step, sigterm_in_step, sigkill_in_load, sigterm_in_load, exit, exception };
+  auto run_child = [&](ending how) -> int {
+    int ready[2];
+    if (::pipe(ready) != 0) { return -1; }
+    std::fflush(stdout);
+    pid_t const pid = ::fork();
+    if (pid == 0) {
+      ::close(ready[0]);
+      try {
+        N::options o;
+        o.chunk_elements = 2048;
+        o.threads        = 1;
+        o.tier.directory = scratch.path;
+        nvme_model<Bf16Mixed> m;
+        N opt(schedule<N>(1), o);
+        register_model(opt, m);
+        opt.load(ckpt);
+        bool const loads = how == ending::sigkill_in_load || how == ending::sigterm_in_load;
+        if (::write(ready[1], "r", 1) != 1) { std::_Exit(3); }
+        for (int t = 1;; ++t) {
+          if (loads) {
+            opt.load(ckpt);
+          } else {
+            m.fill_grads(t);
+            auto const v = m.views();
+            opt.step(v);
+          }
+          if (how == ending::exit && t == 3) { std::exit(0); }  // destructors of statics, not of locals
+          if (how == ending::exception && t == 3) { opt.load(scratch.path / "missing"); }
+        }
+      } catch (std::exception const&) {
+        std::_Exit(0);  // the exception ended the work: what is left on disk is what counts
+      }
+    }
+    ::close(ready[1]);
+    char c = 0;
+    bool const started = ::read(ready[0], &c, 1) == 1;
+    ::close(ready[0]);
+    int signal = 0;
+    if (how == ending::sigkill_in_step || how == ending::sigkill_in_load) { signal = SIGKILL; }
+    if (how == ending::sigterm_in_step || how == ending::sigterm_in_load) { signal = SIGTERM; }
+    if (signal != 0 && started) {
+      std::this_thread::sleep_for(std::chrono::microseconds(std::uniform_int_distribution<int>(0, 20000)(rng)));
+      ::kill(pid, signal);
+      ++kills;
+    }
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    return status;
+  };
+  for (int i = 0; i < 40; ++i) {
+    auto const how = static_cast<ending>(i % 6);
+    int const status = run_child(how);
+    bool const killed = how != ending::exit && how != ending::exception;
+    if (killed ? !WIFSIGNALED(status) : !(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+      std::printf("FAIL: leftovers case %d ended with status %d\n", i, status);
+      ++failures;
+    }
+    if (!scratch.entries().empty()) {
+      std::printf("FAIL: leftovers case %d left '%s' in the scratch directory\n", i, scratch.entries().front().c_str());
+      ++failures;
+    }
+    std::vector<std::string> extra;
+    for (auto const& n : std::filesystem::directory_iterator(ckpt_dir)) {
+      if (n.path().filename() != ckpt.filename()) { extra.push_back(n.path().filename().string()); }
+    }
+    if (!extra.empty()) {
+      std::printf("FAIL: leftovers case %d left '%s' beside the checkpoint\n", i, extra.front().c_str());
+      ++failures;
+    }
+  }
+  std::printf("leftovers: %d kills in steps and loads (SIGKILL and SIGTERM), exits and exceptions: %d failures\n",
+              kills, failures);
+  return failures;
+}
+
 }  // namespace
 
 int main()
@@ -109,10 +201,11 @@ int main()
     first.save(ckpt);
   }
   std::int64_t on_disk = 1;  // the step of the checkpoint on disk
-  int failures = 0, verified = 0, leftovers = 0;
+  int failures = 0, verified = 0, leftovers = 0, sigterms = 0;
   for (int i = 0; i < kills_per_phase * static_cast<int>(phases.size()); ++i) {
     save_event const target = phases[static_cast<std::size_t>(i) % phases.size()];
     bool const mid_op       = (i / static_cast<int>(phases.size())) % 2 == 1;
+    int const signal        = (i / (2 * static_cast<int>(phases.size()))) % 2 == 1 ? SIGTERM : SIGKILL;
     int events[2], go[2];
     if (::pipe(events) != 0 || ::pipe(go) != 0) {
       std::perror("pipe");
@@ -144,19 +237,20 @@ int main()
         if (::write(go[1], "c", 1) != 1) { break; }
         std::this_thread::sleep_for(std::chrono::microseconds(std::uniform_int_distribution<int>(0, 300)(rng)));
       }
-      ::kill(pid, SIGKILL);
+      ::kill(pid, signal);
       killed = true;
     }
     int status = 0;
     ::waitpid(pid, &status, 0);
     ::close(events[0]);
     ::close(go[1]);
-    if (!killed || !WIFSIGNALED(status) || WTERMSIG(status) != SIGKILL) {
+    if (!killed || !WIFSIGNALED(status) || WTERMSIG(status) != signal) {
       std::printf("FAIL: kill %d (%s): the child ended otherwise (status %d)\n", i,
                   std::string(save_event_name(target)).c_str(), status);
       return 1;
     }
     ++kills[target];
+    if (signal == SIGTERM) { ++sigterms; }
 
     // The checkpoint must load and be exactly the state of the step it claims: the old step,
     // or the new one if the rename may have happened.
@@ -189,19 +283,42 @@ int main()
       ++verified;
     }
     on_disk = s;
-    // A save killed before its rename leaves its temporary file: this test's own directory,
-    // so it clears them (the library never deletes files it did not just make).
+    // What the kill left: at most the name of this save's finished file, and only from a kill
+    // between its link and its rename; never an earlier kill's (the next save removed it).
+    std::vector<std::string> extra;
     for (auto const& name : d.entries()) {
-      if (name != "c") {
-        std::filesystem::remove(d.path / name);
-        ++leftovers;
-      }
+      if (name != "c") { extra.push_back(name); }
+    }
+    leftovers += static_cast<int>(extra.size());
+    if (extra.size() > 1 || (!extra.empty() && !(target == save_event::rename && mid_op))) {
+      std::printf("FAIL: kill %d (%s, %s) left %zu file(s) beside the checkpoint, the first '%s'\n", i,
+                  std::string(save_event_name(target)).c_str(), mid_op ? "mid-operation" : "at its start",
+                  extra.size(), extra.front().c_str());
+      ++failures;
+      for (auto const& name : extra) { std::filesystem::remove(d.path / name); }
     }
   }
-  std::printf("crash test: %d SIGKILLs (", verified + failures);
+  // One more save of the checkpoint: it removes what a dead process's save left.
+  {
+    nvme_model<Bf16Mixed> m;
+    Opt last(schedule<Opt>(1), child_options());
+    register_model(last, m);
+    last.load(ckpt);
+    last.save(ckpt);
+  }
+  if (d.entries() != std::vector<std::string>{"c"}) {
+    std::printf("FAIL: after the last save the directory holds %zu entries, not just the checkpoint\n",
+                d.entries().size());
+    ++failures;
+  }
+  int total = 0;
+  for (auto const& [e, n] : kills) { total += n; }
+  std::printf("crash test: %d kills, %d of them SIGTERM (", total, sigterms);
   for (auto const& [e, n] : kills) { std::printf("%s %d, ", std::string(save_event_name(e)).c_str(), n); }
   std::printf("half at an operation's start, half mid-operation); %d checkpoints loaded and verified, "
-              "%d failures; %d temporary files left by saves killed before their rename; last step %lld\n",
+              "%d failures; %d names left by kills between a save's link and its rename, each removed by the next "
+              "save; last step %lld\n",
               verified, failures, leftovers, static_cast<long long>(on_disk));
+  failures += leftovers_of_steps_and_loads(ckpt, rng);
   return failures == 0 && on_disk > 1 ? 0 : 1;
 }

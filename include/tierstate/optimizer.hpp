@@ -31,9 +31,11 @@
 // the first step (or the first copy_state): the fp32 master from the params as they are
 // then, the slots zero. From then on the set of tensors is fixed.
 //
-// Thread safety: one thread at a time may call the member functions of one optimizer; the
-// optimizer's own threads (and streams) do the work inside step(). Different optimizers are
-// independent.
+// Thread safety: one thread at a time may call the member functions of one optimizer (a
+// second thread entering any member that changes it while another is inside one is refused
+// with tierstate::logic_error, and nothing changes); grad_ready alone may be called from
+// several threads at once. The optimizer's own threads (and streams) do the work inside
+// step(). Different optimizers are independent.
 //
 // Failures: an invalid option or hyper-parameter throws tierstate::invalid_option before
 // anything changes; a call that breaks the contract (a count that does not match, a null
@@ -70,6 +72,8 @@
 #include <tierstate/transfer/pipelined.hpp>
 #include <tierstate/transfer/synchronous.hpp>
 
+#include <atomic>
+
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -83,9 +87,59 @@
 #include <string_view>
 #include <thread>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 namespace tierstate {
+namespace detail {
+
+/// Who is inside an optimizer's members: a second thread entering while another is inside is
+/// refused before it touches anything. Calls nest on one thread (save calls flush).
+struct call_gate {
+  std::atomic<std::thread::id> owner{};
+  std::atomic<char const*> call{nullptr};
+};
+
+class gate_entry {
+ public:
+  gate_entry(call_gate& g, char const* call) : gate_(g)
+  {
+    std::thread::id expected{};
+    if (g.owner.compare_exchange_strong(expected, std::this_thread::get_id(), std::memory_order_acquire)) {
+      g.call.store(call, std::memory_order_relaxed);
+      return;
+    }
+    if (expected == std::this_thread::get_id()) {  // nested on this thread
+      nested_ = true;
+      return;
+    }
+    char const* other = g.call.load(std::memory_order_relaxed);
+    throw logic_error(std::string(call) + ": another thread is inside " + (other != nullptr ? other : "a call") +
+                      "() of this optimizer; one thread at a time may call an optimizer's members "
+                      "(grad_ready alone may be called concurrently); nothing was changed");
+  }
+  gate_entry(gate_entry const&)            = delete;
+  gate_entry& operator=(gate_entry const&) = delete;
+  ~gate_entry()
+  {
+    if (!nested_) {
+      gate_.call.store(nullptr, std::memory_order_relaxed);
+      gate_.owner.store(std::thread::id{}, std::memory_order_release);
+    }
+  }
+
+ private:
+  call_gate& gate_;
+  bool nested_ = false;
+};
+
+/// Hashes std::string and std::string_view alike, for lookups without a copy.
+struct name_hash {
+  using is_transparent = void;
+  std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
+};
+
+}  // namespace detail
 
 /// What step() does when a gradient holds an infinity or a NaN.
 enum class nonfinite_policy : std::uint8_t {
@@ -349,6 +403,11 @@ class OffloadedOptimizer {
   };
 
   void materialize();
+  /// Makes the layout, the tier and the staging, with the master left unset when
+  /// `fill_master` is false (load overwrites every chunk).
+  void materialize(bool fill_master);
+  /// The layout the state will have (the same as materialize makes), without making it.
+  [[nodiscard]] layout make_layout() const;
   std::size_t find_tensor(std::string_view name, char const* caller) const;
   void check_grads(std::span<grad_view<grad_type> const> grads) const;
   [[nodiscard]] bool find_nonfinite(std::span<grad_view<grad_type> const> grads);
@@ -411,9 +470,20 @@ class OffloadedOptimizer {
   void launch_chunk(std::size_t k, std::byte* chunk, std::span<grad_view<grad_type> const> grads,
                     std::vector<typename Rule::coefficients> const& coefficients);
   void check_not_lost(char const* call) const;
+  /// Refuses a slot this composition does not keep, naming it.
+  void check_slot(slot s, char const* call) const;
+  /// Back to "no state yet" (a failure while the state was being made, or a refused call
+  /// that made it).
+  void discard_state() noexcept;
   [[nodiscard]] checkpoint::header make_header() const;
-  void check_header(checkpoint::header const& h, std::string const& path) const;
+  [[nodiscard]] checkpoint::header make_header(layout const& lay) const;
+  void check_header(checkpoint::header const& h, layout const& lay, std::string const& path) const;
   void params_from_master(std::size_t k, std::byte const* chunk);
+  /// The checkpoint's engine options: given, or the tier's (see checkpoint_options::io).
+  [[nodiscard]] io::engine_options checkpoint_io(checkpoint_options const& o) const;
+  /// The engine, or an io_error that says which options choose it.
+  [[nodiscard]] io::engine checkpoint_engine(io::engine_options const& eo, checkpoint_options const& o,
+                                             std::string const& path) const;
   [[nodiscard]] std::byte* staging(std::size_t buffer) noexcept
   {
     return staging_->data() + buffer * layout_->chunk_bytes();
@@ -429,6 +499,8 @@ class OffloadedOptimizer {
   options opts_;
   std::vector<hyperparameters> groups_;
   std::vector<tensor_entry> tensors_;
+  std::unordered_map<std::string, std::size_t, detail::name_hash, std::equal_to<>> index_;  ///< name -> tensor
+  mutable detail::call_gate gate_;
   std::int64_t step_ = 0;
   thread_pool pool_;
 

@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -101,7 +102,10 @@ struct checkpoint_options {
   /// Called before each operation of a save (offset and length for writes, else 0).
   std::function<void(save_event, std::uint64_t offset, std::uint64_t length)> observer;
   /// The engine for the checkpoint file (its backend, depth, block size; faults for tests).
-  io::engine_options io{};
+  /// Unset: the state tier's engine options where the tier has them (NvmeFile's
+  /// `options.tier.io`, without its fault plan), so a backend chosen for the tier (psync
+  /// where io_uring is forbidden) carries over; else the defaults.
+  std::optional<io::engine_options> io;
   /// Check chunk and header checksums on load. Turn off only to fuzz the parser behind them.
   bool verify_checksums = true;
 };
@@ -261,9 +265,11 @@ inline std::vector<std::byte> encode(header const& h)
 }
 
 /// From the first block: the header region's size H, after checking magic, version and
-/// that the payload's size is plausible for a file of `file_bytes`.
+/// that the payload's size is plausible for a file of `file_bytes` and at most `max_bytes`
+/// (what the reader's own header can need: a reader allocates nothing from a size it has
+/// not bounded, and a sparse file's apparent size is no bound).
 inline std::uint64_t header_bytes(std::span<std::byte const> first_block, std::uint64_t file_bytes,
-                                  std::string const& path)
+                                  std::string const& path, std::uint64_t max_bytes = max_payload)
 {
   if (first_block.size() < header_prefix || std::memcmp(first_block.data(), header_magic.data(), 8) != 0) {
     throw checkpoint_error(path, "not a tierstate checkpoint (its first bytes are not the magic \"TSCKPT\")");
@@ -279,6 +285,11 @@ inline std::uint64_t header_bytes(std::span<std::byte const> first_block, std::u
   if (payload > max_payload || header_prefix + payload + 8 > file_bytes) {
     throw checkpoint_error(path, "the header claims " + std::to_string(payload) + " bytes of payload in a file of " +
                                    std::to_string(file_bytes) + " bytes (corrupt or truncated)");
+  }
+  if (header_prefix + payload + 8 > max_bytes) {
+    throw checkpoint_error(path, "the header claims " + std::to_string(payload) +
+                                   " bytes of payload; a checkpoint of this optimizer's tensors needs at most " +
+                                   std::to_string(max_bytes) + " (corrupt, or saved from a different model)");
   }
   return round_up(header_prefix + payload + 8);
 }

@@ -65,6 +65,7 @@ TIERSTATE_OPTIMIZER_TEMPLATE
 auto TIERSTATE_OPTIMIZER::add_tensor(std::string name, param_type* param, std::size_t count,
                                      location where) -> tensor_id
 {
+  detail::gate_entry const gate(gate_, "add_tensor");
   auto const who = "add_tensor('" + name + "')";
   if (layout_) {
     throw logic_error(who + ": the state already exists (after the first step or copy_state), "
@@ -93,30 +94,44 @@ auto TIERSTATE_OPTIMIZER::add_tensor(std::string name, param_type* param, std::s
                       (where == location::device ? "not device memory" : "device memory"));
   }
 #endif
-  for (auto const& t : tensors_) {
-    if (t.name == name) { throw logic_error(who + ": a tensor of that name is already registered"); }
+  if (index_.find(std::string_view(name)) != index_.end()) {
+    throw logic_error(who + ": a tensor of that name is already registered");
   }
-  tensors_.push_back({std::move(name), param, count, 0, where});
-  return tensors_.size() - 1;
+  std::size_t const id = tensors_.size();
+  auto const [it, inserted] = index_.emplace(name, id);
+  try {
+    tensors_.push_back({std::move(name), param, count, 0, where});
+  } catch (...) {
+    index_.erase(it);  // a refused call leaves the registry as it was
+    throw;
+  }
+  return id;
 }
 
 TIERSTATE_OPTIMIZER_TEMPLATE
 auto TIERSTATE_OPTIMIZER::add_group(hyperparameters const& h,
                                     std::vector<std::string> const& tensor_names) -> group_id
 {
+  detail::gate_entry const gate(gate_, "add_group");
   Rule::validate(h);
   if (tensor_names.empty()) { throw logic_error("add_group: the group names no tensor"); }
   std::vector<std::size_t> members;
+  members.reserve(tensor_names.size());
   for (auto const& n : tensor_names) {
     std::size_t const t = find_tensor(n, "add_group");
     if (tensors_[t].group != 0) {
       throw logic_error("add_group: tensor '" + n + "' is already in group " +
                         std::to_string(tensors_[t].group) + "; a tensor belongs to one group");
     }
-    if (std::find(members.begin(), members.end(), t) != members.end()) {
-      throw logic_error("add_group: tensor '" + n + "' is named twice");
-    }
     members.push_back(t);
+  }
+  {
+    std::vector<std::size_t> sorted = members;
+    std::sort(sorted.begin(), sorted.end());
+    auto const twice = std::adjacent_find(sorted.begin(), sorted.end());
+    if (twice != sorted.end()) {
+      throw logic_error("add_group: tensor '" + tensors_[*twice].name + "' is named twice");
+    }
   }
   groups_.push_back(h);
   for (std::size_t const t : members) { tensors_[t].group = groups_.size() - 1; }
@@ -126,6 +141,7 @@ auto TIERSTATE_OPTIMIZER::add_group(hyperparameters const& h,
 TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::set_hyperparameters(group_id g, hyperparameters const& h)
 {
+  detail::gate_entry const gate(gate_, "set_hyperparameters");
   check_not_streaming("set_hyperparameters");
   if (g >= groups_.size()) {
     throw logic_error("set_hyperparameters: there is no group " + std::to_string(g) + " (" +
@@ -153,19 +169,15 @@ auto TIERSTATE_OPTIMIZER::group_of(std::string_view tensor) const -> group_id
 TIERSTATE_OPTIMIZER_TEMPLATE
 std::size_t TIERSTATE_OPTIMIZER::find_tensor(std::string_view name, char const* caller) const
 {
-  for (std::size_t i = 0; i < tensors_.size(); ++i) {
-    if (tensors_[i].name == name) { return i; }
-  }
+  if (auto const it = index_.find(name); it != index_.end()) { return it->second; }
   throw logic_error(std::string(caller) + ": no tensor named '" + std::string(name) +
                     "' is registered");
 }
 
 TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::materialize()
+layout TIERSTATE_OPTIMIZER::make_layout() const
 {
-  if (layout_) { return; }
   if (tensors_.empty()) { throw logic_error("no tensor is registered: add_tensor first"); }
-
   std::vector<tensor_extent> extents;
   for (auto const& t : tensors_) { extents.push_back({t.name, 0, t.count}); }
   std::vector<slot> slots;
@@ -184,7 +196,20 @@ void TIERSTATE_OPTIMIZER::materialize()
   for (auto const& t : tensors_) { total += t.count; }
   std::size_t const g     = layout::element_granularity;
   std::size_t const chunk = std::min(opts_.chunk_elements, std::max(g, (total + g - 1) / g * g));
-  layout lay(std::move(extents), chunk, std::move(slots), std::move(bytes));
+  return layout(std::move(extents), chunk, std::move(slots), std::move(bytes));
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::materialize()
+{
+  materialize(true);
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::materialize(bool fill_master)
+{
+  if (layout_) { return; }
+  layout lay = make_layout();
 
   // Each tensor cut at chunk boundaries.
   std::vector<piece> pieces;
@@ -247,6 +272,7 @@ void TIERSTATE_OPTIMIZER::materialize()
   // If the tier fails on the way, the optimizer goes back to having no state, so the next
   // call starts over instead of stepping on a half-made master.
   if constexpr (Precision::has_master) {
+    if (!fill_master) { return; }
     try {
       step_stats ignored;
       std::vector<param_type> params;  // device params, copied to the host
@@ -268,16 +294,22 @@ void TIERSTATE_OPTIMIZER::materialize()
         });
       }
     } catch (...) {
-      dev_.reset();
-      io_.reset();
-      tier_.reset();
-      layout_.reset();
-      pieces_.clear();
-      chunk_pieces_.clear();
-      staging_.reset();
+      discard_state();
       throw;
     }
   }
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::discard_state() noexcept
+{
+  dev_.reset();
+  io_.reset();
+  tier_.reset();
+  layout_.reset();
+  pieces_.clear();
+  chunk_pieces_.clear();
+  staging_.reset();
 }
 
 TIERSTATE_OPTIMIZER_TEMPLATE
@@ -374,6 +406,7 @@ TIERSTATE_OPTIMIZER_TEMPLATE
 step_result TIERSTATE_OPTIMIZER::step(std::span<grad_view<grad_type> const> grads, double grad_scale,
                                      device::stream_view ready)
 {
+  detail::gate_entry const gate(gate_, "step");
   auto const t_start = std::chrono::steady_clock::now();
   check_not_streaming("step");
   if (opts_.delayed_update) { return step_delayed(grads, grad_scale, ready); }
@@ -1045,6 +1078,7 @@ void TIERSTATE_OPTIMIZER::check_not_streaming(char const* call) const
 TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::begin_step(double grad_scale, unsigned micro_batches)
 {
+  detail::gate_entry const gate(gate_, "begin_step");
   check_not_streaming("begin_step");
   if (opts_.delayed_update) {
     throw logic_error("begin_step: streaming steps and delayed_update do not combine (the delayed "
@@ -1130,6 +1164,7 @@ void TIERSTATE_OPTIMIZER::grad_ready(tensor_id t, grad_view<grad_type> g, device
   {
     std::lock_guard lock(st.m);
     if (!st.active) { throw logic_error("grad_ready: no streaming step is in progress (call begin_step)"); }
+    if (e.count == 0) { return; }  // nothing to update: an empty tensor is final from begin_step on
     if (st.final_[t] != 0) {
       throw logic_error(who + " was already handed over " + std::to_string(st.arrivals[t]) +
                         " time(s), and micro_batches is " + std::to_string(st.micro_batches));
@@ -1164,6 +1199,7 @@ void TIERSTATE_OPTIMIZER::mark_final(std::size_t t)
 TIERSTATE_OPTIMIZER_TEMPLATE
 step_result TIERSTATE_OPTIMIZER::finish_step()
 {
+  detail::gate_entry const gate(gate_, "finish_step");
   if (!in_step()) { throw logic_error("finish_step: no streaming step is in progress (call begin_step)"); }
   auto& st = *streaming_;
   {
@@ -1206,6 +1242,7 @@ void TIERSTATE_OPTIMIZER::drive_streaming_step()
 TIERSTATE_OPTIMIZER_TEMPLATE
 step_result TIERSTATE_OPTIMIZER::flush()
 {
+  detail::gate_entry const gate(gate_, "flush");
   if (!delayed_ || !delayed_->worker.joinable()) { return {}; }
   auto& dl = *delayed_;
   dl.worker.join();
@@ -1320,17 +1357,19 @@ void TIERSTATE_OPTIMIZER::check_not_lost(char const* call) const
 TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::copy_state(std::string_view tensor, slot s, std::span<float> to)
 {
+  detail::gate_entry const gate(gate_, "copy_state");
   check_not_streaming("copy_state");
   flush();
   check_not_lost("copy_state");
   std::size_t const t = find_tensor(tensor, "copy_state");
+  if (to.size() != tensors_[t].count) {  // checked before the state is made: a refusal changes nothing
+    throw logic_error("copy_state('" + tensors_[t].name + "'): the span has " + std::to_string(to.size()) +
+                      " elements; the tensor has " + std::to_string(tensors_[t].count));
+  }
+  check_slot(s, "copy_state");
   materialize();
   std::size_t const si = layout_->slot_index(s);
   auto const& ext      = layout_->tensors()[t];
-  if (to.size() != ext.count) {
-    throw logic_error("copy_state('" + ext.name + "'): the span has " + std::to_string(to.size()) +
-                      " elements; the tensor has " + std::to_string(ext.count));
-  }
   std::size_t const eb = layout_->slot_element_bytes(si);
   std::vector<std::byte> buf;
   std::size_t done = 0;
@@ -1353,8 +1392,20 @@ void TIERSTATE_OPTIMIZER::copy_state(std::string_view tensor, slot s, std::span<
 }
 
 TIERSTATE_OPTIMIZER_TEMPLATE
+void TIERSTATE_OPTIMIZER::check_slot(slot s, char const* call) const
+{
+  bool const kept = (Precision::has_master && s == slot::master) ||
+                    std::find(Rule::slots.begin(), Rule::slots.end(), s) != Rule::slots.end();
+  if (!kept) {
+    throw logic_error(std::string(call) + ": this optimizer keeps no slot " + std::string(slot_name(s)) +
+                      (s == slot::master ? " (fp32 params are their own master)" : ""));
+  }
+}
+
+TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::set_step_count(std::int64_t n)
 {
+  detail::gate_entry const gate(gate_, "set_step_count");
   check_not_streaming("set_step_count");
   if (n < 0) { throw invalid_option("step_count", detail::to_text(n), "the step count must be >= 0"); }
   flush();
@@ -1364,17 +1415,19 @@ void TIERSTATE_OPTIMIZER::set_step_count(std::int64_t n)
 TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::write_state(std::string_view tensor, slot s, std::span<float const> from)
 {
+  detail::gate_entry const gate(gate_, "write_state");
   check_not_streaming("write_state");
   flush();
   check_not_lost("write_state");
   std::size_t const t = find_tensor(tensor, "write_state");
+  if (from.size() != tensors_[t].count) {  // checked before the state is made: a refusal changes nothing
+    throw logic_error("write_state('" + tensors_[t].name + "'): the span has " + std::to_string(from.size()) +
+                      " elements; the tensor has " + std::to_string(tensors_[t].count));
+  }
+  check_slot(s, "write_state");
   materialize();
   std::size_t const si = layout_->slot_index(s);
   auto const& ext      = layout_->tensors()[t];
-  if (from.size() != ext.count) {
-    throw logic_error("write_state('" + ext.name + "'): the span has " + std::to_string(from.size()) +
-                      " elements; the tensor has " + std::to_string(ext.count));
-  }
   std::size_t const eb = layout_->slot_element_bytes(si);
   std::vector<std::byte> buf;
   std::size_t done = 0;
@@ -1403,6 +1456,7 @@ void TIERSTATE_OPTIMIZER::write_state(std::string_view tensor, slot s, std::span
 TIERSTATE_OPTIMIZER_TEMPLATE
 layout const& TIERSTATE_OPTIMIZER::state_layout()
 {
+  detail::gate_entry const gate(gate_, "state_layout");
   materialize();
   return *layout_;
 }
@@ -1410,6 +1464,7 @@ layout const& TIERSTATE_OPTIMIZER::state_layout()
 TIERSTATE_OPTIMIZER_TEMPLATE
 StateTier& TIERSTATE_OPTIMIZER::state_tier()
 {
+  detail::gate_entry const gate(gate_, "state_tier");
   materialize();
   return *tier_;
 }
