@@ -324,14 +324,20 @@ class OffloadedOptimizer {
   /// Saves the whole state (master and slots from any tier, the step count, every group's
   /// hyper-parameters, the layout, the rule and the precision) to `path`, in the format of
   /// checkpoint/format.hpp. Streamed chunk by chunk: it needs no more host memory than a
-  /// step. Atomic: written to a temporary file beside `path`, fsync'd, renamed over `path`,
-  /// and the directory fsync'd, so a crash at any moment leaves the previous checkpoint
-  /// whole; on failure the temporary file is removed and io_error thrown.
+  /// step. Atomic: written to a nameless temporary file (O_TMPFILE) in `path`'s directory,
+  /// fsync'd, linked under a temporary name and at once renamed over `path`, and the
+  /// directory fsync'd, so a crash at any moment leaves the previous checkpoint whole and no
+  /// temporary (but, from a crash between link and rename, a name that the next save of
+  /// `path` removes). A `path` that exists and is not a regular file is refused (logic_error).
+  /// On failure nothing is left and io_error is thrown; an optimizer whose state was not
+  /// made stays so. The engine is `o.io`, or by default the tier's (checkpoint_options::io).
   void save(std::filesystem::path const& path, checkpoint_options const& o = {});
   /// Loads a checkpoint saved by an optimizer with the same rule, precision, chunk size and
   /// tensors (names and sizes, in order), from any tier into this one. Everything is
   /// checked before anything changes (checkpoint_error names the difference or the corrupt
-  /// chunk; io_error a failed read): the file is read twice, once to verify every chunk's
+  /// chunk, or that `path` is not a regular file; io_error a failed read), against the layout
+  /// this optimizer has or would make, so a refused load leaves even a fresh optimizer as it
+  /// was (tensors can still be added). Never blocks in open (a FIFO). The file is read twice, once to verify every chunk's
   /// checksum and once to load. It replaces the state, the step count, the groups and their
   /// hyper-parameters; with a master, it also writes every param from it. It is also how a
   /// lost optimizer (see "Failures") is restored; a read failing in the second pass loses it.
