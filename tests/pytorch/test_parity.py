@@ -4,7 +4,8 @@ torch.optim.AdamW and with tierstate_torch.AdamW (state in PinnedHost, and in Nv
 every step's loss within 1e-4 relative and the final params within 1e-4 * (|p| + lr);
 then the parts a user swapping optimizers relies on: param groups and an LR schedule,
 post-accumulate-grad hooks with gradient accumulation, GradScaler, state_dict round trips
-and conversions to and from torch.optim.AdamW's, Adam with AMSGrad, bf16 params, errors.
+and conversions to and from torch.optim.AdamW's, Adam with AMSGrad, bf16 params, an optimizer
+replaced by a newer one and close(), errors.
 
 Run: python tests/pytorch/test_parity.py  (PyTorch 2.11.0 on CPU; the extension's CPU build
 is made on first use).
@@ -12,6 +13,7 @@ is made on first use).
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import math
 import os
@@ -276,6 +278,110 @@ class Parity(unittest.TestCase):
         mixed.head.to(torch.bfloat16)
         with self.assertRaisesRegex(ValueError, "overlap_backward with parameters of several dtypes"):
             tierstate_torch.AdamW(mixed.parameters(), overlap_backward=True)
+
+    def test_a_replaced_overlap_optimizer_lets_go_of_its_params(self):
+        """An overlap_backward optimizer kept alive (by an old scheduler, a notebook variable)
+        after a newer one is made over the same params: its hooks stop at once, the newer one
+        alone trains them (bit for bit a run without the old one), and the old one's step()
+        says it was replaced, changing nothing."""
+        data = batches(6, seed=31)
+
+        def run(keep_old: bool, **new_kw):
+            model = make_model()
+            old = tierstate_torch.AdamW(model.parameters(), lr=LR, overlap_backward=True)
+            old_sched = schedule(old)
+            train(model, old, data[:1], old_sched)
+            kept = [old, old_sched] if keep_old else []
+            del old, old_sched
+            gc.collect()
+            new = tierstate_torch.AdamW(model.parameters(), lr=LR, **new_kw)
+            losses = train(model, new, data[1:], schedule(new))
+            return model, losses, new, kept
+
+        clean, clean_losses, _, _ = run(keep_old=False, overlap_backward=True)
+        # The newer one with hooks of its own, and without (its step() reads .grad).
+        for overlap in (True, False):
+            with self.subTest(new_overlap_backward=overlap):
+                model, losses, new, (old, old_sched) = run(keep_old=True, overlap_backward=overlap)
+                self.assertEqual(losses, clean_losses)
+                for (name, p), q in zip(clean.named_parameters(), model.parameters()):
+                    self.assertTrue(torch.equal(p, q), f"parameter {name} differs from the run without the old one")
+                self.assertEqual(new.step_count(), len(data) - 1)
+                before = [p.detach().clone() for p in model.parameters()]
+                for call in (old.step, old.zero_grad):
+                    with self.assertRaisesRegex(RuntimeError, "was replaced by a newer tierstate_torch optimizer "
+                                                "over the same parameters"):
+                        call()
+                self.assertTrue(all(torch.equal(p, b) for p, b in zip(model.parameters(), before)))
+                self.assertTrue(all(p.grad is not None for p in model.parameters()))
+                self.assertEqual(old.step_count(), 1)  # its state can still be read (to carry over)
+                self.assertIn("tierstate", old.state_dict())
+                old_sched.step()  # a scheduler of the old one goes on harmlessly
+                old.close()
+                new.zero_grad()
+                loss_of(model, *data[0]).backward()
+                new.step()  # the newer one goes on
+                self.assertEqual(new.step_count(), len(data))
+
+        # An optimizer in the middle of a streaming step (backward handed it gradients, step()
+        # not yet called) is not replaced: refused, and nothing changes.
+        model = make_model()
+        old = tierstate_torch.AdamW(model.parameters(), lr=LR, overlap_backward=True)
+        loss_of(model, *data[0]).backward()
+        for overlap in (True, False):
+            with self.assertRaisesRegex(RuntimeError, "in the middle of a streaming step"):
+                tierstate_torch.AdamW(model.parameters(), lr=LR, overlap_backward=overlap)
+        old.step()
+        old.zero_grad()
+        loss_of(model, *data[1]).backward()
+        old.step()
+        self.assertEqual(old.step_count(), 2)
+
+    def test_close_removes_the_hooks_and_releases_the_state(self):
+        data = batches(3, seed=37)
+        model = make_model()
+        opt = tierstate_torch.AdamW(model.parameters(), lr=LR, overlap_backward=True)
+        train(model, opt, data[:1])
+        loss_of(model, *data[1]).backward()  # the hooks opened a streaming step
+        with self.assertRaisesRegex(RuntimeError, r"close\(\) during a streaming step"):
+            opt.close()
+        opt.step()  # the refused close() changed nothing
+        self.assertEqual(opt.step_count(), 2)
+        sd = opt.state_dict()
+        opt.close()
+        opt.close()  # idempotent
+        before = [p.detach().clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        loss_of(model, *data[2]).backward()  # no hook of the closed optimizer runs
+        self.assertTrue(all(torch.equal(p, b) for p, b in zip(model.parameters(), before)))
+        calls = {"step": opt.step, "zero_grad": opt.zero_grad, "flush": opt.flush, "step_count": opt.step_count,
+                 "composition": opt.composition, "state_dict": opt.state_dict,
+                 "torch_state_dict": opt.torch_state_dict, "load_state_dict": lambda: opt.load_state_dict(sd),
+                 "get_state": lambda: opt.get_state(model.head.weight, "exp_avg"),
+                 "add_param_group": lambda: opt.add_param_group({"params": [torch.zeros(3, requires_grad=True)]})}
+        for name, call in calls.items():
+            with self.subTest(call=name):
+                with self.assertRaisesRegex(RuntimeError, rf"AdamW\.{name}: this optimizer was closed"):
+                    call()
+        self.assertTrue(all(torch.equal(p, b) for p, b in zip(model.parameters(), before)))
+        # The params are free: a new optimizer takes them and its state over.
+        new = tierstate_torch.AdamW(model.parameters(), lr=LR, overlap_backward=True)
+        new.load_state_dict(sd)
+        self.assertEqual(new.step_count(), 2)
+        train(model, new, data[2:])
+        self.assertEqual(new.step_count(), 3)
+        # delayed_update: close() first writes the update in flight into the params, as flush().
+        models = [make_model(), make_model()]
+        opts = [tierstate_torch.AdamW(m.parameters(), lr=LR, delayed_update=True) for m in models]
+        for m, o in zip(models, opts):
+            train(m, o, data[:2])
+        lagging = [p.detach().clone() for p in models[0].parameters()]
+        opts[0].flush()
+        opts[1].close()
+        self.assertFalse(all(torch.equal(p, q) for p, q in zip(models[0].parameters(), lagging)))
+        self.assertTrue(all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters())))
+        # An optimizer never stepped closes too.
+        tierstate_torch.Adam(make_model().parameters()).close()
 
     def test_bf16_param_edited_in_place_is_the_one_stepped(self):
         model = make_model(torch.bfloat16)

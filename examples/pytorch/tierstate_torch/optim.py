@@ -29,6 +29,19 @@ What differs from torch.optim.AdamW:
   they were not moved or reallocated (`model.to(...)` after making the optimizer).
 - With overlap_backward, the update reads each gradient when backward hands it over:
   changing gradients or hyper-parameters between backward and step() is refused.
+- One tierstate_torch optimizer drives a parameter at a time, the newest: making one over a
+  parameter that another (still alive: kept by an old scheduler, a notebook variable)
+  already has replaces that one, with or without overlap_backward on either side. The
+  replaced optimizer's backward hooks are removed at once, so backward hands the newer one
+  alone the gradients; its step(), zero_grad(), load_state_dict() and add_param_group()
+  raise, saying it was replaced; its state can still be read (state_dict(), get_state(),
+  torch_state_dict()), to carry it over with `new.load_state_dict(old.state_dict())`. A
+  delayed update it has in flight is written into the params first (as flush() would); one
+  in the middle of a streaming step (backward handed it gradients, its step() not yet
+  called) is not replaced: making the newer one is refused until its step() has run.
+  torch.optim optimizers are not tracked: close() a tierstate_torch one you swap for them.
+- `close()` removes the hooks and releases the state (pinned memory, the scratch file)
+  without waiting for the garbage collector; every call but close() then raises.
 """
 from __future__ import annotations
 
@@ -42,10 +55,15 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._build import load_extension
 
 _C = None
+
+# Which optimizer drives each parameter: the newest one made over it (held weakly, keyed by
+# the tensor's identity: a parameter outlives the optimizers made over it).
+_owners: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
 def _ext():
@@ -88,7 +106,8 @@ def _stream(device: torch.device) -> int:
 
 def _grad_hook(optimizer: "weakref.ref[_OffloadedAdamBase]", i: int, p: torch.Tensor) -> None:
     """The post-accumulate-grad hook. It holds its optimizer weakly: the params outlive an
-    optimizer that is replaced, and a hook must neither keep it alive nor feed it steps."""
+    optimizer that is replaced, and a hook must neither keep it alive nor feed it steps (an
+    optimizer replaced or closed removes its hooks, and ignores any that still runs)."""
     opt = optimizer()
     if opt is not None:
         opt._grad_hook(i, p)
@@ -154,6 +173,8 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize)
         self._shards: dict[torch.dtype, Any] | None = None
+        self._closed = False
+        self._replaced: str | None = None  # by what, over which params: for the messages
         super().__init__(params, defaults)
         self._options = dict(tier=tier, compute=compute, directory=str(path) if path is not None else "",
                              chunk_elements=int(chunk_elements), threads=int(threads),
@@ -174,18 +195,133 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
         self.last_step: dict[str, Any] = {}
         for group in self.param_groups:
             self._check_group(group)
+        replacing = self._owners_to_replace(self._params())  # refuses before anything changes
         if self._overlap:
             self._build()
+        self._take_over(self._params(), replacing)
+        if self._overlap:
+            self._install_hooks()
 
     # -- the params ---------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._refuse_if("add_param_group", replaced=True)
         if getattr(self, "_shards", None) is not None:
             raise RuntimeError(f"{type(self).__name__}: add_param_group after the state was made (the "
                                "first step, state_dict or overlap_backward): the set of tensors is fixed")
         super().add_param_group(param_group)
-        if hasattr(self, "_options"):
-            self._check_group(self.param_groups[-1])
+        if hasattr(self, "_options"):  # after __init__ (which checks and takes its groups itself)
+            try:
+                self._check_group(self.param_groups[-1])
+                params = self.param_groups[-1]["params"]
+                self._take_over(params, self._owners_to_replace(params))
+            except BaseException:
+                self.param_groups.pop()  # refused: the groups stay as they were
+                raise
+
+    # -- one optimizer per parameter ----------------------------------------------------
+
+    def _refuse_if(self, call: str, replaced: bool = False) -> None:
+        """Raises when this optimizer was closed, or (`replaced`: for the calls that would
+        touch the params or their gradients) replaced by a newer one."""
+        name = f"{type(self).__name__}.{call}"
+        if getattr(self, "_closed", False):
+            raise RuntimeError(f"{name}: this optimizer was closed (close() removed its backward hooks and "
+                               "released its state); make a new one over the parameters (load_state_dict "
+                               "takes a state_dict() saved before close())")
+        if replaced and getattr(self, "_replaced", None) is not None:
+            raise RuntimeError(
+                f"{name}: this optimizer was replaced by a newer tierstate_torch optimizer over the same "
+                f"parameters ({self._replaced}): the newer one alone updates them now, and this one's backward "
+                "hooks were removed. Step the newer one. This one's state can still be read (state_dict(), "
+                "get_state(); new.load_state_dict(old.state_dict()) carries it over to a newer one with the same "
+                "param groups); then close() this one")
+
+    def _which(self, indices: list[int]) -> str:
+        """Parameters by index (and name, when the groups were given named parameters)."""
+        names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
+        shown = [f"{i} ({names[i]!r})" if i < len(names) and names[i] else str(i) for i in indices[:5]]
+        more = f" and {len(indices) - 5} more" if len(indices) > 5 else ""
+        return f"parameter{'s' if len(indices) > 1 else ''} {', '.join(shown)}{more}"
+
+    def _owners_to_replace(self, params: list[torch.Tensor]) -> list[tuple["_OffloadedAdamBase", list[int]]]:
+        """The live optimizers that drive some of `params` now, each with the indices (its
+        own) of those params. Refuses, changing nothing, when one of them is in the middle
+        of a streaming step: its update has begun, and only its step() can end it."""
+        found: dict[int, tuple[_OffloadedAdamBase, list[int]]] = {}
+        for j, p in enumerate(params):
+            ref = _owners.get(p)
+            other = None if ref is None else ref()
+            if other is None or other is self or other._closed or other._replaced is not None:
+                continue
+            found.setdefault(id(other), (other, []))[1].append(j)
+        out = []
+        for other, mine in found.values():
+            theirs = {id(q): i for i, q in enumerate(other._params())}
+            at = sorted(theirs[id(params[j])] for j in mine)
+            if other._streaming_scale is not None:
+                ours = {id(q): i for i, q in enumerate(self._params())}
+                which = self._which([ours[id(params[j])] for j in mine])
+                raise RuntimeError(
+                    f"{type(self).__name__}: {which} {'belong' if len(mine) > 1 else 'belongs'} to another "
+                    f"tierstate_torch optimizer (an {type(other).__name__}: its {other._which(at)}), which is "
+                    "in the middle of a streaming step: backward handed it gradients through its "
+                    "overlap_backward hooks, and its step() has not been called, so its update has begun. "
+                    "Call its step() first (or make this optimizer before backward); this one then replaces it")
+            out.append((other, at))
+        return out
+
+    def _take_over(self, params: list[torch.Tensor],
+                   replacing: list[tuple["_OffloadedAdamBase", list[int]]]) -> None:
+        """Makes this optimizer the one that drives `params`; the ones it replaces write a
+        delayed update in flight first, then stop (their hooks removed)."""
+        for other, _ in replacing:
+            other.flush()
+        me = weakref.ref(self)
+        for p in params:
+            _owners[p] = me
+        for other, theirs in replacing:
+            other._remove_hooks()
+            other._replaced = f"an {type(self).__name__} made over its {other._which(theirs)}"
+
+    def _install_hooks(self) -> None:
+        """overlap_backward: a post-accumulate-grad hook on every param that takes gradients."""
+        for i, p in enumerate(self._params()):
+            if p.requires_grad:  # a frozen param never gets a gradient (nor a hook)
+                hook = functools.partial(_grad_hook, weakref.ref(self), i)
+                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    def close(self) -> None:
+        """Ends this optimizer: removes its backward hooks, gives up its parameters (a new
+        optimizer over them is no replacement) and releases its state (the tier's memory, the
+        NVMe scratch file) now rather than when it is garbage collected. A delayed update in
+        flight is written into the params first, completing the step() it was given, as
+        flush() does. During a streaming step (overlap_backward: backward handed gradients
+        over and step() has not been called) close() is refused and changes nothing: the
+        update has already begun on the params; call step() to finish it, then close().
+        Closing twice is harmless; every other call on a closed optimizer raises."""
+        if self._closed:
+            return
+        if self._streaming_scale is not None:
+            raise RuntimeError(
+                f"{type(self).__name__}.close: close() during a streaming step: backward handed gradients "
+                "over (overlap_backward) and step() has not been called, and the update has already begun "
+                "on the params; call step() to finish it, then close()")
+        self.flush()
+        self._remove_hooks()
+        for p in self._params():
+            ref = _owners.get(p)
+            if ref is not None and ref() is self:
+                del _owners[p]
+        self._shards = None  # the C++ optimizers go with their last reference
+        self._where, self._members, self._group_ids = [], {}, {}
+        self._pushed.clear()
+        self._closed = True
 
     def _check_group(self, group: dict[str, Any]) -> None:
         name = type(self).__name__
@@ -290,13 +426,9 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
         self._members = members
         self._versions = [p._version for p in params]
         self._masters = any("master" in shard.slot_names() for shard in shards.values())
-        if self._overlap:
+        if self._overlap:  # (the hooks: _install_hooks, once the params are this optimizer's)
             self._arrivals = [0] * len(params)
             self._grad_versions: list[int | None] = [None] * len(params)
-            for i, p in enumerate(params):
-                if p.requires_grad:  # a frozen param never gets a gradient (nor a hook)
-                    hook = functools.partial(_grad_hook, weakref.ref(self), i)
-                    self._hooks.append(p.register_post_accumulate_grad_hook(hook))
 
     def _push_hyperparameters(self, force: bool = False) -> None:
         """Hands the groups' hyper-parameters to the shards when they changed (schedulers)."""
@@ -362,6 +494,8 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
                 delattr(self, attribute)
 
     def _grad_hook(self, i: int, p: torch.Tensor) -> None:
+        if self._closed or self._replaced is not None:
+            return  # (its handle is removed; a hook already queued by autograd may still run)
         key, t = self._where[i]
         if self._streaming_scale is None:
             scale = 1.0
@@ -404,6 +538,7 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
             raise
 
     def _step(self, closure: Callable[[], Any] | None):
+        self._refuse_if("step", replaced=True)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -500,6 +635,8 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        # (Replaced: the gradients are the newer optimizer's, maybe already handed over to it.)
+        self._refuse_if("zero_grad", replaced=True)
         if self._streaming_scale is not None:
             raise RuntimeError(
                 f"{type(self).__name__}: zero_grad during a streaming step: backward handed gradients "
@@ -509,21 +646,25 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
 
     def flush(self) -> None:
         """delayed_update: finishes the update in flight and writes its params."""
+        self._refuse_if("flush")
         if self._shards is not None:
             for key, shard in self._shards.items():
                 with _on(key[1]):
                     shard.flush()
 
     def step_count(self) -> int:
+        self._refuse_if("step_count")
         return 0 if self._shards is None else next(iter(self._shards.values())).step_count()
 
     def composition(self) -> list[str]:
         """The C++ type of each shard's optimizer."""
+        self._refuse_if("composition")
         self._build()
         return [shard.composition() for shard in self._shards.values()]
 
     def get_state(self, param: torch.Tensor, slot: str) -> torch.Tensor:
         """One slot ("master", "exp_avg", "exp_avg_sq", "max_exp_avg_sq") of a param, as fp32."""
+        self._refuse_if("get_state")
         self._build()
         i = self._index(param)
         key, _ = self._where[i]
@@ -540,6 +681,7 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The param groups (as torch.optim keeps them) and one tierstate checkpoint per dtype."""
+        self._refuse_if("state_dict")
         self._build()
         sd = super().state_dict()
         shards = {}
@@ -559,6 +701,7 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Takes a state_dict() of this class, or a torch.optim.Adam/AdamW state_dict."""
+        self._refuse_if("load_state_dict", replaced=True)
         if "tierstate" not in state_dict:
             self._load_torch_state_dict(state_dict)
             return
@@ -611,6 +754,7 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
     def torch_state_dict(self) -> dict[str, Any]:
         """The state as torch.optim.Adam/AdamW keeps it, loadable by one over the same params.
         The moments are in each param's dtype, as torch keeps them; a master is not kept."""
+        self._refuse_if("torch_state_dict")
         self._build()  # (get_state flushes a delayed update itself)
         groups = []
         index = 0
