@@ -1,7 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// NvmeFile as an ordinary user: RLIMIT_MEMLOCK refuses io_uring's registered buffers, and
-// the tier goes on with unregistered ones (told once, same numbers); a directory the user
-// may not write to is a clear error.
+// NvmeFile and PinnedHost as an ordinary user: RLIMIT_MEMLOCK refuses io_uring's registered
+// buffers, and the tier goes on with unregistered ones (told once, same numbers); state kept
+// in host memory locks nothing and is not refused under that limit; host memory the process
+// may not have (RLIMIT_DATA) is refused at the first step with the numbers and the fix, and
+// the optimizer steps once the limit allows; a directory the user may not write to is a
+// clear error at the optimizer's construction.
 //
 // Run as root (as CI is), it forks a child that drops to the user "nobody" (uid and gid
 // 65534: root's CAP_IPC_LOCK would ignore the limit) and runs the tests there. Run as an
@@ -13,6 +16,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstdio>
+#include <fstream>
 #include <string>
 
 #include <grp.h>
@@ -28,6 +32,19 @@ namespace {
 
 std::filesystem::path shared_dir;  // writable by the test's user
 std::filesystem::path locked_dir;  // not writable by it
+
+/// The process's data segment and private writable mappings now (VmData, what RLIMIT_DATA
+/// limits), in bytes.
+std::size_t data_bytes()
+{
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmData:", 0) == 0) { return std::stoull(line.substr(7)) * 1024; }
+  }
+  FAIL("no VmData in /proc/self/status");
+  return 0;
+}
 
 }  // namespace
 
@@ -56,10 +73,14 @@ TEST_CASE("registered buffers refused by RLIMIT_MEMLOCK: told once, unregistered
   CHECK(f.engine().registered().empty());
 }
 
-TEST_CASE("a directory the user may not write to is a clear error", "[nvme][unprivileged]")
+TEST_CASE("a directory the user may not write to is a clear error at the optimizer's construction", "[nvme][unprivileged]")
 {
+  using mode = NvmeFile::options::naming_mode;
+  auto const naming = GENERATE(mode::tmpfile, mode::unlinked, mode::named);
+  INFO("naming " << static_cast<int>(naming));
   NvmeFile::options o;
   o.directory = locked_dir;
+  o.naming    = naming;
   try {
     NvmeFile f(4096, o);
     FAIL("created a file in a directory without write permission");
@@ -67,6 +88,61 @@ TEST_CASE("a directory the user may not write to is a clear error", "[nvme][unpr
     CHECK(e.code().value() == EACCES);
     CHECK_THAT(e.what(), Catch::Contains(locked_dir.string()) && Catch::Contains("Permission denied"));
   }
+  NvmeOpt<Fp32>::options oo;
+  oo.tier = o;
+  try {
+    NvmeOpt<Fp32> opt({}, oo);
+    FAIL("the optimizer was built on a directory without write permission");
+  } catch (io_error const& e) {
+    CHECK(e.code().value() == EACCES);
+    CHECK_THAT(e.what(), Catch::Contains(locked_dir.string()) && Catch::Contains("Permission denied") &&
+                           Catch::Contains("NvmeFile.directory"));
+  }
+}
+
+TEST_CASE("state in PinnedHost locks no memory: a small RLIMIT_MEMLOCK refuses nothing", "[pinned][unprivileged]")
+{
+  // Without CUDA, PinnedHost is pageable memory from mmap, which RLIMIT_MEMLOCK does not
+  // limit (and CUDA's driver pins cudaHostAlloc's memory outside that limit too).
+  notice_capture notices;
+  CHECK(reference<Bf16Mixed>(5, 4096).steps == 5);
+  PinnedHost big(std::size_t{64} << 20);  // 1024 times the limit
+  CHECK(big.size() == std::size_t{64} << 20);
+  CHECK(notices.told.empty());
+}
+
+TEST_CASE("host memory the process may not have is refused at the first step, saying how much and what to do; "
+          "the optimizer steps once it may", "[pinned][unprivileged]")
+{
+  using Opt = OffloadedOptimizer<AdamW, Fp32, PinnedHost, Synchronous>;
+  std::size_t const n = std::size_t{8} << 20;  // 64 MiB of state: m and v
+  std::vector<float> w(n, 0.5f), g(n, 0.25f);
+  Opt::options o;
+  o.threads = 1;
+  Opt opt({}, o);
+  opt.add_tensor("w", w.data(), w.size());
+  std::vector<grad_view<float>> const views = {{g.data(), g.size()}};
+
+  rlimit old{};
+  REQUIRE(::getrlimit(RLIMIT_DATA, &old) == 0);
+  rlimit small  = old;
+  small.rlim_cur = data_bytes() + (std::size_t{16} << 20);  // room for the test, not for the state
+  REQUIRE(::setrlimit(RLIMIT_DATA, &small) == 0);
+  std::string what;
+  try {
+    opt.step(views);
+  } catch (std::exception const& e) {
+    what = e.what();
+  }
+  REQUIRE(::setrlimit(RLIMIT_DATA, &old) == 0);
+  INFO(what);
+  CHECK_THAT(what, Catch::Contains("PinnedHost") && Catch::Contains(std::to_string(n * 8)) &&
+                     Catch::Contains("RLIMIT_DATA") && Catch::Contains(std::to_string(small.rlim_cur)) &&
+                     Catch::Contains("ulimit -d"));
+  CHECK_FALSE(opt.state_lost());
+  CHECK(opt.step_count() == 0);
+  CHECK(w[0] == 0.5f);
+  CHECK(opt.step(views).step == 1);  // the limit allows it now: the state is made
 }
 
 int main(int argc, char** argv)

@@ -11,12 +11,21 @@
 //     and `named` keeps the name until the tier is destroyed, for inspection);
 //   - reserved to its full size with fallocate when the tier is made, so a full disk is an
 //     error when the optimizer builds its state, not ten thousand steps later; if anything
-//     in construction fails, the file is removed before the error leaves;
+//     in construction fails, the file is removed before the error leaves. On btrfs, a
+//     copy-on-write filesystem, every overwrite would take new blocks and the reservation
+//     would not hold: there the file is made NOCOW (FS_NOCOW_FL, `chattr +C`) while it is
+//     still empty, so overwrites land in the reserved blocks (a snapshot of its subvolume
+//     voids that: the next write of each block is copied once). Where btrfs refuses NOCOW,
+//     and on ZFS and bcachefs (copy-on-write, no NOCOW here), it says so once (a notice);
 //   - read and written with O_DIRECT (no page cache: host memory stays flat however large
 //     the state) through the I/O engine of io/engine.hpp; where the filesystem refuses
 //     O_DIRECT (tmpfs answers EINVAL) it falls back to buffered I/O and says so once per
 //     directory (a notice, core/notice.hpp), unless `require_direct` makes that an error;
 //   - removed when the tier is destroyed. It is scratch space, not a checkpoint.
+//
+// `preflight(options)` checks a place before anything is made there: the optimizer's
+// constructor calls it, so a missing, read-only or unusable directory fails when the
+// optimizer is built, not at its first step (see preflight below).
 //
 // Whole, aligned ranges (offset, length and address multiples of 4 KiB: what the layout's
 // chunks are) go to the disk as they are; any other range goes through a 1 MiB bounce
@@ -46,6 +55,9 @@
 #include <vector>
 
 #include <fcntl.h>
+#include <liburing.h>
+#include <sys/ioctl.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 namespace tierstate {
@@ -77,81 +89,64 @@ class NvmeFile {
   /// unavailable; nothing is left behind.
   NvmeFile(std::size_t bytes, options const& o) : size_(bytes)
   {
-    if (o.directory.empty()) {
-      throw invalid_option("NvmeFile.directory", "\"\"",
-                           "name the directory for the scratch file (on the NVMe drive)");
-    }
+    validate(o);
     std::string const file = o.file_name.empty() ? default_file_name() : o.file_name;
-    if (file == "." || file == ".." || file.find('/') != std::string::npos || file.find('\0') != std::string::npos) {
-      throw invalid_option("NvmeFile.file_name", "\"" + file + "\"",
-                           "must be a plain file name, without '/'");
-    }
-    o.io.validate();
     directory_ = o.directory.string();
-    path_      = (o.directory / file).string();
-    name_      = file;
-
-    dir_ = ::open(directory_.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
-    if (dir_ < 0) { throw io_error(errno, directory_, "open", 0, 0, "the directory for NvmeFile's scratch file"); }
-    if (o.naming == options::naming_mode::tmpfile) {
-      fd_ = ::openat(dir_, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
-      if (fd_ >= 0) {
-        path_ = directory_ + "/(O_TMPFILE)";
-        name_.clear();
-      } else if (errno != EOPNOTSUPP && errno != EISDIR && errno != EINVAL) {
-        int const err = errno;
-        ::close(std::exchange(dir_, -1));
-        throw io_error(err, directory_, "open(O_TMPFILE)", 0, 0, "NvmeFile's scratch file");
-      }
-    }
-    if (fd_ < 0) { fd_ = ::openat(dir_, name_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600); }
-    if (fd_ < 0) {
-      int const err = errno;
+    dir_       = open_directory(directory_);
+    try {
+      scratch s = make_file(dir_, directory_, file, o.naming);
+      fd_       = s.fd;
+      path_     = std::move(s.path);
+      name_     = std::move(s.name);
+    } catch (...) {
       ::close(std::exchange(dir_, -1));
-      if (err == EEXIST) {
-        throw io_error(err, path_, "create", 0, 0,
-                       "a file or link of that name is already there: tierstate never reuses or "
-                       "removes a file it did not create");
-      }
-      throw io_error(err, path_, "create", 0, 0, "NvmeFile's scratch file");
-    }
-    if (!name_.empty() && o.naming != options::naming_mode::named) {
-      // Nameless from now on: nothing to clean up after a crash.
-      if (::unlinkat(dir_, name_.c_str(), 0) != 0) {
-        int const err = errno;
-        ::close(std::exchange(fd_, -1));
-        ::close(std::exchange(dir_, -1));
-        throw io_error(err, path_, "unlink", 0, 0, "NvmeFile's scratch file, right after creating it");
-      }
-      path_ += " (unlinked)";
-      name_.clear();
+      throw;
     }
     try {
       std::size_t const reserved = round_up(bytes);
       if (reserved > 0) {
+        keep_reservation(fd_, directory_);  // before the first block: NOCOW takes only on an empty file
         // Every byte reserved now: a full disk fails here, not in the middle of training.
         int const err = ::posix_fallocate(fd_, 0, static_cast<off_t>(reserved));
         if (err != 0) { throw io_error(err, path_, "fallocate", 0, reserved, "reserving the scratch file's full size"); }
       }
-      int const flags = ::fcntl(fd_, F_GETFL);
-      if (flags < 0 || ::fcntl(fd_, F_SETFL, flags | O_DIRECT) < 0) {
-        int const err = errno;
-        if (err != EINVAL || o.require_direct) {
-          throw io_error(err, path_, "fcntl(O_DIRECT)", 0, 0,
-                         err == EINVAL ? "this filesystem refuses O_DIRECT and NvmeFile.require_direct is set"
-                                       : "enabling O_DIRECT");
-        }
-        notify_once("NvmeFile.buffered:" + directory_,
-                    directory_ + " refuses O_DIRECT (EINVAL, as tmpfs does): NvmeFile uses "
-                                 "buffered I/O there, through the page cache");
-      } else {
-        direct_ = true;
-      }
+      direct_ = enable_direct(fd_, path_, directory_, o.require_direct);
       engine_ = std::make_unique<io::engine>(o.io);
     } catch (...) {
       remove();
       throw;
     }
+  }
+
+  /// Checks, before any state exists, that `o` names a place where the constructor can make
+  /// its file: the options are valid, the directory exists, is a directory and takes a new
+  /// file from this process (a nameless O_TMPFILE file, or one created O_EXCL under
+  /// `file_name`, or a "tierstate-<pid>-<n>.probe" name of its own, and unlinked at once: an
+  /// existing file of that name is refused as the constructor refuses it, and nothing is
+  /// left in the directory), that file takes
+  /// O_DIRECT where `require_direct` asks for it, and io_uring is allowed where it is the
+  /// backend. Throws what the constructor would (tierstate::invalid_option,
+  /// tierstate::io_error naming the path, the errno and the option to change). It checks
+  /// the place as it is now; the constructor checks again. Does not reserve any space.
+  static void preflight(options const& o)
+  {
+    validate(o);
+    std::string const directory = o.directory.string();
+    int const dir               = open_directory(directory);
+    int fd                      = -1;
+    try {
+      auto const naming = o.naming == options::naming_mode::named ? options::naming_mode::unlinked : o.naming;
+      scratch s         = make_probe(dir, directory, o.file_name, naming);
+      fd                = s.fd;
+      if (o.require_direct) { (void)enable_direct(fd, s.path, directory, true); }
+      if (o.io.backend == io::backend::io_uring) { check_io_uring(o.io.queue_depth); }
+    } catch (...) {
+      if (fd >= 0) { ::close(fd); }
+      ::close(dir);
+      throw;
+    }
+    ::close(fd);
+    ::close(dir);
   }
 
   ~NvmeFile() { remove(); }
@@ -270,6 +265,193 @@ class NvmeFile {
   {
     static std::atomic<std::uint64_t> made{0};
     return "tierstate-" + std::to_string(::getpid()) + "-" + std::to_string(made++) + ".state";
+  }
+
+  /// The options the constructor and preflight refuse before touching the filesystem.
+  static void validate(options const& o)
+  {
+    if (o.directory.empty()) {
+      throw invalid_option("NvmeFile.directory", "\"\"",
+                           "name the directory for the scratch file (on the NVMe drive)");
+    }
+    std::string const& file = o.file_name;
+    if (!file.empty() && (file == "." || file == ".." || file.find('/') != std::string::npos ||
+                          file.find('\0') != std::string::npos)) {
+      throw invalid_option("NvmeFile.file_name", "\"" + file + "\"", "must be a plain file name, without '/'");
+    }
+    o.io.validate();
+  }
+
+  /// What to change, for an errno that refused the directory or a file in it.
+  static std::string_view directory_hint(int err) noexcept
+  {
+    switch (err) {
+      case ENOENT: return "NvmeFile.directory must name an existing directory";
+      case ENOTDIR: return "NvmeFile.directory must name a directory, not a file";
+      case EACCES:
+      case EPERM: return "NvmeFile.directory must name a directory this process may write to";
+      case EROFS: return "NvmeFile.directory is on a read-only filesystem: name a writable one";
+      default: return "NvmeFile.directory must name a writable directory";
+    }
+  }
+
+  /// The directory, opened O_PATH (held, so the file is removed from where it was made).
+  static int open_directory(std::string const& directory)
+  {
+    int const dir = ::open(directory.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (dir < 0) {
+      int const err = errno;
+      throw io_error(err, directory, "open", 0, 0,
+                     "the directory for NvmeFile's scratch file; " + std::string(directory_hint(err)));
+    }
+    return dir;
+  }
+
+  struct scratch {
+    int fd = -1;
+    std::string path;  ///< as errors name it
+    std::string name;  ///< empty once nameless
+  };
+
+  /// Makes the scratch file in `dir` as `naming` says (see the file comment). Throws
+  /// io_error, leaving nothing behind, where that is refused.
+  static scratch make_file(int dir, std::string const& directory, std::string const& file, options::naming_mode naming)
+  {
+    scratch s;
+    s.path = directory + "/" + file;
+    s.name = file;
+    if (naming == options::naming_mode::tmpfile) {
+      s.fd = ::openat(dir, ".", O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+      if (s.fd >= 0) {
+        s.path = directory + "/(O_TMPFILE)";
+        s.name.clear();
+        return s;
+      }
+      if (errno != EOPNOTSUPP && errno != EISDIR && errno != EINVAL) {
+        int const err = errno;
+        throw io_error(err, directory, "open(O_TMPFILE)", 0, 0,
+                       "NvmeFile's scratch file; " + std::string(directory_hint(err)));
+      }
+    }
+    s.fd = ::openat(dir, s.name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (s.fd < 0) {
+      int const err = errno;
+      if (err == EEXIST) {
+        throw io_error(err, s.path, "create", 0, 0,
+                       "a file or link of that name is already there: tierstate never reuses or "
+                       "removes a file it did not create; remove it, or set NvmeFile.file_name");
+      }
+      throw io_error(err, s.path, "create", 0, 0, "NvmeFile's scratch file; " + std::string(directory_hint(err)));
+    }
+    if (naming != options::naming_mode::named) {
+      // Nameless from now on: nothing to clean up after a crash.
+      if (::unlinkat(dir, s.name.c_str(), 0) != 0) {
+        int const err = errno;
+        ::close(s.fd);
+        throw io_error(err, s.path, "unlink", 0, 0, "NvmeFile's scratch file, right after creating it");
+      }
+      s.path += " (unlinked)";
+      s.name.clear();
+    }
+    return s;
+  }
+
+  /// preflight's file: made as the constructor would make it, nameless at once. Without a
+  /// file name of the user's, a name of its own ("tierstate-<pid>-<n>.probe"), so the
+  /// state's names are left to count tiers.
+  static scratch make_probe(int dir, std::string const& directory, std::string const& file, options::naming_mode naming)
+  {
+    if (!file.empty()) { return make_file(dir, directory, file, naming); }
+    static std::atomic<std::uint64_t> probes{0};
+    for (int attempt = 0;; ++attempt) {
+      std::string const name = "tierstate-" + std::to_string(::getpid()) + "-" + std::to_string(probes++) + ".probe";
+      try {
+        return make_file(dir, directory, name, naming);
+      } catch (io_error const& e) {
+        if (e.code().value() != EEXIST || attempt == 7) { throw; }  // not ours: another name
+      }
+    }
+  }
+
+  /// Switches `fd` to O_DIRECT. Returns false (buffered, told once per directory) where the
+  /// filesystem refuses it, or throws io_error there when `required`.
+  static bool enable_direct(int fd, std::string const& path, std::string const& directory, bool required)
+  {
+    int const flags = ::fcntl(fd, F_GETFL);
+    if (flags >= 0 && ::fcntl(fd, F_SETFL, flags | O_DIRECT) == 0) { return true; }
+    int const err = errno;
+    if (err != EINVAL || required) {
+      throw io_error(err, path, "fcntl(O_DIRECT)", 0, 0,
+                     err == EINVAL ? "this filesystem refuses O_DIRECT and NvmeFile.require_direct is set; "
+                                     "name a directory on another filesystem, or allow buffered I/O"
+                                   : "enabling O_DIRECT");
+    }
+    notify_once("NvmeFile.buffered:" + directory,
+                directory + " refuses O_DIRECT (EINVAL, as tmpfs does): NvmeFile uses "
+                            "buffered I/O there, through the page cache");
+    return false;
+  }
+
+  /// Whether the kernel lets this process make an io_uring (ENOSYS: not built in; EPERM:
+  /// seccomp or kernel.io_uring_disabled), in the words the engine uses.
+  static void check_io_uring(unsigned queue_depth)
+  {
+    io_uring ring{};
+    int const r = io_uring_queue_init(queue_depth, &ring, 0);
+    if (r < 0) {
+      throw io_error(-r, "an io_uring of " + std::to_string(queue_depth) + " entries", "io_uring_queue_init", 0, 0,
+                     std::string(r == -ENOSYS  ? "io_uring is not in this kernel"
+                                 : r == -EPERM ? "io_uring is forbidden here, by a seccomp filter "
+                                                 "or kernel.io_uring_disabled"
+                                               : "io_uring is unavailable") +
+                       "; NvmeFile.io.backend = io::backend::psync uses pread/pwrite instead");
+    }
+    io_uring_queue_exit(&ring);
+  }
+
+  /// Makes fallocate's reservation hold where the filesystem copies on write. On btrfs, sets
+  /// FS_NOCOW_FL on the still empty file (btrfs takes it only then): overwrites then go to
+  /// the blocks reserved. Tells once per directory where NOCOW is refused, and on ZFS and
+  /// bcachefs, whose overwrites always take new blocks. Never fails: the file works either
+  /// way, only a disk that fills later can then fail a step.
+  static void keep_reservation(int fd, std::string const& directory)
+  {
+    // linux/fs.h's values, spelled here: that header clashes with <sys/mount.h> in a user's
+    // program (glibc 2.36).
+    constexpr std::uint32_t btrfs_magic = 0x9123683E, zfs_magic = 0x2FC12FC1, bcachefs_magic = 0xCA451A4E;
+    constexpr unsigned long get_flags = _IOR('f', 1, long), set_flags = _IOW('f', 2, long);
+    constexpr int nocow = 0x00800000;  // FS_NOCOW_FL
+    struct statfs fs{};
+    if (::fstatfs(fd, &fs) != 0) { return; }
+    auto const type = static_cast<std::uint32_t>(static_cast<unsigned long>(fs.f_type));
+    std::string refused;
+    if (type == btrfs_magic) {
+      int flags = 0;  // FS_IOC_GETFLAGS and SETFLAGS take an int, whatever their macros say
+      if (::ioctl(fd, get_flags, &flags) != 0) {
+        refused = std::string("FS_IOC_GETFLAGS: ") + std::strerror(errno);
+      } else if ((flags & nocow) == 0) {
+        flags |= nocow;
+        if (::ioctl(fd, set_flags, &flags) != 0) {
+          refused = std::string("FS_IOC_SETFLAGS: ") + std::strerror(errno);
+        } else if (::ioctl(fd, get_flags, &flags) != 0 || (flags & nocow) == 0) {
+          refused = "the flag did not stay set";
+        }
+      }
+      if (refused.empty()) { return; }
+      refused = "btrfs, which refused to make the scratch file NOCOW (" + refused + ")";
+    } else if (type == zfs_magic) {
+      refused = "ZFS";
+    } else if (type == bcachefs_magic) {
+      refused = "bcachefs";
+    } else {
+      return;  // overwrites in place (ext4, xfs, tmpfs): the reservation holds
+    }
+    notify_once("NvmeFile.cow:" + directory,
+                directory + " is on " + refused +
+                  ": a copy-on-write filesystem writes every overwrite to new blocks, so the space "
+                  "reserved for NvmeFile's scratch file does not keep later steps from running out; "
+                  "if the disk fills up, a step fails with ENOSPC and the state is lost. Keep space "
+                  "free there, or put NvmeFile.directory on ext4 or xfs");
   }
   static constexpr std::size_t round_up(std::size_t n) noexcept
   {
