@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -18,9 +19,12 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fcntl.h>
@@ -486,7 +490,7 @@ TEST_CASE("a ring that fails in a batched submit is drained, and the engine goes
 {
   // The failed io_uring_submit_and_wait leaves pieces prepared in the ring but never
   // submitted. Waiting for their completions would never return; leaving them queued would
-  // let the next call submit them against buffers the caller has freed.
+  // let the next call submit them against buffers the caller has freed: they are withdrawn.
   unsigned const rings = GENERATE(1u, 2u);
   INFO(rings << " rings");
   temp_file f("ring_fails_batch");
@@ -515,7 +519,58 @@ TEST_CASE("a ring that fails in a batched submit is drained, and the engine goes
   CHECK(std::memcmp(in.get(), out.get(), size) == 0);
 }
 
-TEST_CASE("a ring that stays failed fails its requests, then every later call, saying so", "[io][stream][ring]")
+TEST_CASE("a batched submit that fails moves no byte the kernel never took, and the engine goes on", "[io][ring]")
+{
+  // The planted failure returns before the kernel is entered: every piece of the batch is
+  // prepared in the ring and none is taken. None may be counted in flight, none may be
+  // submitted later (its request has been reported failed), and no buffer is in the kernel's
+  // hands, so the engine is not broken.
+  unsigned const rings = GENERATE(1u, 2u);
+  unsigned const times = GENERATE(1u, io::uring_engine::forever);
+  INFO(rings << " rings, " << (times == 1 ? "one failure" : "a ring that stays failed"));
+  temp_file f("ring_fails_untaken");
+  std::size_t const block = 64 * 1024, size = 6 * block;
+  aligned_bytes out(size), in(size);
+  for (std::size_t i = 0; i < size; ++i) { out.get()[i] = static_cast<std::byte>((i * 11) ^ (i >> 10)); }
+  io::uring_engine e(options_for(io::backend::io_uring, 8, block, rings));  // room for every piece
+  io::request const w{f.fd, 0, out.get(), size, true, &f.path};
+  e.submit({&w, 1});
+
+  std::memset(in.get(), 0, size);
+  io::request const r{f.fd, 0, in.get(), size, false, &f.path};
+  e.fail_ring(ring_call::submit, EIO, times);
+  for (int attempt = 0; attempt < (times == 1 ? 1 : 2); ++attempt) {
+    INFO("attempt " << attempt);
+    try {
+      e.submit({&r, 1});
+      FAIL("a failed io_uring_submit_and_wait went unreported");
+    } catch (io_error const& x) {
+      CHECK(x.code().value() == EIO);
+      CHECK_THAT(x.operation(), Catch::StartsWith("io_uring_submit_and_wait"));
+      CHECK(x.path() == f.path);
+      CHECK(x.length() == block);
+      CHECK_THAT(x.what(), Catch::Contains("read unfinished"));
+      CHECK_THAT(x.what(), !Catch::Contains("make a new one"));
+    }
+    // Nothing the kernel never took was run behind the caller's back: the failed ring's
+    // pieces (all of them; with two rings and one failure, the half dealt to that ring) are
+    // untouched, and the other ring's, if any, were read in full.
+    std::size_t untouched = 0;
+    for (std::size_t b = 0; b < size / block; ++b) {
+      bool const zero = std::all_of(in.get() + b * block, in.get() + (b + 1) * block,
+                                    [](std::byte x) { return x == std::byte{0}; });
+      CHECK((zero || std::memcmp(in.get() + b * block, out.get() + b * block, block) == 0));
+      untouched += zero ? 1 : 0;
+    }
+    CHECK(untouched == (rings == 2 && times == 1 ? 3u : 6u));
+    std::memset(in.get(), 0, size);
+  }
+  e.fail_ring(ring_call::submit, 0, 0);
+  e.submit({&r, 1});
+  CHECK(std::memcmp(in.get(), out.get(), size) == 0);
+}
+
+TEST_CASE("a ring whose submit always fails fails every request, every time, and runs none of them", "[io][stream][ring]")
 {
   temp_file f("ring_dies");
   std::size_t const block = 64 * 1024, per = 2 * block, count = 3;
@@ -524,42 +579,103 @@ TEST_CASE("a ring that stays failed fails its requests, then every later call, s
   io::uring_engine e(options_for(io::backend::io_uring, 2, block));
   io::request w{f.fd, 0, buf.get(), per * count, true, &f.path};
   e.submit({&w, 1});
+  std::memset(buf.get(), 0, per * count);
 
   std::map<std::uint64_t, std::exception_ptr> finished;
   auto done = [&](std::uint64_t tag, std::exception_ptr error) { finished[tag] = std::move(error); };
   e.fail_ring(ring_call::submit, EBADF, io::uring_engine::forever);
-  for (std::size_t k = 0; k < count; ++k) { e.start({f.fd, k * per, buf.get() + k * per, per, false, &f.path}, k); }
-  e.progress(true, done);
-  CHECK(e.active() == 0);
-  REQUIRE(finished.size() == count);
-  for (auto const& [tag, error] : finished) {
-    auto const x = io_error_in(error);
-    REQUIRE(x);
-    CHECK(x->code().value() == EBADF);
-    CHECK(x->operation() == "io_uring_submit");
-    CHECK(x->offset() == tag * per);
-    CHECK_THAT(x->what(), Catch::Contains("could not be drained"));
+  for (int round = 0; round < 2; ++round) {
+    INFO("round " << round);
+    finished.clear();
+    for (std::size_t k = 0; k < count; ++k) { e.start({f.fd, k * per, buf.get() + k * per, per, false, &f.path}, k); }
+    e.progress(true, done);
+    CHECK(e.active() == 0);
+    REQUIRE(finished.size() == count);
+    for (auto const& [tag, error] : finished) {
+      auto const x = io_error_in(error);
+      REQUIRE(x);
+      CHECK(x->code().value() == EBADF);
+      CHECK(x->operation() == "io_uring_submit");
+      CHECK(x->offset() == tag * per);
+      CHECK_THAT(x->what(), Catch::Contains("read unfinished") && !Catch::Contains("could not be drained"));
+    }
+    // The kernel took nothing, so nothing ran, and no buffer is in its hands.
+    CHECK(std::count(buf.get(), buf.get() + per * count, std::byte{0}) == static_cast<std::ptrdiff_t>(per * count));
+    CHECK(e.usable());
+    CHECK(e.held().empty());
   }
-  // Later calls fail at once, and say why, instead of waiting for what never comes.
-  auto refused = [](io_error const& x) {
-    return x.code().value() == EBADF && x.operation() == "io_uring_submit" &&
-           std::string_view(x.what()).find("make a new one") != std::string_view::npos;
-  };
-  try {
-    e.start({f.fd, 0, buf.get(), per, false, &f.path}, 7);
-    FAIL("a broken engine started a request");
-  } catch (io_error const& x) {
-    CHECK(refused(x));
-  }
-  CHECK(e.active() == 0);
-  try {
-    e.submit({&w, 1});
-    FAIL("a broken engine ran a batch");
-  } catch (io_error const& x) {
-    CHECK(refused(x));
-  }
-  e.progress(true, done);  // nothing active: returns
-  CHECK(finished.size() == count);
+  e.fail_ring(ring_call::submit, 0, 0);
+  io::request r{f.fd, 0, buf.get(), per * count, false, &f.path};
+  e.submit({&r, 1});
+  CHECK(std::count(buf.get(), buf.get() + per * count, std::byte{0x11}) == static_cast<std::ptrdiff_t>(per * count));
+}
+
+TEST_CASE("a ring that cannot be drained fails its requests, then every later call, saying so, and keeps the buffers",
+          "[io][stream][ring]")
+{
+  // Reads from an empty pipe stay in the kernel's hands; a wait that always fails cannot see
+  // them finish, so the kernel may write into their buffers at any later time.
+  int p[2];
+  REQUIRE(::pipe(p) == 0);
+  std::string const name = "the test's pipe";
+  std::size_t const n = 4096, count = 3;
+  std::vector<std::byte> bufs(n * count, std::byte{0});  // outlives the engine, as held() asks
+  {
+    io::uring_engine e(options_for(io::backend::io_uring, 4, n));
+    std::map<std::uint64_t, std::exception_ptr> finished;
+    auto done = [&](std::uint64_t tag, std::exception_ptr error) { finished[tag] = std::move(error); };
+    for (std::size_t k = 0; k < count; ++k) { e.start({p[0], 0, bufs.data() + k * n, n, false, &name}, k); }
+    e.progress(false, done);  // submitted: now in the kernel's hands
+    CHECK(finished.empty());
+    e.fail_ring(ring_call::wait, EBADF, io::uring_engine::forever);
+    e.progress(true, done);
+    CHECK(e.active() == 0);
+    REQUIRE(finished.size() == count);
+    for (auto const& [tag, error] : finished) {
+      auto const x = io_error_in(error);
+      REQUIRE(x);
+      CHECK(x->code().value() == EBADF);
+      CHECK_THAT(x->operation(), Catch::StartsWith("io_uring_wait_cqe"));
+      CHECK(x->length() == n);
+      CHECK_THAT(x->what(), Catch::Contains("could not be drained"));
+    }
+    CHECK_FALSE(e.usable());
+    auto const held = e.held();
+    REQUIRE(held.size() == count);
+    for (auto const& h : held) {
+      CHECK(h.size() == n);
+      CHECK((h.data() >= bufs.data() && h.data() + h.size() <= bufs.data() + bufs.size()));
+    }
+    // Later calls fail at once, and say why, instead of waiting for what never comes.
+    auto refused = [](io_error const& x) {
+      return x.code().value() == EBADF && std::string_view(x.what()).find("make a new one") != std::string_view::npos;
+    };
+    try {
+      e.start({p[0], 0, bufs.data(), n, false, &name}, 7);
+      FAIL("a broken engine started a request");
+    } catch (io_error const& x) {
+      CHECK(refused(x));
+    }
+    CHECK(e.active() == 0);
+    io::request r{p[0], 0, bufs.data(), n, false, &name};
+    try {
+      e.submit({&r, 1});
+      FAIL("a broken engine ran a batch");
+    } catch (io_error const& x) {
+      CHECK(refused(x));
+    }
+    try {
+      (void)e.register_buffer({bufs.data(), bufs.size()});
+      FAIL("a broken engine registered a buffer");
+    } catch (io_error const& x) {
+      CHECK(refused(x));
+    }
+    e.progress(true, done);  // nothing active: returns
+    CHECK(finished.size() == count);
+  }  // closing the ring cancels the reads
+  ::close(p[0]);
+  ::close(p[1]);
+  CHECK(std::count(bufs.begin(), bufs.end(), std::byte{0}) == static_cast<std::ptrdiff_t>(n * count));
 }
 
 namespace {
@@ -685,4 +801,82 @@ TEST_CASE("the pipelined transfer's I/O thread survives a failing ring instead o
   CHECK(result->went_on);
   CHECK(result->dead_error == EBADF);
   CHECK(result->later_error == EBADF);
+}
+
+namespace {
+
+/// A streaming tier in memory whose stream_progress throws, every time, while requests are
+/// active: a tier whose device has gone away and that cannot say what became of them.
+struct throwing_stream_tier {
+  struct options {};
+  static constexpr std::string_view name = "throwing_stream_tier";
+
+  throwing_stream_tier(std::size_t bytes, options const&) : bytes_(bytes) {}
+  [[nodiscard]] std::size_t size() const { return bytes_; }
+  void read(std::size_t, std::span<std::byte>) const {}
+  void write(std::size_t, std::span<std::byte const>) {}
+  void stream_start(tier_io const&, std::uint64_t tag) { active_.push_back(tag); }
+  template <class Done>
+  void stream_progress(bool, Done&& done)
+  {
+    ++calls;
+    if (failing.load()) { throw std::runtime_error("throwing_stream_tier: the device went away"); }
+    for (auto const tag : std::exchange(active_, {})) { done(tag, nullptr); }
+  }
+  [[nodiscard]] std::size_t stream_active() const { return active_.size(); }
+
+  std::atomic<std::uint64_t> calls{0};
+  std::atomic<bool> failing{true};
+
+ private:
+  std::size_t bytes_;
+  std::vector<std::uint64_t> active_;
+};
+static_assert(streaming_tier<throwing_stream_tier>);
+
+}  // namespace
+
+TEST_CASE("a tier whose stream_progress throws with requests active fails the jobs once, without looping or hanging",
+          "[io][stream][worker]")
+{
+  struct outcome {
+    int failures_first      = 0;   ///< wait_all's throws in the first round
+    std::uint64_t calls_first = 0;  ///< stream_progress calls when the first round failed
+    std::uint64_t calls_later = 0;  ///< ... 300 ms later
+    bool later_fails        = false;  ///< a later job fails too, with the tier's error
+    std::uint64_t calls_end = 0;
+  };
+  auto const result = within(std::chrono::seconds(30), [] {
+    outcome o;
+    throwing_stream_tier t(1 << 20, {});
+    std::vector<std::byte> staging(3 * 4096);
+    {
+      detail::io_worker<throwing_stream_tier> w(t);
+      for (unsigned k = 0; k < 3; ++k) { w.enqueue({k * 4096, staging.data() + k * 4096, 4096, false}, k); }
+      try {
+        w.wait_all();
+      } catch (std::runtime_error const& x) {
+        o.failures_first += std::string_view(x.what()).find("went away") != std::string_view::npos ? 1 : 0;
+      }
+      o.calls_first = t.calls.load();
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      o.calls_later = t.calls.load();
+      w.drain();
+      w.enqueue({0, staging.data(), 4096, false}, 0);
+      try {
+        w.wait_all();
+      } catch (std::runtime_error const& x) {
+        o.later_fails = std::string_view(x.what()).find("went away") != std::string_view::npos;
+      }
+      w.drain();
+    }  // ~io_worker joins its thread
+    o.calls_end = t.calls.load();
+    return o;
+  });
+  REQUIRE(result);  // within 30 seconds: no hang
+  CHECK(result->failures_first == 1);
+  CHECK(result->calls_first >= 1);
+  CHECK(result->calls_later == result->calls_first);  // no busy loop on a throwing tier
+  CHECK(result->later_fails);                          // refused, with the tier's own error
+  CHECK(result->calls_end == result->calls_first);     // the tier is never driven again
 }

@@ -6,23 +6,42 @@
 // piece and the k-th write piece of the engine's lifetime (a requeued remainder counts as a
 // new piece). A planted fault then either
 //   - fails the piece with an errno, as the kernel would (EIO, ENOSPC, ...): nothing is
-//     transferred; or
+//     transferred;
 //   - shortens it to `short_bytes` (rounded down to 4 KiB, at least 0): the kernel really
 //     performs the shorter transfer, and the engine must requeue the rest, as it does for a
-//     short transfer the device makes.
+//     short transfer the device makes; or
+//   - hangs it: the piece is taken and never answers, as on a device that has stopped
+//     responding. The engine submits, in its place, a read of the piece's length into the
+//     piece's buffer from a pipe nobody writes to, so the kernel really holds the buffer and
+//     only the engine's timeout (engine_options::timeout) ends the wait. A cancellable hang
+//     is cancelled by the io_uring backend as any I/O still queued in the kernel is; an
+//     uncancellable one stands for an I/O already at the device, which a cancellation does
+//     not reach (the io_uring backend aims its cancellation at nothing, and the kernel
+//     answers that it found nothing to cancel). The psync backend can never cancel: for it
+//     every hang is uncancellable. Nothing is ever written into the pipe, so nothing lands
+//     in a hung piece's buffer; release_hangs() ends every hang at once (end of file: the
+//     piece completes having moved nothing), as a device that answers at last.
 //
 //   auto plan = std::make_shared<io::fault_plan>();
 //   plan->fail(io::op::write, 3, EIO);          // the third write piece fails with EIO
 //   plan->shorten(io::op::read, 1, 4096);       // the first read piece moves only 4 KiB
+//   plan->hang(io::op::read, 2);                // the second read piece never answers
 //
 // Thread safety: every member may be called from any thread.
 #pragma once
 
 #include <atomic>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
+#include <system_error>
+#include <utility>
 #include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 namespace tierstate::io {
 
@@ -34,7 +53,27 @@ class fault_plan {
   struct decision {
     int error          = 0;   ///< nonzero: fail the piece with this errno
     std::size_t length = 0;   ///< bytes to submit (the piece's own length when nothing is planted)
+    /// For a hang: read `length` bytes from this descriptor (a pipe nobody writes to) into
+    /// the piece's buffer instead of transferring it; -1 otherwise.
+    int hang_fd = -1;
+    /// For a hang: whether a cancellation reaches it (see the file comment).
+    bool cancellable = true;
+    /// For a hang: keeps hang_fd open; hold it while the piece may be in the kernel's hands.
+    std::shared_ptr<void const> hold;
+
+    /// Nothing planted: the piece as it is.
+    [[nodiscard]] static decision as_is(std::size_t length)
+    {
+      decision d;
+      d.length = length;
+      return d;
+    }
   };
+
+  fault_plan() = default;
+  fault_plan(fault_plan const&)            = delete;
+  fault_plan& operator=(fault_plan const&) = delete;
+  ~fault_plan() { release_hangs(); }
 
   /// The `nth` piece of `o` (counting from 1) fails with `error`.
   void fail(op o, std::uint64_t nth, int error)
@@ -53,6 +92,29 @@ class fault_plan {
   {
     std::scoped_lock lock(mutex_);
     planted_.push_back({o, nth, 0, bytes / 4096 * 4096, false});
+  }
+  /// The `nth` piece of `o` is taken and never answers (see the file comment). Throws
+  /// std::system_error when the pipe cannot be made.
+  void hang(op o, std::uint64_t nth, bool cancellable = true)
+  {
+    std::scoped_lock lock(mutex_);
+    if (write_end_ < 0) {  // the first hang, or the first since release_hangs()
+      int p[2];
+      if (::pipe2(p, O_CLOEXEC) != 0) { throw std::system_error(errno, std::generic_category(), "fault_plan::hang: pipe2"); }
+      pipe_      = std::make_shared<read_end>(p[0]);
+      write_end_ = p[1];
+    }
+    planted_.push_back({o, nth, 0, 0, false, true, cancellable});
+  }
+  /// Ends every hang planted so far: their pieces complete, having moved nothing (end of
+  /// file), and so do hung pieces reached later, until hang() is called again (it makes a
+  /// new pipe, for every hang not yet reached). Also
+  /// done when the plan is destroyed; an engine thread stuck in a planted hang keeps the plan
+  /// alive, so a test that leaves one behind calls this to let it go.
+  void release_hangs() noexcept
+  {
+    std::scoped_lock lock(mutex_);
+    if (write_end_ >= 0) { ::close(std::exchange(write_end_, -1)); }
   }
   /// Forgets every planted fault (the counts go on).
   void clear()
@@ -74,10 +136,20 @@ class fault_plan {
     for (auto const& f : planted_) {
       if (f.o != o || (f.from ? n < f.nth : n != f.nth)) { continue; }
       ++applied_;
-      if (f.error != 0) { return {f.error, 0}; }
-      return {0, f.short_bytes < length ? f.short_bytes : length};
+      decision d;
+      if (f.error != 0) {
+        d.error = f.error;
+      } else if (f.hang) {
+        d.length      = length;
+        d.hang_fd     = pipe_->fd;
+        d.cancellable = f.cancellable;
+        d.hold        = pipe_;
+      } else {
+        d.length = f.short_bytes < length ? f.short_bytes : length;
+      }
+      return d;
     }
-    return {0, length};
+    return decision::as_is(length);
   }
 
  private:
@@ -87,11 +159,23 @@ class fault_plan {
     int error;
     std::size_t short_bytes;
     bool from;
+    bool hang        = false;
+    bool cancellable = true;
+  };
+  /// The pipe's read end, closed when the last hung piece holding it lets go.
+  struct read_end {
+    int fd;
+    explicit read_end(int f) : fd(f) {}
+    read_end(read_end const&)            = delete;
+    read_end& operator=(read_end const&) = delete;
+    ~read_end() { ::close(fd); }
   };
   static constexpr std::size_t index(op o) noexcept { return o == op::read ? 0 : 1; }
 
   std::mutex mutex_;
   std::vector<planted> planted_;
+  std::shared_ptr<read_end> pipe_;  ///< for hangs; null until hang()
+  int write_end_ = -1;              ///< never written to; closed by release_hangs()
   std::atomic<std::uint64_t> count_[2]{};
   std::atomic<std::uint64_t> applied_{0};
 };

@@ -4,11 +4,14 @@
 
 #include <tierstate/io/request.hpp>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace tierstate::io::detail {
@@ -37,24 +40,45 @@ inline std::vector<piece> cut(std::span<request const> requests, std::size_t blo
 /// the device would not take.
 constexpr int no_progress_error(bool write) noexcept { return write ? EIO : ENODATA; }
 
+/// How errors name a request's file: its path, or its descriptor.
+inline std::string path_of(request const& r)
+{
+  if (r.path != nullptr) { return *r.path; }
+  return std::string("(fd ").append(std::to_string(r.fd)).append(")");
+}
+
+/// "200 ms": a timeout, for messages.
+inline std::string describe_timeout(std::chrono::milliseconds t)
+{
+  return std::to_string(t.count()).append(" ms");
+}
+
 /// The first failure of a batch, kept until every piece in flight is done.
 struct first_failure {
   int error = 0;
   piece where{};
+  char const* operation = nullptr;  ///< null: the request's own ("read" or "write")
+  std::string hint;                 ///< what the failure means, for the message; may be empty
 
-  void note(int err, piece const& p) noexcept
+  void note(int err, piece const& p, char const* op = nullptr, std::string why = {})
   {
     if (error == 0) {
-      error = err;
-      where = p;
+      error     = err;
+      where     = p;
+      operation = op;
+      hint      = std::move(why);
     }
+  }
+  [[nodiscard]] io_error to_error(std::span<request const> requests) const
+  {
+    auto const& r = requests[where.request];
+    return io_error(error, path_of(r), operation != nullptr ? operation : (r.write ? "write" : "read"),
+                    where.offset, where.length, hint);
   }
   void rethrow(std::span<request const> requests) const
   {
     if (error == 0) { return; }
-    auto const& r = requests[where.request];
-    throw io_error(error, r.path != nullptr ? *r.path : "(fd " + std::to_string(r.fd) + ")",
-                   r.write ? "write" : "read", where.offset, where.length);
+    throw to_error(requests);
   }
 };
 

@@ -5,10 +5,17 @@
 //     each as it finishes: the disk stays busy across chunk boundaries;
 //   - a batched tier gets the longest run of queued jobs on distinct buffers, as one batch;
 //   - any other tier gets them one at a time.
+// A streaming tier reports failures through stream_progress's callback. Should
+// stream_progress itself throw, every job started and not yet reported fails with what it
+// threw; if the tier then still has requests active (stream_active() > 0), it cannot say
+// what became of them, and it is never driven again: every later job fails at once with the
+// same exception, instead of calling into a tier that throws (a busy loop) or waiting for
+// requests it will never report (a hang). What such a tier still holds is its own affair.
 #pragma once
 
 #include <tierstate/tiers/tier.hpp>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -108,11 +115,13 @@ class io_worker {
     std::vector<std::pair<std::uint64_t, unsigned>> started;  // (ticket, buffer)
     std::vector<std::pair<std::uint64_t, std::exception_ptr>> finished;
     std::uint64_t next_ticket = 1;
+    std::exception_ptr given_up;  // what the tier threw with requests active: never driven again
     std::unique_lock lock(mutex_);
     for (;;) {
       // Start every queued job whose buffer is free, in order, stopping at the first that waits.
       while (!queue_.empty()) {
-        if (error_) {
+        if (error_ || given_up) {
+          if (!error_) { error_ = given_up; }
           for (std::size_t i = 0; i < queue_.size(); ++i) { mark_done(next_ticket++); }
           queue_.clear();
           done_cv_.notify_all();
@@ -133,8 +142,9 @@ class io_worker {
         }
         lock.lock();
       }
-      if (tier_.stream_active() == 0 && finished.empty()) {
-        // Nothing in flight: sleep until there is work (or it is time to stop).
+      if ((given_up || tier_.stream_active() == 0) && finished.empty()) {
+        // Nothing in flight (or nothing that will ever be reported): sleep until there is
+        // work (or it is time to stop).
         if (queue_.empty()) {
           if (stop_) { return; }
           work_.wait(lock, [&] { return stop_ || !queue_.empty(); });
@@ -147,9 +157,14 @@ class io_worker {
           finished.push_back({ticket, std::move(e)});
         });
       } catch (...) {
-        // The engine itself failed: every started job fails with it.
+        // Every started job not reported fails with it (each once).
         auto const e = std::current_exception();
-        for (auto const& st : started) { finished.push_back({st.first, e}); }
+        for (auto const& st : started) {
+          bool const reported = std::any_of(finished.begin(), finished.end(),
+                                            [&](auto const& f) { return f.first == st.first; });
+          if (!reported) { finished.push_back({st.first, e}); }
+        }
+        if (tier_.stream_active() != 0) { given_up = e; }
       }
       lock.lock();
       for (auto& [ticket, e] : finished) {
