@@ -240,6 +240,11 @@ class OffloadedOptimizer {
 
   /// Group 0 holds every tensor not placed in another group, with `defaults`.
   explicit OffloadedOptimizer(hyperparameters const& defaults = {}, options const& opts = {});
+  /// Keeps (leaks) the staging memory when the tier's I/O engine retired with a transfer the
+  /// kernel never answered (io::engine::held()): a late transfer must not land in freed pages.
+  ~OffloadedOptimizer() { keep_held_staging(); }
+  OffloadedOptimizer(OffloadedOptimizer const&)            = delete;
+  OffloadedOptimizer& operator=(OffloadedOptimizer const&) = delete;
 
   /// Registers a parameter tensor; returns its index (its position in step()'s gradients).
   /// `param` must stay valid and is updated in place by every step. `where` says whether it
@@ -481,6 +486,13 @@ class OffloadedOptimizer {
   /// Back to "no state yet" (a failure while the state was being made, or a refused call
   /// that made it).
   void discard_state() noexcept;
+  /// Abandons the staging memory if the tier's engine may still use it (see the destructor).
+  void keep_held_staging() noexcept
+  {
+    if constexpr (requires(StateTier const& t) { { t.engine().usable() } -> std::convertible_to<bool>; }) {
+      if (tier_ && !tier_->engine().usable() && staging_) { staging_->abandon(); }
+    }
+  }
   [[nodiscard]] checkpoint::header make_header() const;
   [[nodiscard]] checkpoint::header make_header(layout const& lay) const;
   void check_header(checkpoint::header const& h, layout const& lay, std::string const& path) const;

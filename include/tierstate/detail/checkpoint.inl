@@ -366,6 +366,7 @@ void TIERSTATE_OPTIMIZER::save(std::filesystem::path const& path, checkpoint_opt
     named = true;
   }
   bool const fresh = !layout_;  // a failed save on an optimizer without state leaves it without
+  PinnedHost header{0}, table{0};
   try {
     materialize();
     detail::try_direct(fd.fd);
@@ -373,9 +374,18 @@ void TIERSTATE_OPTIMIZER::save(std::filesystem::path const& path, checkpoint_opt
     auto write = [&](std::uint64_t offset, std::byte const* data, std::size_t n) {
       observe(save_event::write, offset, n);
       io::request const r{fd.fd, offset, const_cast<std::byte*>(data), n, true, &temp_path};
-      engine.submit({&r, 1});
+      try {
+        engine.submit({&r, 1});
+      } catch (...) {
+        // A write the kernel may still read from: its memory is kept, never freed or reused.
+        if (!engine.usable()) {
+          header.abandon();
+          table.abandon();
+        }
+        throw;
+      }
     };
-    PinnedHost header = detail::aligned_copy(checkpoint::encode(make_header()));
+    header = detail::aligned_copy(checkpoint::encode(make_header()));
     write(0, header.data(), header.size());
 
     std::uint64_t const H = header.size();
@@ -392,7 +402,7 @@ void TIERSTATE_OPTIMIZER::save(std::filesystem::path const& path, checkpoint_opt
       sums[k] = checkpoint::checksum(chunk, B);
       write(H + k * B, chunk, B);
     }
-    PinnedHost table = detail::aligned_copy(checkpoint::encode_table(sums));
+    table = detail::aligned_copy(checkpoint::encode_table(sums));
     write(H + sums.size() * B, table.data(), table.size());
     observe(save_event::fsync_file);
     if (::fsync(fd.fd) != 0) { throw io_error(errno, temp_path, "fsync", 0, 0, "the checkpoint's temporary file"); }
@@ -460,22 +470,32 @@ void TIERSTATE_OPTIMIZER::load(std::filesystem::path const& path, checkpoint_opt
   if (!layout_) { planned.emplace(make_layout()); }
   layout const& lay = layout_ ? *layout_ : *planned;
   io::engine engine = checkpoint_engine(eo, o, file);
+  // Load's buffers; kept (leaked), never freed, if a read the kernel never answered may
+  // still land in them.
+  PinnedHost first{0}, region{0}, table{0}, scratch{0};
   auto read = [&](std::uint64_t offset, std::byte* data, std::size_t n) {
     io::request const r{fd.fd, offset, data, n, false, &file};
-    engine.submit({&r, 1});
+    try {
+      engine.submit({&r, 1});
+    } catch (...) {
+      if (!engine.usable()) {
+        for (PinnedHost* b : {&first, &region, &table, &scratch}) { b->abandon(); }
+      }
+      throw;
+    }
   };
 
   // The header: its first block, then the rest, bounded by what a header of this
   // optimizer's tensors can need (its own size, with a group per tensor), and never more
   // than 8 MiB for another's: a file's claim is never allocated before it is bounded.
-  PinnedHost first(checkpoint::block);
+  first = PinnedHost(checkpoint::block);
   read(0, first.data(), checkpoint::block);
   std::uint64_t const own_payload = checkpoint::encode(make_header(lay)).size();
   std::uint64_t const max_header  = std::max<std::uint64_t>(
     std::uint64_t{8} << 20,
     own_payload + (tensors_.size() + 1) * (8 * Rule::hyperparameter_count + 8) + checkpoint::block);
   std::uint64_t const H = checkpoint::header_bytes({first.data(), first.size()}, file_bytes, file, max_header);
-  PinnedHost region(H);
+  region = PinnedHost(H);
   std::memcpy(region.data(), first.data(), checkpoint::block);
   if (H > checkpoint::block) { read(checkpoint::block, region.data() + checkpoint::block, H - checkpoint::block); }
   checkpoint::header const h = checkpoint::decode({region.data(), region.size()}, file, o.verify_checksums);
@@ -489,7 +509,7 @@ void TIERSTATE_OPTIMIZER::load(std::filesystem::path const& path, checkpoint_opt
     throw checkpoint_error(file, "is " + std::to_string(file_bytes) + " bytes; its header describes " +
                                    std::to_string(H + C * B + T) + " (truncated or extended)");
   }
-  PinnedHost table(T);
+  table = PinnedHost(T);
   read(H + C * B, table.data(), T);
   std::vector<std::uint64_t> const sums = checkpoint::decode_table({table.data(), table.size()}, C, file, o.verify_checksums);
 
@@ -498,7 +518,7 @@ void TIERSTATE_OPTIMIZER::load(std::filesystem::path const& path, checkpoint_opt
                                     std::to_string(H + k * B) + ", " + std::to_string(H + (k + 1) * B) +
                                     ") of the file) does not match its checksum (corrupt)");
   };
-  PinnedHost scratch(B);  // one chunk: what load needs beyond the header and the table
+  scratch = PinnedHost(B);  // one chunk: what load needs beyond the header and the table
   // Pass 1: every chunk verified before anything changes.
   if (o.verify_checksums) {
     for (std::size_t k = 0; k < C; ++k) {
@@ -511,12 +531,13 @@ void TIERSTATE_OPTIMIZER::load(std::filesystem::path const& path, checkpoint_opt
   materialize(false);
   delayed_.reset();  // its param buffer is made afresh from the params load writes
   try {
+    // Read into load's own buffer, then copied into the tier: a read that hangs never holds
+    // the tier's memory, which a later load would then share with a late transfer.
     for (std::size_t k = 0; k < C; ++k) {
       std::byte* chunk = scratch.data();
-      if constexpr (addressable_tier<StateTier>) { chunk = tier_->data() + k * B; }
       read(H + k * B, chunk, B);
       if (o.verify_checksums && checkpoint::checksum(chunk, B) != sums[k]) { throw corrupt_chunk(k); }
-      if constexpr (!addressable_tier<StateTier>) { tier_->write(k * B, std::span<std::byte const>(chunk, B)); }
+      tier_->write(k * B, std::span<std::byte const>(chunk, B));
       params_from_master(k, chunk);
     }
   } catch (std::exception const& e) {

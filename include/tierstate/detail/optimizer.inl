@@ -303,6 +303,7 @@ void TIERSTATE_OPTIMIZER::materialize(bool fill_master)
 TIERSTATE_OPTIMIZER_TEMPLATE
 void TIERSTATE_OPTIMIZER::discard_state() noexcept
 {
+  keep_held_staging();
   dev_.reset();
   io_.reset();
   tier_.reset();

@@ -262,6 +262,15 @@ class PinnedHost {
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
   [[nodiscard]] std::byte* data() noexcept { return data_; }
 
+  /// Forgets the memory without freeing it: for memory that an I/O the kernel never
+  /// answered may still read or write (io::engine::held()). It is leaked on purpose, so that
+  /// no later allocation can be handed the same pages while a late transfer lands in them.
+  void abandon() noexcept
+  {
+    data_ = nullptr;
+    size_ = 0;
+  }
+
   void read(std::size_t offset, std::span<std::byte> to) const
   {
     check(offset, to.size());
