@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <atomic>
 #include <array>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -23,6 +24,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <system_error>
 #include <vector>
 
 namespace {
@@ -38,40 +40,45 @@ struct options {
   std::string precision;
 };
 
+constexpr char const* usage_text =
+  "usage: host_step [--elements N >= 1] [--reps R (1..10000)] [--threads T (0..4096)] "
+  "[--rule adam|adamw|adam_amsgrad|adamw_amsgrad] [--precision PARAM/GRAD/MASTER/STATE] [--help]\n";
+
 [[noreturn]] void usage_error(std::string const& what)
 {
-  std::fprintf(stderr,
-               "host_step: %s\nusage: host_step [--elements N >= 1] [--reps R >= 1] "
-               "[--threads T >= 0] [--rule adam|adamw|adam_amsgrad|adamw_amsgrad] "
-               "[--precision PARAM/GRAD/MASTER/STATE]\n",
-               what.c_str());
+  std::fprintf(stderr, "host_step: %s\n%s", what.c_str(), usage_text);
   std::exit(2);
 }
 
 options parse(int argc, char** argv)
 {
   options o;
-  auto number = [&](int& i, char const* flag) -> unsigned long long {
+  // A decimal integer in [lo, hi]: digits only, nothing after them, no overflow.
+  auto number = [&](int& i, char const* flag, unsigned long long lo, unsigned long long hi) -> unsigned long long {
     if (i + 1 >= argc) { usage_error(std::string(flag) + " needs a value"); }
-    char* end                   = nullptr;
-    std::string const text      = argv[++i];
-    unsigned long long const v  = std::strtoull(text.c_str(), &end, 10);
-    if (text.empty() || *end != '\0' || text[0] == '-') {
-      usage_error(std::string(flag) + " " + text + ": not a non-negative integer");
+    std::string const text = argv[++i];
+    unsigned long long v   = 0;
+    auto const [end, ec]   = std::from_chars(text.data(), text.data() + text.size(), v);
+    std::string const range = std::to_string(lo) + ".." + std::to_string(hi);
+    if (text.empty() || (ec != std::errc{} && ec != std::errc::result_out_of_range) || end != text.data() + text.size()) {
+      usage_error(std::string(flag) + " " + (text.empty() ? "\"\"" : text) + ": not a non-negative integer");
+    }
+    if (ec == std::errc::result_out_of_range || v < lo || v > hi) {
+      usage_error(std::string(flag) + " " + text + ": out of range (" + range + ")");
     }
     return v;
   };
   for (int i = 1; i < argc; ++i) {
     std::string const a = argv[i];
-    if (a == "--elements") {
-      o.elements = number(i, "--elements");
-      if (o.elements == 0) { usage_error("--elements 0: need at least one element"); }
+    if (a == "--help" || a == "-h") {
+      std::printf("%s", usage_text);
+      std::exit(0);
+    } else if (a == "--elements") {
+      o.elements = number(i, "--elements", 1, std::size_t{1} << 40);
     } else if (a == "--reps") {
-      auto const r = number(i, "--reps");
-      if (r == 0 || r > 10000) { usage_error("--reps " + std::to_string(r) + ": need 1..10000"); }
-      o.reps = static_cast<int>(r);
+      o.reps = static_cast<int>(number(i, "--reps", 1, 10000));
     } else if (a == "--threads") {
-      o.threads = number(i, "--threads");
+      o.threads = number(i, "--threads", 0, 4096);
     } else if (a == "--rule" && i + 1 < argc) {
       o.rule = argv[++i];
     } else if (a == "--precision" && i + 1 < argc) {

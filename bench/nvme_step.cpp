@@ -26,6 +26,7 @@
 #include <tierstate/tierstate.hpp>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -35,6 +36,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include <sys/wait.h>
@@ -56,12 +58,13 @@ struct options {
   std::string directory;       // the fresh directory itself (set for children)
 };
 
+constexpr char const* usage_text =
+  "usage: nvme_step [--path DIR] [--elements N >= 4096] [--steps S (1..1000)] [--threads T (0..4096)] "
+  "[--block-size B] [--queue-depth Q] [--no-fio] [--help]\n";
+
 [[noreturn]] void usage_error(std::string const& what)
 {
-  std::fprintf(stderr,
-               "nvme_step: %s\nusage: nvme_step [--path DIR] [--elements N >= 4096] [--steps S >= 1] "
-               "[--threads T] [--block-size B] [--queue-depth Q] [--no-fio]\n",
-               what.c_str());
+  std::fprintf(stderr, "nvme_step: %s\n%s", what.c_str(), usage_text);
   std::exit(2);
 }
 
@@ -72,33 +75,39 @@ options parse(int argc, char** argv)
     if (i + 1 >= argc) { usage_error(std::string(argv[i]) + " needs a value"); }
     return argv[++i];
   };
-  auto number = [&](int& i) -> unsigned long long {
+  // A decimal integer in [lo, hi]: digits only, nothing after them, no overflow.
+  auto number = [&](int& i, unsigned long long lo, unsigned long long hi) -> unsigned long long {
     std::string const flag = argv[i];
     std::string const text = value(i);
-    char* end              = nullptr;
-    auto const v           = std::strtoull(text.c_str(), &end, 10);
-    if (text.empty() || *end != '\0' || text[0] == '-') { usage_error(flag + " " + text + ": not a number"); }
+    unsigned long long v   = 0;
+    auto const [end, ec]   = std::from_chars(text.data(), text.data() + text.size(), v);
+    if (text.empty() || (ec != std::errc{} && ec != std::errc::result_out_of_range) || end != text.data() + text.size()) {
+      usage_error(flag + " " + (text.empty() ? "\"\"" : text) + ": not a non-negative integer");
+    }
+    if (ec == std::errc::result_out_of_range || v < lo || v > hi) {
+      usage_error(flag + " " + text + ": out of range (" + std::to_string(lo) + ".." + std::to_string(hi) + ")");
+    }
     return v;
   };
   for (int i = 1; i < argc; ++i) {
     std::string const a = argv[i];
-    if (a == "--path") {
+    if (a == "--help" || a == "-h") {
+      std::printf("%s", usage_text);
+      std::exit(0);
+    } else if (a == "--path") {
       o.path = value(i);
     } else if (a == "--directory") {  // internal: the parent's fresh directory
       o.directory = value(i);
     } else if (a == "--elements") {
-      o.elements = number(i);
-      if (o.elements < 4096) { usage_error("--elements " + std::to_string(o.elements) + ": need at least 4096"); }
+      o.elements = number(i, 4096, std::size_t{1} << 40);
     } else if (a == "--steps") {
-      auto const s = number(i);
-      if (s == 0 || s > 1000) { usage_error("--steps " + std::to_string(s) + ": need 1..1000"); }
-      o.steps = static_cast<int>(s);
+      o.steps = static_cast<int>(number(i, 1, 1000));
     } else if (a == "--threads") {
-      o.threads = number(i);
+      o.threads = number(i, 0, 4096);
     } else if (a == "--block-size") {
-      o.block_size = number(i);
+      o.block_size = number(i, 0, std::size_t{1} << 40);
     } else if (a == "--queue-depth") {
-      o.queue_depth = static_cast<unsigned>(number(i));
+      o.queue_depth = static_cast<unsigned>(number(i, 0, 1u << 20));
     } else if (a == "--no-fio") {
       o.skip_fio = true;
     } else {

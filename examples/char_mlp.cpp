@@ -5,16 +5,18 @@
 // weights live in the "model"; tierstate's optimizer keeps their fp32 master copy and Adam
 // moments off to the side, as it would for a GPU:
 //   --tier nvme (the default)  OffloadedOptimizer<AdamW, Bf16Mixed, NvmeFile, Pipelined<2>>,
-//                              the state in a scratch file in a fresh directory under /tmp,
-//                              or in --path DIR, streamed through a ring of 4 chunks;
+//                              the state in a nameless scratch file (O_TMPFILE) in $TMPDIR
+//                              or /tmp, or in --path DIR, streamed through a ring of 4
+//                              chunks: nothing to clean up, even after a SIGKILL;
 //   --tier pinned              OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost>, the state in
 //                              host memory. Both give the same losses, bit for bit.
 //
 //   build/examples/char_mlp [--text FILE] [--steps N] [--batch B] [--threads T]
-//                           [--tier nvme|pinned] [--path DIR]
+//                           [--tier nvme|pinned] [--path DIR] [--help]
 #include <tierstate/tierstate.hpp>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -24,9 +26,8 @@
 #include <iterator>
 #include <random>
 #include <string>
+#include <system_error>
 #include <vector>
-
-#include <unistd.h>
 
 #ifndef TIERSTATE_SOURCE_DIR
 #define TIERSTATE_SOURCE_DIR "."
@@ -43,19 +44,43 @@ constexpr int hidden  = 512;  // hidden units
 struct options {
   std::string text = std::string(TIERSTATE_SOURCE_DIR) + "/README.md";
   std::string tier = "nvme";
-  std::string path;  // NvmeFile's directory; empty: a fresh one under /tmp
+  std::string path;  // NvmeFile's directory; empty: the system's temporary directory
   int steps        = 400;
   int batch        = 128;
   std::size_t threads = 0;
 };
 
+// The numeric arguments' ranges: the loop counts steps in an int, the batch sizes the
+// activations (batch x 512 floats each), and thread_pool takes at most 4096 threads.
+constexpr long long max_steps   = 1'000'000'000;
+constexpr long long max_batch   = 1 << 20;
+constexpr long long max_threads = 4096;
+
+constexpr char const* usage_text =
+  "usage: char_mlp [--text FILE] [--steps N (1..1000000000)] [--batch B (1..1048576)] "
+  "[--threads T (0..4096, 0: the CPUs)] [--tier nvme|pinned] [--path DIR]\n";
+
 [[noreturn]] void usage(std::string const& why)
 {
-  std::fprintf(stderr,
-               "char_mlp: %s\nusage: char_mlp [--text FILE] [--steps N >= 1] [--batch B >= 1] [--threads T] "
-               "[--tier nvme|pinned] [--path DIR]\n",
-               why.c_str());
+  std::fprintf(stderr, "char_mlp: %s\n%s", why.c_str(), usage_text);
   std::exit(2);
+}
+
+/// The decimal integer `v` of argument `a`, in [lo, hi]: all of it digits (an optional '-'
+/// first), nothing after them, no overflow; otherwise a usage error naming both.
+long long integer(std::string const& a, std::string const& v, long long lo, long long hi)
+{
+  long long n       = 0;
+  char const* first = v.data();
+  char const* last  = v.data() + v.size();
+  auto const [end, ec] = std::from_chars(first, last, n);
+  std::string const range = std::to_string(lo) + ".." + std::to_string(hi);
+  std::string const shown = v.empty() ? std::string("\"\"") : v;
+  if (ec == std::errc::result_out_of_range || (ec == std::errc{} && end == last && (n < lo || n > hi))) {
+    usage(a + " " + shown + ": out of range (" + range + ")");
+  }
+  if (v.empty() || ec != std::errc{} || end != last) { usage(a + " " + shown + ": not an integer (" + range + ")"); }
+  return n;
 }
 
 options parse(int argc, char** argv)
@@ -63,23 +88,24 @@ options parse(int argc, char** argv)
   options o;
   for (int i = 1; i < argc; ++i) {
     std::string const a = argv[i];
+    if (a == "--help" || a == "-h") {
+      std::printf("%s", usage_text);
+      std::exit(0);
+    }
     if (i + 1 >= argc) { usage("missing value after " + a); }
     std::string const v = argv[++i];
-    char* end           = nullptr;
-    long const n        = std::strtol(v.c_str(), &end, 10);
-    bool const numeric  = !v.empty() && *end == '\0';
     if (a == "--text") {
       o.text = v;
     } else if (a == "--tier" && (v == "nvme" || v == "pinned")) {
       o.tier = v;
     } else if (a == "--path" && !v.empty()) {
       o.path = v;
-    } else if (a == "--steps" && numeric && n >= 1) {
-      o.steps = static_cast<int>(n);
-    } else if (a == "--batch" && numeric && n >= 1) {
-      o.batch = static_cast<int>(n);
-    } else if (a == "--threads" && numeric && n >= 0) {
-      o.threads = static_cast<std::size_t>(n);
+    } else if (a == "--steps") {
+      o.steps = static_cast<int>(integer(a, v, 1, max_steps));
+    } else if (a == "--batch") {
+      o.batch = static_cast<int>(integer(a, v, 1, max_batch));
+    } else if (a == "--threads") {
+      o.threads = static_cast<std::size_t>(integer(a, v, 0, max_threads));
     } else {
       usage("bad argument " + a + " " + v);
     }
@@ -321,23 +347,14 @@ int main(int argc, char** argv)
       using Optimizer = OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost>;
       return train<Optimizer>(o, text, ids, chars, vocab, {}, "PinnedHost (host memory)");
     }
-    // NvmeFile: a fresh directory under /tmp unless --path names one.
-    std::string dir = o.path;
-    bool const fresh = dir.empty();
-    if (fresh) {
-      dir = (std::filesystem::temp_directory_path() / "char_mlp-XXXXXX").string();
-      if (::mkdtemp(dir.data()) == nullptr) {
-        std::fprintf(stderr, "char_mlp: cannot make a directory under %s\n",
-                     std::filesystem::temp_directory_path().c_str());
-        return 1;
-      }
-    }
+    // NvmeFile: its scratch file is nameless (O_TMPFILE; where the filesystem lacks it,
+    // created and unlinked at once), so it can go straight into the temporary directory
+    // ($TMPDIR, else /tmp) unless --path names one: nothing is left there, even by SIGKILL.
+    std::string const dir = o.path.empty() ? std::filesystem::temp_directory_path().string() : o.path;
     using Optimizer = OffloadedOptimizer<AdamW, Bf16Mixed, NvmeFile, Pipelined<2>>;
     Optimizer::options opt_options;
     opt_options.tier.directory = dir;
-    int const result = train<Optimizer>(o, text, ids, chars, vocab, opt_options, "NvmeFile (a scratch file in " + dir + ")");
-    if (fresh) { std::filesystem::remove(dir); }  // the scratch file went with the optimizer
-    return result;
+    return train<Optimizer>(o, text, ids, chars, vocab, opt_options, "NvmeFile (a nameless scratch file in " + dir + ")");
   } catch (std::exception const& e) {
     std::fprintf(stderr, "char_mlp: %s\n", e.what());
     return 1;

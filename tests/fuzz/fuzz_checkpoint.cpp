@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
-// libFuzzer harness for checkpoint loading: every input is written to a file and loaded
-// into an optimizer whose layout matches the seeds (tests/fuzz/seeds, made by
+// libFuzzer harness for checkpoint loading: every input is written to a nameless file (a
+// memfd, else an O_TMPFILE in the temporary directory, so nothing is left behind however
+// the run ends) and loaded, through /proc/self/fd/N, into an optimizer whose layout
+// matches the seeds (tests/fuzz/seeds, made by
 // `fuzz_checkpoint --make-seeds DIR`), with checksum verification off so that mutations
 // reach the parsing and the checks behind it. A load may refuse an input only with
 // tierstate::checkpoint_error or tierstate::io_error; any other exception, crash, hang, leak
@@ -16,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 namespace {
@@ -51,26 +55,48 @@ struct model {
   }
 };
 
-std::string input_path()
-{
-  auto const dir = std::filesystem::temp_directory_path();
-  return (dir / ("fuzz_checkpoint_" + std::to_string(::getpid()) + ".ckpt")).string();
-}
+/// The file every input goes into: a memfd (no name anywhere), or where memfd_create is
+/// missing an O_TMPFILE in the temporary directory (no name either); load() opens it again
+/// through /proc/self/fd/N (and may try O_DIRECT on it, which these refuse: load falls back
+/// to buffered reads).
+struct input_file {
+  int fd = -1;
+  std::string path;
+  input_file()
+  {
+    fd = ::memfd_create("fuzz_checkpoint", MFD_CLOEXEC);
+    if (fd < 0) {
+      fd = ::open(std::filesystem::temp_directory_path().c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+    }
+    if (fd < 0) {
+      std::perror("fuzz_checkpoint: memfd_create and open(O_TMPFILE)");
+      std::abort();
+    }
+    path = "/proc/self/fd/" + std::to_string(fd);
+  }
+  void write(std::uint8_t const* data, std::size_t size) const
+  {
+    if (::ftruncate(fd, 0) != 0) { std::abort(); }
+    std::size_t done = 0;
+    while (done < size) {
+      ssize_t const n = ::pwrite(fd, data + done, size - done, static_cast<off_t>(done));
+      if (n <= 0) { std::abort(); }
+      done += static_cast<std::size_t>(n);
+    }
+  }
+};
 
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size)
 {
   static model m;
-  static std::string const path = input_path();
-  FILE* f = std::fopen(path.c_str(), "wb");
-  if (f == nullptr) { std::abort(); }
-  if (size > 0 && std::fwrite(data, 1, size, f) != size) { std::abort(); }
-  std::fclose(f);
+  static input_file const file;
+  file.write(data, size);
   checkpoint_options o;
   o.verify_checksums = false;
   try {
-    m.opt.load(path, o);
+    m.opt.load(file.path, o);
   } catch (checkpoint_error const&) {
   } catch (io_error const&) {
   }
