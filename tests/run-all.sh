@@ -136,7 +136,8 @@ run_stage() {
       configure "$name" g++ -Darch=native -Db_sanitize=address,undefined -Db_lundef=false \
           -Doptimization=1 -Dcpp_args=-Wno-maybe-uninitialized "${covered_elsewhere[@]}" &&
         test_build "$name" TIERSTATE_TEST_LARGE_SIZE=65539 \
-          UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 ;;
+          UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
+          LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp:print_suppressions=1" ;;
     # ThreadSanitizer with clang. tierstate's threads are std::threads; nothing here uses
     # OpenMP (GCC's OpenMP runtime is invisible to TSan and gives false reports). Baseline
     # x86-64 without the CUDA toolkit, in place of the clang-baseline stage.
