@@ -218,7 +218,9 @@ class uring_engine {
         });
         if (f.error != 0) { break; }
       }
-      if (f.error == 0) {
+      // Once broken, the hung slots are the ones already given up on (held(), their requests
+      // finished): nothing new is started, so there is nothing to give up on again.
+      if (f.error == 0 && broken_.error == 0) {
         for (auto& h : rings_) {
           if (slot_state const* st = first_hung(h, now)) {
             give_up_streaming(*st, done);
