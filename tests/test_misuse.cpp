@@ -3,6 +3,7 @@
 // expected, names at the filesystem's limit, two threads in one optimizer, 100,000 tensors,
 // a checkpoint whose header lies about its size, io_uring forbidden by a seccomp filter, and
 // strings from a file too long to quote.
+#include "matrix.hpp"
 #include "nvme_support.hpp"
 
 #include <catch2/catch.hpp>
@@ -393,9 +394,8 @@ typename O::options race_options(scratch_dir const& d)
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("two threads stepping one optimizer at once: one is refused each time, nothing is corrupted",
-                   "[misuse][threads]", HostOpt<Bf16Mixed>, (NvmeOpt<Bf16Mixed, Synchronous>),
-                   (NvmeOpt<Bf16Mixed, Pipelined<2>>))
+TEMPLATE_LIST_TEST_CASE("two threads stepping one optimizer at once: one is refused each time, nothing is corrupted",
+                        "[misuse][threads]", matrix::race_compositions)
 {
   scratch_dir d;
   // The same gradients and hyper-parameters every step: the state after n steps does not
@@ -496,8 +496,22 @@ TEST_CASE("100,000 tensors register, group, step, save and load in time proporti
 {
   scratch_dir d;
   std::size_t const each = 64;
-  scale_run const small = run_at_scale(10'000, each, d);
-  scale_run const large = run_at_scale(100'000, each, d);
+  // Each phase's best of several runs: a shared machine only ever adds time, and the bounds
+  // below are about growth (n log n against quadratic), which a single stall would blur.
+  auto best_of = [&](int runs, std::size_t n) {
+    scale_run best = run_at_scale(n, each, d);
+    for (int i = 1; i < runs; ++i) {
+      scale_run const r = run_at_scale(n, each, d);
+      best.register_s = std::min(best.register_s, r.register_s);
+      best.group_s    = std::min(best.group_s, r.group_s);
+      best.step_s     = std::min(best.step_s, r.step_s);
+      best.save_s     = std::min(best.save_s, r.save_s);
+      best.load_s     = std::min(best.load_s, r.load_s);
+    }
+    return best;
+  };
+  scale_run const small = best_of(3, 10'000);
+  scale_run const large = best_of(2, 100'000);
   // One step of the same bytes in one tensor: the unit the rest is measured in.
   double unit = 0;
   {
@@ -509,9 +523,9 @@ TEST_CASE("100,000 tensors register, group, step, save and load in time proporti
     std::vector<grad_view<bf16>> const v = {{grads.data(), grads.size()}};
     opt.step(v);
     std::vector<double> t;
-    for (int i = 0; i < 3; ++i) { t.push_back(time_of([&] { opt.step(v); })); }
+    for (int i = 0; i < 5; ++i) { t.push_back(time_of([&] { opt.step(v); })); }
     std::sort(t.begin(), t.end());
-    unit = t[1];
+    unit = t[2];
   }
   double const setup_small = small.register_s + small.group_s;
   double const setup_large = large.register_s + large.group_s;
@@ -521,11 +535,12 @@ TEST_CASE("100,000 tensors register, group, step, save and load in time proporti
               "\"all_in_steps\":%.1f}\n",
               large.register_s, large.group_s, large.step_s, large.save_s, large.load_s, unit,
               setup_large / setup_small, all_large / unit);
-  // n log n gives about 12x from 10,000 to 100,000; quadratic about 100x.
-  CHECK(setup_large <= 20 * std::max(setup_small, 1e-3));
-  // Registering, grouping, stepping, saving and loading 100,000 tensors costs a few steps of
-  // the same bytes in one tensor, not thousands (quadratic registration took 15 to 30 s).
-  CHECK(all_large <= 200 * unit + 0.5);
+  // n log n gives about 12x from 10,000 to 100,000; quadratic about 100x (measured: 104x).
+  CHECK(setup_large <= 30 * std::max(setup_small, 1e-3));
+  // Registering, grouping, stepping, saving and loading 100,000 tensors costs some tens of
+  // steps of the same bytes in one tensor (measured: 88), not thousands (quadratic
+  // registration: 4318, 15 to 30 s).
+  CHECK(all_large <= 400 * unit + 0.5);
 }
 
 TEST_CASE("a header that claims more than a header can need is refused before anything is allocated for it",
