@@ -8,32 +8,38 @@
 #   bash tests/run-all.sh gcc-native clang-tsan    only those stages
 #   bash tests/run-all.sh clang-baseline           a stage CI no longer runs (see below)
 #
-# What each build stage builds (all of them: every unit test, the device tests under
-# Thrust's host backends, the NvmeFile mount and SIGKILL tests, odr, the examples):
-#   gcc-native, clang-native  everything, with the benchmarks' smoke tests, the per-header
-#                             "compiles alone" checks and install_consumers: those depend on
-#                             the compiler only, so these two stages are where they run
-#   gcc-baseline              -march=x86-64 (SSE2), no CUDA toolkit; no benchmarks, header
-#                             checks or install_consumers (-Dbenchmarks=false
-#                             -Dheader_checks=false -Dinstall_check=false)
-#   gcc-asan-ubsan            ASan+UBSan at -O1 (-Doptimization=1, the level ASan's authors
-#                             recommend: its translation units compile in less than half the
-#                             CPU time of the release default's -O3; its tests run about a
-#                             quarter slower); the same three left out
-#   clang-tsan                TSan, also -march=x86-64 with no CUDA toolkit: it takes over
-#                             what only clang-baseline covered (clang on the SSE2 path and
-#                             without CUDA); the same three left out
-# clang-baseline (clang, -march=x86-64, no CUDA) is no longer in the default list: clang-tsan
-# covers it, and clang-native's odr test compiles an x86-64 translation unit with clang too.
-# It still runs when named.
+# What each build stage builds (-Dtest_matrix, -Ddisk_tests: tests/meson.build, tests/matrix.hpp):
+#   gcc-native      everything: the full composition matrix, the "disk" suite (NvmeFile, checkpoints,
+#                   SIGKILLs, mounts, an ordinary user, I/O timeouts), the device tests under Thrust's
+#                   CPP and OMP backends, the CUDA targets (nvcc, sm_90; they skip without a GPU), the
+#                   benchmarks' smoke tests, the per-header "compiles alone" checks, install_consumers
+#                   and the examples
+#   clang-native    the same with clang, less the disk suite (its time is the kernel's and the disk's,
+#                   which the compiler does not change) and the CUDA targets
+#   gcc-baseline    -march=x86-64 (SSE2), no CUDA toolkit: the unit suite over the reduced matrix;
+#                   no disk suite, examples, benchmarks, header checks or install_consumers (they
+#                   depend on the compiler, not on -march: the native stages run them)
+#   gcc-asan-ubsan  ASan+UBSan at -O1 (-Doptimization=1, the level ASan's authors recommend: its
+#                   translation units compile in less than half the CPU time of -O3; its tests run
+#                   about a quarter slower): the unit and disk suites and the examples over the
+#                   reduced matrix; no benchmarks, header checks or install_consumers
+#   clang-tsan      TSan, -march=x86-64, no CUDA toolkit (clang on the SSE2 path): the unit suite
+#                   over the reduced matrix, whose thread tests (thread pool, streaming gate, call
+#                   gate, engines, emulated device streams) are what TSan is for
+# The reduced matrix keeps one or two compositions per list (tests/matrix.hpp says which): these
+# stages exist for another -march or a sanitizer, and the native stages run the full matrix.
+# clang-baseline (clang, -march=x86-64, no CUDA, everything) is no longer in the default list:
+# clang-tsan and clang-native cover it. It still runs when named. So does bench-long: the
+# benchmarks at the sizes whose JSON lines go into issue notes (minutes; see below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 all_stages=(gcc-native clang-native gcc-baseline gcc-asan-ubsan clang-tsan pytorch fuzz bench)
-extra_stages=(clang-baseline)
-# Where another stage already covers them: the benchmarks' smoke tests, the per-header
+extra_stages=(clang-baseline bench-long)
+# Where the native stages already cover them: the benchmarks' smoke tests, the per-header
 # compile checks and install_consumers (see above).
 covered_elsewhere=(-Dbenchmarks=false -Dheader_checks=false -Dinstall_check=false)
+reduced=(-Dtest_matrix=reduced)
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=("${all_stages[@]}")
 
@@ -78,7 +84,14 @@ PY
   [ "$bad" -eq 0 ]
 }
 
-run_pytorch() {
+# torch_venv: sets venv_path to a virtual environment with torch 2.11.0 and numpy, made when missing.
+torch_venv() {
+  if [ -n "${torch_prefetch_pid:-}" ]; then
+    # Made in the background since the run began (see below): wait for it, show its log.
+    wait "$torch_prefetch_pid"
+    torch_prefetch_pid=
+    cat build-pytorch/venv.log
+  fi
   local own=$HOME/.cache/tierstate/torch-2.11.0
   local venv=${TIERSTATE_TORCH_VENV:-$own}
   local check="import torch, numpy; assert torch.__version__.split('+')[0] == '2.11.0', torch.__version__"
@@ -95,6 +108,22 @@ run_pytorch() {
     "$venv/bin/python" -c "$check" || return 1
   fi
   "$venv/bin/python" -c "import torch; print('torch', torch.__version__, 'from', torch.__file__)"
+  venv_path=$venv
+}
+
+# run_torch_bench ARGS...: bench/torch_step.py against torch.optim.AdamW's implementations,
+# with the extension build-pytorch/ holds (built once per run: PyTorch's cache reuses it).
+run_torch_bench() {
+  [ -n "${venv_path:-}" ] || torch_venv || return 1
+  TORCH_EXTENSIONS_DIR="$PWD/build-pytorch/torch_extensions" TIERSTATE_TORCH_CUDA=0 \
+    "$venv_path/bin/python" bench/torch_step.py "$@" \
+    ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} 2>&1 | grep -v "No CUDA runtime is found"
+  [ "${PIPESTATUS[0]}" -eq 0 ]
+}
+
+run_pytorch() {
+  torch_venv || return 1
+  local venv=$venv_path
   mkdir -p build-pytorch
   local out=build-pytorch/parity.log
   TORCH_EXTENSIONS_DIR="$PWD/build-pytorch/torch_extensions" TIERSTATE_TEST_DIR="$PWD/build-pytorch" \
@@ -108,10 +137,7 @@ run_pytorch() {
   echo "stage pytorch: $((ran - bad)) passed, $bad failed, $skip skipped"
   [ "$rc" -eq 0 ] || return 1
   # The step against torch.optim.AdamW's implementations, JSON lines for the record.
-  TORCH_EXTENSIONS_DIR="$PWD/build-pytorch/torch_extensions" TIERSTATE_TORCH_CUDA=0 \
-    "$venv/bin/python" bench/torch_step.py --elements 16777216 --reps 5 \
-    ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} 2>&1 | grep -v "No CUDA runtime is found"
-  [ "${PIPESTATUS[0]}" -eq 0 ]
+  run_torch_bench --elements 16777216 --reps 5
 }
 
 run_stage() {
@@ -120,31 +146,37 @@ run_stage() {
     # gcc-native also builds the CUDA variants with nvcc (sm_90; their tests skip without a
     # GPU) and must find Thrust for the device tests: both are required, not detected.
     gcc-native) configure "$name" g++ -Darch=native -Dcuda=enabled -Dthrust=enabled -Dnvcc_targets=true && test_build "$name" ;;
-    clang-native) configure "$name" clang++ -Darch=native -Dthrust=enabled && test_build "$name" ;;
+    clang-native) configure "$name" clang++ -Darch=native -Dthrust=enabled -Ddisk_tests=false && test_build "$name" ;;
     # The baseline x86-64 builds also prove that nothing needs the CUDA toolkit.
     gcc-baseline)
-      configure "$name" g++ -Darch=x86-64 -Dcuda=disabled -Dthrust=enabled "${covered_elsewhere[@]}" &&
-        test_build "$name" ;;
+      configure "$name" g++ -Darch=x86-64 -Dcuda=disabled -Dthrust=enabled "${covered_elsewhere[@]}" \
+          "${reduced[@]}" -Ddisk_tests=false -Dexamples=false &&
+        test_build "$name" TIERSTATE_TEST_LARGE_SIZE=65539 ;;
     # Not in the default list (clang-tsan covers it); everything, as before, when named.
     clang-baseline) configure "$name" clang++ -Darch=x86-64 -Dcuda=disabled -Dthrust=enabled && test_build "$name" ;;
-    # Sanitizers: the large-size kernel test shrinks to 65539 elements (15-50x slower per
-    # element there; a larger array reaches no further code). Under the sanitizers GCC 12's
-    # -Wmaybe-uninitialized reports false positives inside libstdc++'s <regex> (reached from
-    # Catch2's header, in tests/catch_main.cpp; at -O1 and at -O3 alike). meson.build's GCC 12
-    # AVX-512 quirk already turns it off where -march=native has AVX-512; this stage turns it
-    # off on any CPU. The other g++ stages keep it as an error.
+    # The large-size kernel test shrinks to 65539 elements in the baseline and sanitizer
+    # stages (a larger array reaches no further code; at 2^20 + 3 it took 189 s of the
+    # baseline stage, where fp16 converts without F16C, and each element costs 15-50x more
+    # under the sanitizers). Under the sanitizers GCC 12's -Wmaybe-uninitialized reports false
+    # positives inside libstdc++'s <regex> (reached from Catch2's header, in
+    # tests/catch_main.cpp; at -O1 and at -O3 alike). meson.build's GCC 12 AVX-512 quirk
+    # already turns it off where -march=native has AVX-512; this stage turns it off on any
+    # CPU. The other g++ stages keep it as an error. _GLIBCXX_ASSERTIONS bounds-checks
+    # libstdc++'s operator[] and friends: ASan cannot see an index past a vector's size that
+    # stays within its capacity (such an index, into the io_uring engine's requests, leaked
+    # the hint string an LSan suppression hid until 2026-12-01).
     gcc-asan-ubsan)
       configure "$name" g++ -Darch=native -Db_sanitize=address,undefined -Db_lundef=false \
-          -Doptimization=1 -Dcpp_args=-Wno-maybe-uninitialized "${covered_elsewhere[@]}" &&
+          -Doptimization=1 "-Dcpp_args=['-Wno-maybe-uninitialized','-D_GLIBCXX_ASSERTIONS']" \
+          "${covered_elsewhere[@]}" "${reduced[@]}" -Dexamples=false &&
         test_build "$name" TIERSTATE_TEST_LARGE_SIZE=65539 \
-          UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 \
-          LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp:print_suppressions=1" ;;
+          UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 ;;
     # ThreadSanitizer with clang. tierstate's threads are std::threads; nothing here uses
     # OpenMP (GCC's OpenMP runtime is invisible to TSan and gives false reports). Baseline
     # x86-64 without the CUDA toolkit, in place of the clang-baseline stage.
     clang-tsan)
       configure "$name" clang++ -Darch=x86-64 -Dcuda=disabled -Dthrust=enabled -Db_sanitize=thread \
-          -Db_lundef=false "${covered_elsewhere[@]}" &&
+          -Db_lundef=false "${covered_elsewhere[@]}" "${reduced[@]}" -Ddisk_tests=false -Dexamples=false &&
         test_build "$name" TIERSTATE_TEST_LARGE_SIZE=65539 TSAN_OPTIONS=halt_on_error=1 ;;
     # The PyTorch extension (examples/pytorch) against torch.optim.AdamW on CPU, with
     # PyTorch 2.11.0 from PyPI in a virtual environment kept between runs
@@ -174,9 +206,32 @@ run_stage() {
         { configure gcc-native g++ -Darch=native && meson compile -C build-gcc-native; } || return 1
       build-gcc-native/bench/host_step &&
         build-gcc-native/bench/nvme_step ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} ;;
+    # Opt-in (named only): the benchmarks at the sizes and repetitions whose JSON lines go into
+    # issue notes. host_step at 2^27 elements, 15 reps; nvme_step's two sizes over 20 steps;
+    # torch_step at 2^26 elements, 11 reps (the pytorch stage's environment, made if missing).
+    bench-long)
+      [ -x build-gcc-native/bench/host_step ] && [ -x build-gcc-native/bench/nvme_step ] ||
+        { configure gcc-native g++ -Darch=native && meson compile -C build-gcc-native; } || return 1
+      build-gcc-native/bench/host_step --elements 134217728 --reps 15 &&
+        build-gcc-native/bench/nvme_step --steps 20 ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} &&
+        run_torch_bench --elements 67108864 --reps 11 ;;
     *) echo "unknown stage $name (stages: ${all_stages[*]} ${extra_stages[*]})"; return 1 ;;
   esac
 }
+
+# The PyTorch stages' environment (about 2.6 GB of wheels where it is missing) is fetched in
+# the background from the start: the download waits on the network, the build stages on the
+# CPUs, so neither waits for the other.
+torch_prefetch_pid=
+for s in "${stages[@]}"; do
+  case $s in
+    pytorch | bench-long)
+      mkdir -p build-pytorch
+      (torch_venv) >build-pytorch/venv.log 2>&1 &
+      torch_prefetch_pid=$!
+      break ;;
+  esac
+done
 
 for s in "${stages[@]}"; do
   echo "=== stage $s"

@@ -2,6 +2,7 @@
 // Checkpoints: resume is exact (also across tiers), every difference and every corruption
 // is a clear error that changes nothing, and a failing save leaves the previous checkpoint
 // whole, at every I/O position.
+#include "matrix.hpp"
 #include "nvme_support.hpp"
 
 #include <catch2/catch.hpp>
@@ -60,8 +61,8 @@ void flip_bit(std::filesystem::path const& p, std::uint64_t offset, int bit)
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("N steps, save, load into a fresh optimizer, M steps: the bits of N + M steps", "[checkpoint]",
-                   Fp32, Bf16Mixed)
+TEMPLATE_LIST_TEST_CASE("N steps, save, load into a fresh optimizer, M steps: the bits of N + M steps", "[checkpoint]",
+                        matrix::precisions)
 {
   using P = TestType;
   scratch_dir d;

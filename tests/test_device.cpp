@@ -6,9 +6,8 @@
 // OMP, set by the build) over the emulated device of core/device_runtime.hpp, whose streams
 // are threads. And by nvcc with TIERSTATE_ENABLE_CUDA (test_device_cuda.cu), on the GPU,
 // where it runs only when there is a device.
+#include "device_matrix.hpp"
 #include "nvme_support.hpp"
-
-#include <tierstate/kernels/device/on_device.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -25,6 +24,7 @@
 
 using namespace tierstate;
 using namespace tierstate::test;
+using namespace tierstate::test::matrix;
 
 namespace {
 
@@ -164,9 +164,8 @@ void check_rule()
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("the device kernel under Thrust's host backend gives the host kernel's bits",
-                   "[device][kernel]", Fp32, Bf16Mixed, Fp16Mixed, Bf16MixedBf16State,
-                   (Precision<bf16, float>), (Precision<fp16, float, float, bf16>))
+TEMPLATE_LIST_TEST_CASE("the device kernel under Thrust's host backend gives the host kernel's bits",
+                        "[device][kernel]", kernel_precisions)
 {
   INFO("Thrust device system: " << device::system_name());
   check_rule<Adam, TestType>();
@@ -219,18 +218,14 @@ TEST_CASE("the device kernel refuses missing arrays, and finds non-finite values
   s.synchronize();
 }
 
+// The OMP build (test_device_omp) has the kernel tests only: the compositions below call the
+// kernels those tests check under OMP, and that build never ran them (it ran `[kernel]`);
+// it compiled them for nothing.
+#if !defined(TIERSTATE_TEST_DEVICE_KERNEL_ONLY)
+
 // --- the compositions --------------------------------------------------------------------
 
 namespace {
-
-template <class P, unsigned D = 2>
-using DeviceResident = OffloadedOptimizer<AdamW, P, Device, CudaOverlapped<D>, OnDevice>;
-template <class P, unsigned D = 2>
-using ZeroOffload = OffloadedOptimizer<AdamW, P, PinnedHost, CudaOverlapped<D>, OnHost<>>;
-template <class P, unsigned D = 2>
-using ZeroInfinity = OffloadedOptimizer<AdamW, P, NvmeFile, CudaOverlapped<D>, OnHost<>>;
-template <class P, class Tier = PinnedHost, unsigned D = 2>
-using Streamed = OffloadedOptimizer<AdamW, P, Tier, CudaOverlapped<D>, OnDevice>;
 
 static_assert(device_tier<Device> && !addressable_tier<Device>);
 static_assert(is_cuda_overlapped_v<CudaOverlapped<3>> && CudaOverlapped<3>::staging_buffers == 5);
@@ -304,8 +299,8 @@ typename Opt::options chunked(std::size_t chunk, std::size_t threads = 0)
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("the four device compositions give PinnedHost + Synchronous's bits over 50 steps",
-                   "[device][compositions]", Fp32, Bf16Mixed, Bf16MixedBf16State)
+TEMPLATE_LIST_TEST_CASE("the four device compositions give PinnedHost + Synchronous's bits over 50 steps",
+                        "[device][compositions]", state_precisions)
 {
   using P = TestType;
   for (std::size_t const chunk : {std::size_t{2048}, std::size_t{6144}, std::size_t{1} << 20}) {
@@ -431,10 +426,8 @@ run_result train_on_device_streaming(int steps, typename Opt::options const& o)
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("streaming steps on the device compositions give step()'s bits",
-                   "[device][streaming]", DeviceResident<Bf16Mixed>, ZeroOffload<Bf16Mixed>,
-                   ZeroInfinity<Bf16Mixed>, Streamed<Bf16Mixed>, (Streamed<Bf16Mixed, NvmeFile>),
-                   ZeroOffload<Fp32>)
+TEMPLATE_LIST_TEST_CASE("streaming steps on the device compositions give step()'s bits",
+                        "[device][streaming]", device_streaming_compositions)
 {
   using P = typename TestType::precision_type;
   scratch_dir d;
@@ -495,9 +488,8 @@ TEST_CASE("a device step moves the bytes its composition says, through fixed sta
   }
 }
 
-TEMPLATE_TEST_CASE("a non-finite device gradient skips the step, with every composition",
-                   "[device][nonfinite]", DeviceResident<Bf16Mixed>, ZeroOffload<Bf16Mixed>,
-                   Streamed<Bf16Mixed>)
+TEMPLATE_LIST_TEST_CASE("a non-finite device gradient skips the step, with every composition",
+                        "[device][nonfinite]", device_nonfinite_compositions)
 {
   test_model<Bf16Mixed> m({5000, 30000});
   mirrored<bf16> a(m.params[0]), b(m.params[1]);
@@ -622,8 +614,8 @@ struct faulty_device_run {
   }
 };
 
-TEMPLATE_TEST_CASE("an I/O error in a device step throws, and the optimizer refuses to go on",
-                   "[device][errors]", (Streamed<Bf16Mixed, NvmeFile>), ZeroInfinity<Bf16Mixed>)
+TEMPLATE_LIST_TEST_CASE("an I/O error in a device step throws, and the optimizer refuses to go on",
+                        "[device][errors]", device_nvme_compositions)
 {
   faulty_device_run<TestType> run;
   run.faults->fail(io::op::write, run.faults->seen(io::op::write) + 10, EIO);
@@ -632,8 +624,8 @@ TEMPLATE_TEST_CASE("an I/O error in a device step throws, and the optimizer refu
   CHECK_THROWS_AS(run.opt->step(run.m.views(3)), state_lost);
 }
 
-TEMPLATE_TEST_CASE("a failed first read of a device step changes nothing, and it can be retried",
-                   "[device][errors]", (Streamed<Bf16Mixed, NvmeFile>), ZeroInfinity<Bf16Mixed>)
+TEMPLATE_LIST_TEST_CASE("a failed first read of a device step changes nothing, and it can be retried",
+                        "[device][errors]", device_nvme_compositions)
 {
   faulty_device_run<TestType> run;
   auto const before = bits_of(run.m.downloaded().params);
@@ -645,3 +637,5 @@ TEMPLATE_TEST_CASE("a failed first read of a device step changes nothing, and it
   run.opt->step(run.m.views(2));
   CHECK(run.opt->step_count() == 2);
 }
+
+#endif  // !TIERSTATE_TEST_DEVICE_KERNEL_ONLY

@@ -8,6 +8,7 @@
 // previous checkpoint survives, no temporary is left) and load (nothing changes). And a
 // user's streaming tier whose stream_progress throws: the step throws, once per step, with no
 // busy loop and no hang.
+#include "matrix.hpp"
 #include "nvme_support.hpp"
 
 #include <tierstate/io/engine.hpp>
@@ -438,8 +439,8 @@ struct hung_run {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("an NvmeFile step whose first read never answers throws ETIMEDOUT in bounded time, changing nothing",
-                   "[nvme][timeout]", Synchronous, Pipelined<2>)
+TEMPLATE_LIST_TEST_CASE("an NvmeFile step whose first read never answers throws ETIMEDOUT in bounded time, changing nothing",
+                        "[nvme][timeout]", matrix::host_transfers)
 {
   auto const kind = GENERATE(hang_kind::cancellable, hang_kind::uncancellable, hang_kind::psync);
   INFO(name_of(kind));
@@ -480,8 +481,8 @@ TEMPLATE_TEST_CASE("an NvmeFile step whose first read never answers throws ETIME
   REQUIRE(gone);
 }
 
-TEMPLATE_TEST_CASE("an NvmeFile write that never answers in the middle of a step throws ETIMEDOUT and loses the state",
-                   "[nvme][timeout]", Synchronous, Pipelined<2>)
+TEMPLATE_LIST_TEST_CASE("an NvmeFile write that never answers in the middle of a step throws ETIMEDOUT and loses the state",
+                        "[nvme][timeout]", matrix::host_transfers)
 {
   hung_run<TestType> run;
   run.step(1);

@@ -2,6 +2,7 @@
 // NvmeFile and Pipelined<Depth>: bit for bit what PinnedHost + Synchronous gives, for every
 // depth, chunk size and I/O backend; scratch files that are private, never reused, and
 // gone afterwards; and every I/O failure either harmless or loudly fatal, never silent.
+#include "matrix.hpp"
 #include "nvme_support.hpp"
 
 #include <catch2/catch.hpp>
@@ -26,8 +27,8 @@ namespace {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("NvmeFile + Pipelined<Depth> gives PinnedHost + Synchronous's bits over 50 steps",
-                   "[nvme]", Fp32, Bf16Mixed)
+TEMPLATE_LIST_TEST_CASE("NvmeFile + Pipelined<Depth> gives PinnedHost + Synchronous's bits over 50 steps",
+                        "[nvme]", matrix::precisions)
 {
   using P = TestType;
   int const steps = 50;

@@ -2,6 +2,7 @@
 // OffloadedOptimizer on the host: bit-for-bit the bare kernel's results over several
 // tensors and groups, whatever the chunk size, thread count and tier; custom tiers; the
 // non-finite policy; copy_state; and a clear exception for every bad input.
+#include "matrix.hpp"
 #include "support.hpp"
 
 #include <catch2/catch.hpp>
@@ -153,9 +154,8 @@ void check_optimizer_matches_kernel(std::size_t chunk_elements, std::size_t thre
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("the optimizer gives the bare kernel's bits for any chunk size, thread count and tier",
-                   "[optimizer]", (std::pair<AdamW, Bf16Mixed>), (std::pair<Adam, Fp32>),
-                   (std::pair<AdamWAmsgrad, Fp16Mixed>), (std::pair<AdamW, Bf16MixedBf16State>))
+TEMPLATE_LIST_TEST_CASE("the optimizer gives the bare kernel's bits for any chunk size, thread count and tier",
+                        "[optimizer]", matrix::rules_x_precisions)
 {
   using R = typename TestType::first_type;
   using P = typename TestType::second_type;

@@ -7,12 +7,14 @@
 // count, tensors still accepted where they were (the state not yet made), the same result of
 // the next steps, the same state after them, bit for bit.
 //
-// Built twice: for the host compositions, and (test_refusals_device, with a Thrust host
-// backend) for the device compositions on the emulated device as well.
+// One executable: the host compositions, and where Thrust is (built with its CPP backend)
+// the device compositions on the emulated device as well. The compositions are the matrix's
+// (matrix.hpp, device_matrix.hpp).
+#include "matrix.hpp"
 #include "nvme_support.hpp"
 
 #if defined(THRUST_DEVICE_SYSTEM)
-#include <tierstate/kernels/device/on_device.hpp>
+#include "device_matrix.hpp"
 #endif
 
 #include <catch2/catch.hpp>
@@ -419,11 +421,8 @@ typename Opt::options options_for(scratch_dir const& d)
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("a refused call leaves the optimizer as its twin: host compositions", "[refusals]",
-                   (OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost, Synchronous>),
-                   (OffloadedOptimizer<AdamW, Fp32, PinnedHost, Synchronous>),
-                   (OffloadedOptimizer<AdamW, Bf16Mixed, NvmeFile, Synchronous>),
-                   (OffloadedOptimizer<AdamW, Bf16Mixed, NvmeFile, Pipelined<2>>))
+TEMPLATE_LIST_TEST_CASE("a refused call leaves the optimizer as its twin: host compositions", "[refusals]",
+                        matrix::host_compositions)
 {
   scratch_dir state, files;
   every_refusal_leaves_no_trace<TestType>(options_for<TestType>(state), files);
@@ -467,11 +466,8 @@ TEST_CASE("a refused call leaves the optimizer as its twin: the delayed update",
 }
 
 #if defined(THRUST_DEVICE_SYSTEM)
-TEMPLATE_TEST_CASE("a refused call leaves the optimizer as its twin: device compositions", "[refusals][device]",
-                   (OffloadedOptimizer<AdamW, Bf16Mixed, Device, CudaOverlapped<2>, OnDevice>),
-                   (OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost, CudaOverlapped<2>, OnHost<>>),
-                   (OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost, CudaOverlapped<2>, OnDevice>),
-                   (OffloadedOptimizer<AdamW, Bf16Mixed, NvmeFile, CudaOverlapped<2>, OnDevice>))
+TEMPLATE_LIST_TEST_CASE("a refused call leaves the optimizer as its twin: device compositions", "[refusals][device]",
+                        matrix::device_compositions)
 {
   scratch_dir state, files;
   every_refusal_leaves_no_trace<TestType>(options_for<TestType>(state), files);

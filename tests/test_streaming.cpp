@@ -3,6 +3,7 @@
 // same bits with gradients handed over in any order, from several threads, with tensors
 // that get no gradient, with accumulation, clipping and skipped steps; and updates that
 // happen before the last gradient arrives.
+#include "matrix.hpp"
 #include "nvme_support.hpp"
 
 #include <catch2/catch.hpp>
@@ -91,8 +92,8 @@ typename Opt::options streaming_options(std::size_t chunk, nonfinite_policy p, d
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("a streaming step gives step()'s bits, in any order and from any thread",
-                   "[streaming]", Fp32, Bf16Mixed)
+TEMPLATE_LIST_TEST_CASE("a streaming step gives step()'s bits, in any order and from any thread",
+                        "[streaming]", matrix::precisions)
 {
   using P = TestType;
   scratch_dir d;
@@ -332,8 +333,8 @@ std::vector<run_result> params_each_step(int steps, typename Opt::options const&
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("the delayed update: the model's params are one step behind, then flush catches up",
-                   "[streaming][delayed]", Fp32, Bf16Mixed)
+TEMPLATE_LIST_TEST_CASE("the delayed update: the model's params are one step behind, then flush catches up",
+                        "[streaming][delayed]", matrix::precisions)
 {
   using P = TestType;
   scratch_dir d;
