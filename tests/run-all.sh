@@ -12,17 +12,20 @@
 #   gcc-native      everything: the full composition matrix, the "disk" suite (NvmeFile, checkpoints,
 #                   SIGKILLs, mounts, an ordinary user, I/O timeouts), the device tests under Thrust's
 #                   CPP and OMP backends, the CUDA targets (nvcc, sm_90; they skip without a GPU), the
-#                   benchmarks' smoke tests, the per-header "compiles alone" checks, install_consumers
-#                   and the examples
+#                   benchmarks' smoke tests, the per-header "compiles alone" checks, install_consumers,
+#                   the compile-fail tests (tests/compile_fail/: each wrong use and its sentence) and
+#                   the examples
 #   clang-native    the same with clang, less the disk suite (its time is the kernel's and the disk's,
 #                   which the compiler does not change) and the CUDA targets
 #   gcc-baseline    -march=x86-64 (SSE2), no CUDA toolkit: the unit suite over the reduced matrix;
-#                   no disk suite, examples, benchmarks, header checks or install_consumers (they
-#                   depend on the compiler, not on -march: the native stages run them)
+#                   no disk suite, examples, benchmarks, header checks, install_consumers or
+#                   compile-fail tests (they depend on the compiler, not on -march: the native
+#                   stages run them)
 #   gcc-asan-ubsan  ASan+UBSan at -O1 (-Doptimization=1, the level ASan's authors recommend: its
 #                   translation units compile in less than half the CPU time of -O3; its tests run
-#                   about a quarter slower): the unit and disk suites and the examples over the
-#                   reduced matrix; no benchmarks, header checks or install_consumers
+#                   about a quarter slower): the unit and disk suites over the reduced
+#                   matrix, with libstdc++'s assertions (_GLIBCXX_ASSERTIONS); no examples,
+#                   benchmarks, header checks, install_consumers or compile-fail tests
 #   clang-tsan      TSan, -march=x86-64, no CUDA toolkit (clang on the SSE2 path): the unit suite
 #                   over the reduced matrix, whose thread tests (thread pool, streaming gate, call
 #                   gate, engines, emulated device streams) are what TSan is for
@@ -38,7 +41,7 @@ all_stages=(gcc-native clang-native gcc-baseline gcc-asan-ubsan clang-tsan pytor
 extra_stages=(clang-baseline bench-long)
 # Where the native stages already cover them: the benchmarks' smoke tests, the per-header
 # compile checks and install_consumers (see above).
-covered_elsewhere=(-Dbenchmarks=false -Dheader_checks=false -Dinstall_check=false)
+covered_elsewhere=(-Dbenchmarks=false -Dheader_checks=false -Dinstall_check=false -Dcompile_fail_tests=false)
 reduced=(-Dtest_matrix=reduced)
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=("${all_stages[@]}")
