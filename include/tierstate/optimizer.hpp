@@ -90,7 +90,7 @@
 #include <unordered_map>
 #include <vector>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 namespace detail {
 
 /// Who is inside an optimizer's members: a second thread entering while another is inside is

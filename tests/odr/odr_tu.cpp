@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// Compiled twice into one program: once for baseline x86-64 (SSE2, no FMA, no F16C) and
-// once for the build machine (-march=native). Both instantiate the same kernels through
-// the same source text; if any configuration-dependent definition shared a mangled name,
-// the linker would keep one and one side would run the other's code.
+// Compiled several times into one program: for baseline x86-64 (SSE2, no FMA, no F16C), for
+// the build machine (-march=native), and for AVX2 with FMA with and without F16C, and for
+// AVX-512 (tests/meson.build). Each instantiates the same kernels and the same optimizer
+// through the same source text; if any configuration-dependent definition shared a mangled
+// name, the linker would keep one and the other side would run its code (check_symbols.py
+// looks for such a name in the objects).
 #include "odr_tu.hpp"
 
 #include <tierstate/tierstate.hpp>
@@ -38,8 +40,21 @@ odr_result ODR_FUNCTION()
     host::update<AdamW, Bf16Mixed>(pool, AdamW::coefficients_for(hp, t), a, n);
     host::update<AdamW, Fp16Mixed>(pool, AdamW::coefficients_for(hp, t, 256.0), h, n);
   }
+  // The optimizer's members too (its step inlines the kernels): fp16 params from the same
+  // start, 5 steps.
+  std::vector<fp16> oparam(hparam.size());
+  std::vector<fp16> ograd(hparam.size());
+  for (std::size_t i = 0; i < n; ++i) {
+    oparam[i] = fp16(0.25f + static_cast<float>(i % 89) * 0.01f);
+    ograd[i]  = fp16(static_cast<float>(static_cast<int>(i % 103) - 51) * 1e-3f);
+  }
+  OffloadedOptimizer<AdamW, Fp16Mixed, PinnedHost, Synchronous> opt({}, {.chunk_elements = 2048, .threads = 2});
+  opt.add_tensor("w", oparam.data(), n);
+  grad_view<fp16> const og{ograd.data(), n};
+  for (int t = 1; t <= 5; ++t) { opt.step({&og, 1}); }
   odr_result r;
   r.arch = host::arch_name();
+  for (std::size_t i = 0; i < n; ++i) { r.bits.push_back(oparam[i].bits); }
   for (std::size_t i = 0; i < n; ++i) {
     r.bits.push_back(param[i].bits);
     r.bits.push_back(hparam[i].bits);

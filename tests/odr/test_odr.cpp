@@ -21,6 +21,53 @@ TEST_CASE("baseline and native kernels coexist in one program and agree bit for 
   CHECK(differ == 0);
 }
 
+#if defined(TIERSTATE_TEST_ODR_X86_LEVELS)
+namespace {
+
+std::size_t differences(odr_result const& a, odr_result const& b)
+{
+  if (a.bits.size() != b.bits.size()) { return a.bits.size() + b.bits.size(); }
+  std::size_t n = 0;
+  for (std::size_t i = 0; i < a.bits.size(); ++i) { n += a.bits[i] != b.bits[i]; }
+  return n;
+}
+
+}  // namespace
+
+// The translation units that differ in one flag only (F16C; AVX-512 over x86-64-v3) run
+// where this CPU has what they were built for; check_symbols.py checks their objects on
+// any CPU.
+TEST_CASE("translation units that differ only in F16C, or only in AVX-512, each run their own code and agree",
+          "[odr]")
+{
+  odr_result const base = odr_baseline();
+  __builtin_cpu_init();
+  bool const avx2_fma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2_fma) {
+    odr_result const plain = odr_avx2_fma();
+    CHECK(plain.arch.find("avx2") != std::string::npos);  // xsimd 8: "fma3+avx2"
+    CHECK(differences(plain, base) == 0);
+  }
+  if (avx2_fma && __builtin_cpu_supports("f16c")) {
+    odr_result const f16c = odr_avx2_fma_f16c();
+    CHECK(f16c.arch.find("avx2") != std::string::npos);
+    CHECK(differences(f16c, base) == 0);
+  }
+  if (avx2_fma && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2")) {
+    odr_result const v3 = odr_avx2();
+    CHECK(differences(v3, base) == 0);
+  }
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")) {
+    odr_result const v4 = odr_avx512();
+    CHECK(v4.arch.rfind("avx512", 0) == 0);
+    CHECK(differences(v4, base) == 0);
+  } else {
+    WARN("this CPU has no AVX-512: odr_avx512 (x86-64-v4) is linked and its symbols checked, not run");
+  }
+}
+#endif
+
 #if defined(TIERSTATE_TEST_DEVICE_ODR)
 TEST_CASE("device kernels of Thrust's CPP and OMP systems coexist in one program and agree", "[odr][device]")
 {

@@ -51,7 +51,7 @@
 #endif
 #include <xxhash.h>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 /// A checkpoint that cannot be used: corrupt, truncated, of another format, or saved from a
 /// different optimizer. what() names the file and what was wrong (which chunk, which field,

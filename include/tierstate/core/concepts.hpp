@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <string_view>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 /// One per-element array of optimizer state. The names are PyTorch's state_dict keys.
 enum class slot : std::uint8_t {

@@ -45,7 +45,7 @@
 #include <thread>
 #endif
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 /// A failed device runtime call; what() names the call and the runtime's reason.
 class cuda_error : public std::runtime_error {
@@ -54,7 +54,6 @@ class cuda_error : public std::runtime_error {
 };
 
 namespace device {
-inline namespace TIERSTATE_CUDA_ABI {
 
 #if defined(TIERSTATE_ENABLE_CUDA)
 
@@ -76,7 +75,7 @@ namespace detail {
   do {                                                                                 \
     cudaError_t const tierstate_cuda_status_ = (call);                                 \
     if (tierstate_cuda_status_ != cudaSuccess) [[unlikely]] {                          \
-      ::tierstate::device::TIERSTATE_CUDA_ABI::detail::throw_cuda(tierstate_cuda_status_, #call);       \
+      ::tierstate::device::detail::throw_cuda(tierstate_cuda_status_, #call);       \
     }                                                                                  \
   } while (false)
 
@@ -468,6 +467,5 @@ inline void deallocate_async(void* p, stream_view s) noexcept
 
 #endif
 
-}  // namespace TIERSTATE_CUDA_ABI
 }  // namespace device
 }  // namespace tierstate

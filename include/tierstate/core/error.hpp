@@ -12,6 +12,8 @@
 // is false; the message is built only on failure.
 #pragma once
 
+#include <tierstate/core/config.hpp>
+
 #include <array>
 #include <charconv>
 #include <sstream>
@@ -20,7 +22,7 @@
 #include <type_traits>
 #include <utility>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 /// A refused option: `option()` names it (for example "AdamW.lr") and `value()` holds the
 /// refused value as text. what() is a full sentence meant for the user.

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 /// One registered tensor's place in the layout.
 struct tensor_extent {

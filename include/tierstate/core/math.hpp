@@ -18,7 +18,7 @@
 
 #include <cmath>
 
-namespace tierstate::math {
+namespace tierstate::inline TIERSTATE_ABI::math {
 
 /// Customization point: specialize for a value type to let rules run on it.
 template <class V>

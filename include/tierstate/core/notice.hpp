@@ -8,6 +8,8 @@
 // Thread safety: all functions may be called from any thread.
 #pragma once
 
+#include <tierstate/core/config.hpp>
+
 #include <cstdio>
 #include <functional>
 #include <mutex>
@@ -16,7 +18,7 @@
 #include <string_view>
 #include <utility>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 using notice_handler = std::function<void(std::string_view key, std::string_view text)>;
 

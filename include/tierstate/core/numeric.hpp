@@ -18,7 +18,7 @@
 #include <string_view>
 #include <type_traits>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 namespace detail {
 
 TIERSTATE_HOST_DEVICE constexpr std::uint32_t bits_of(float x) noexcept

@@ -7,7 +7,7 @@
 #include <string>
 #include <type_traits>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 /// The types of one optimizer step.
 ///

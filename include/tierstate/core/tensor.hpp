@@ -2,11 +2,13 @@
 // Where memory lives, and the views the optimizer's API takes.
 #pragma once
 
+#include <tierstate/core/config.hpp>
+
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 /// Where a param or gradient array lives.
 enum class location : std::uint8_t {

@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 /// The CPUs this process may run on (its affinity mask), at least 1.
 [[nodiscard]] std::size_t available_cpus() noexcept;

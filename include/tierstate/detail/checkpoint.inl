@@ -16,7 +16,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 namespace detail {
 
 /// A file descriptor closed on scope exit.

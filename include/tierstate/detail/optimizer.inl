@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 namespace detail {
 
 inline double seconds_since(std::chrono::steady_clock::time_point t0) noexcept

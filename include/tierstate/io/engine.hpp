@@ -53,7 +53,7 @@
 #include <utility>
 #include <vector>
 
-namespace tierstate::io {
+namespace tierstate::inline TIERSTATE_ABI::io {
 
 /// The backend the options name, behind one interface.
 class engine {

@@ -2,12 +2,14 @@
 // tierstate::io_error: every I/O failure, naming path, offset, length, operation and errno.
 #pragma once
 
+#include <tierstate/core/config.hpp>
+
 #include <cstdint>
 #include <string>
 #include <string_view>
 #include <system_error>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 /// An I/O operation that failed. code() holds the errno; what() reads, for example,
 /// "tierstate: write of 1048576 bytes at offset 4194304 of /scratch/opt.state failed: No

@@ -30,6 +30,8 @@
 // Thread safety: every member may be called from any thread.
 #pragma once
 
+#include <tierstate/core/config.hpp>
+
 #include <atomic>
 #include <cerrno>
 #include <cstddef>
@@ -43,7 +45,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-namespace tierstate::io {
+namespace tierstate::inline TIERSTATE_ABI::io {
 
 enum class op : std::uint8_t { read, write };
 

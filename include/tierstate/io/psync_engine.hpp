@@ -33,7 +33,7 @@
 
 #include <unistd.h>
 
-namespace tierstate::io {
+namespace tierstate::inline TIERSTATE_ABI::io {
 
 class psync_engine {
  public:

@@ -15,7 +15,7 @@
 #include <string>
 #include <string_view>
 
-namespace tierstate::io {
+namespace tierstate::inline TIERSTATE_ABI::io {
 
 enum class backend : std::uint8_t {
   io_uring,  ///< liburing (the default)

@@ -59,7 +59,7 @@
 #include <poll.h>
 #include <sys/uio.h>
 
-namespace tierstate::io {
+namespace tierstate::inline TIERSTATE_ABI::io {
 
 class uring_engine {
  public:

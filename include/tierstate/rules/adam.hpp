@@ -31,7 +31,7 @@
 #include <string>
 #include <string_view>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 /// How a rule applies weight decay.
 enum class weight_decay_mode : std::uint8_t {

@@ -23,8 +23,7 @@
 #include <string_view>
 #include <utility>
 
-namespace tierstate {
-inline namespace TIERSTATE_CUDA_ABI {
+namespace tierstate::inline TIERSTATE_ABI {
 
 class Device {
  public:
@@ -101,5 +100,4 @@ class Device {
 
 static_assert(device_tier<Device> && !addressable_tier<Device>);
 
-}  // namespace TIERSTATE_CUDA_ABI
 }  // namespace tierstate

@@ -60,7 +60,7 @@
 #include <sys/statfs.h>
 #include <unistd.h>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 class NvmeFile {
  public:

@@ -43,7 +43,7 @@
 #include <cuda_runtime_api.h>
 #endif
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 namespace detail {
 
@@ -203,7 +203,6 @@ inline void check_host_memory(std::size_t bytes, bool locked)
 
 }  // namespace detail
 
-inline namespace TIERSTATE_CUDA_ABI {
 
 class PinnedHost {
  public:
@@ -308,5 +307,4 @@ class PinnedHost {
 
 static_assert(addressable_tier<PinnedHost>);
 
-}  // namespace TIERSTATE_CUDA_ABI
 }  // namespace tierstate

@@ -34,6 +34,8 @@
 // NvmeFile: io_uring fixed buffers); refusing it must not stop transfers from working.
 #pragma once
 
+#include <tierstate/core/config.hpp>
+
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -41,7 +43,7 @@
 #include <span>
 #include <string_view>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 /// One read or write of a batch (see `batched_tier`).
 struct tier_io {

@@ -19,9 +19,11 @@
 // copy has landed.
 #pragma once
 
+#include <tierstate/core/config.hpp>
+
 #include <type_traits>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 template <unsigned Depth = 2>
 struct CudaOverlapped {

@@ -15,9 +15,11 @@
 // jitter of the tier; 2 is the default, more helps tiers whose latency varies a lot.
 #pragma once
 
+#include <tierstate/core/config.hpp>
+
 #include <type_traits>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 template <unsigned Depth = 2>
 struct Pipelined {

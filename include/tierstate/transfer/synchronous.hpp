@@ -4,7 +4,9 @@
 // computed, and written back before the next chunk starts. Staging memory: one chunk.
 #pragma once
 
-namespace tierstate {
+#include <tierstate/core/config.hpp>
+
+namespace tierstate::inline TIERSTATE_ABI {
 
 struct Synchronous {
   /// Chunks being read ahead while one is computed.

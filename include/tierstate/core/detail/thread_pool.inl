@@ -6,7 +6,7 @@
 #include <mutex>
 #include <sched.h>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 inline std::size_t available_cpus() noexcept
 {

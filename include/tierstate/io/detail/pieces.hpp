@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-namespace tierstate::io::detail {
+namespace tierstate::inline TIERSTATE_ABI::io::detail {
 
 struct piece {
   std::size_t request;  ///< index of its request

@@ -11,7 +11,7 @@
 
 #include <tierstate/kernels/device/update.hpp>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 inline namespace TIERSTATE_DEVICE_ABI {
 
 struct OnDevice {

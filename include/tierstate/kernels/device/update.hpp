@@ -61,7 +61,7 @@
 #define TIERSTATE_DEVICE_ABI dev_cpp
 #endif
 
-namespace tierstate::device {
+namespace tierstate::inline TIERSTATE_ABI::device {
 inline namespace TIERSTATE_DEVICE_ABI {
 
 /// The name of Thrust's device system this translation unit runs kernels on: "cuda",

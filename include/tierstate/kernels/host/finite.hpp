@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
-namespace tierstate::host {
+namespace tierstate::inline TIERSTATE_ABI::host {
 
 /// Whether any of x[0, n) is infinite or NaN; single-threaded.
 template <storage_type T>

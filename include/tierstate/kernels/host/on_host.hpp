@@ -7,7 +7,7 @@
 
 #include <type_traits>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 template <class Arch = xsimd::default_arch>
 struct OnHost {

@@ -23,7 +23,7 @@
 #include <cstring>
 #include <utility>
 
-namespace tierstate {
+namespace tierstate::inline TIERSTATE_ABI {
 
 /// The arrays of one update, all indexed by the same element index.
 ///

@@ -27,7 +27,7 @@
 #include <thread>
 #include <vector>
 
-namespace tierstate::detail {
+namespace tierstate::inline TIERSTATE_ABI::detail {
 
 template <tier Tier>
 class io_worker {

@@ -17,7 +17,7 @@
 #include <type_traits>
 #include <utility>
 
-namespace tierstate::device {
+namespace tierstate::inline TIERSTATE_ABI::device {
 inline namespace TIERSTATE_DEVICE_ABI {
 
 constexpr char const* system_name() noexcept

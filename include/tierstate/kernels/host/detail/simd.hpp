@@ -4,7 +4,7 @@
 // and from float batches.
 //
 // Everything here is a template on the xsimd architecture tag A, and its choices depend on
-// A alone (plus F16C, which is the inline namespace TIERSTATE_HOST_ABI): code for two
+// A alone (and F16C, which the inline namespace TIERSTATE_ABI names): code for two
 // architectures never shares a mangled name. Where an architecture has no instruction for
 // a step (no FMA on SSE2, no F16C, an architecture not listed here), a portable path
 // computes the same bits.
@@ -25,8 +25,7 @@
 #include <immintrin.h>
 #endif
 
-namespace tierstate::host {
-inline namespace TIERSTATE_HOST_ABI {
+namespace tierstate::inline TIERSTATE_ABI::host {
 namespace detail {
 
 template <class A>
@@ -261,10 +260,9 @@ TIERSTATE_ALWAYS_INLINE void store_rounded(T* p, float_batch<A> const& x) noexce
 }
 
 }  // namespace detail
-}  // namespace TIERSTATE_HOST_ABI
 }  // namespace tierstate::host
 
-namespace tierstate::math {
+namespace tierstate::inline TIERSTATE_ABI::math {
 
 /// Rules run on xsimd float batches through these.
 template <class A>

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-namespace tierstate::host {
+namespace tierstate::inline TIERSTATE_ABI::host {
 
 template <precision P, std::size_t Slots>
 void check_arrays(update_arrays<P, Slots> const& a, std::size_t n)
@@ -20,7 +20,6 @@ void check_arrays(update_arrays<P, Slots> const& a, std::size_t n)
   }
 }
 
-inline namespace TIERSTATE_HOST_ABI {
 namespace detail {
 
 /// One batch at element i: load, update, store.
@@ -89,7 +88,6 @@ void update_tail(typename R::coefficients const& k, update_arrays<P, Slots> cons
 }
 
 }  // namespace detail
-}  // namespace TIERSTATE_HOST_ABI
 
 template <rule R, precision P, class Arch>
 void update_range(typename R::coefficients const& k, update_arrays<P, R::slots.size()> const& a,
