@@ -54,6 +54,10 @@ class cuda_error : public std::runtime_error {
 };
 
 namespace device {
+// An inline namespace of its own, so that the device kernels' detail namespace
+// (device::TIERSTATE_DEVICE_ABI::detail, kernels/device/update.hpp) and this one never meet
+// as two `device::detail`s: TIERSTATE_CUDA_TRY names this one in full.
+inline namespace runtime {
 
 #if defined(TIERSTATE_ENABLE_CUDA)
 
@@ -75,7 +79,7 @@ namespace detail {
   do {                                                                                 \
     cudaError_t const tierstate_cuda_status_ = (call);                                 \
     if (tierstate_cuda_status_ != cudaSuccess) [[unlikely]] {                          \
-      ::tierstate::device::detail::throw_cuda(tierstate_cuda_status_, #call);       \
+      ::tierstate::device::runtime::detail::throw_cuda(tierstate_cuda_status_, #call);\
     }                                                                                  \
   } while (false)
 
@@ -467,5 +471,6 @@ inline void deallocate_async(void* p, stream_view s) noexcept
 
 #endif
 
+}  // namespace runtime
 }  // namespace device
 }  // namespace tierstate
