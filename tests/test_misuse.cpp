@@ -535,8 +535,9 @@ TEST_CASE("100,000 tensors register, group, step, save and load in time proporti
               "\"all_in_steps\":%.1f}\n",
               large.register_s, large.group_s, large.step_s, large.save_s, large.load_s, unit,
               setup_large / setup_small, all_large / unit);
-  // n log n gives about 12x from 10,000 to 100,000; quadratic about 100x (measured: 104x).
-  CHECK(setup_large <= 30 * std::max(setup_small, 1e-3));
+  // n log n gives about 12x from 10,000 to 100,000, and caches that hold 10,000 names but not
+  // 100,000 about twice that (measured: 12 to 25x); quadratic gave 104x.
+  CHECK(setup_large <= 50 * std::max(setup_small, 1e-3));
   // Registering, grouping, stepping, saving and loading 100,000 tensors costs some tens of
   // steps of the same bytes in one tensor (measured: 88), not thousands (quadratic
   // registration: 4318, 15 to 30 s).
