@@ -344,7 +344,14 @@ TEST_CASE("psync streams too: what was started runs in progress()", "[io][stream
 
 namespace {
 
-using ring_call = io::uring_engine::ring_call;
+using io::ring_call;
+
+/// An io_uring engine's options with a fault plan, for the ring calls it fails.
+io::engine_options with_plan(io::engine_options o)
+{
+  o.faults = std::make_shared<io::fault_plan>();
+  return o;
+}
 
 /// The io_error an outcome holds, if it holds one.
 std::optional<io_error> io_error_in(std::exception_ptr const& e)
@@ -382,7 +389,7 @@ TEST_CASE("a ring that fails while streaming fails every active request, and the
   std::size_t const block = 64 * 1024, per = 3 * block, count = 6;
   aligned_bytes out(per * count), in(per * count);
   for (std::size_t i = 0; i < per * count; ++i) { out.get()[i] = static_cast<std::byte>((i * 13) ^ (i >> 12)); }
-  io::uring_engine e(options_for(io::backend::io_uring, 4, block, rings));  // 18 pieces: some wait
+  io::uring_engine e(with_plan(options_for(io::backend::io_uring, 4, block, rings)));  // 18 pieces: some wait
   io::request w{f.fd, 0, out.get(), per * count, true, &f.path};
   e.submit({&w, 1});
 
@@ -391,7 +398,7 @@ TEST_CASE("a ring that fails while streaming fails every active request, and the
     CHECK(finished.count(tag) == 0);  // once per request
     finished[tag] = std::move(error);
   };
-  e.fail_ring(ring_call::submit, err);  // the next io_uring_submit fails
+  e.options().faults->fail_ring(ring_call::submit, err);  // the next io_uring_submit fails
   for (std::size_t k = 0; k < count; ++k) {
     e.start({f.fd, k * per, in.get() + k * per, per, false, &f.path}, k);
   }
@@ -438,13 +445,13 @@ TEST_CASE("a failed wait: the pieces in the kernel's hands finish before their r
   std::string const name = "the test's pipe";
   std::size_t const n = 4096, count = 4;
   std::vector<std::byte> bufs(n * count, std::byte{0});
-  io::uring_engine e(options_for(io::backend::io_uring, 8, n, rings));
+  io::uring_engine e(with_plan(options_for(io::backend::io_uring, 8, n, rings)));
   std::map<std::uint64_t, std::exception_ptr> finished;
   auto done = [&](std::uint64_t tag, std::exception_ptr error) {
     CHECK(finished.count(tag) == 0);
     finished[tag] = std::move(error);
   };
-  e.fail_ring(ring_call::wait, EOWNERDEAD);
+  e.options().faults->fail_ring(ring_call::wait, EOWNERDEAD);
   for (std::size_t k = 0; k < count; ++k) { e.start({p[0], 0, bufs.data() + k * n, n, false, &name}, k); }
   ssize_t written = 0;
   std::thread writer([&] {  // no Catch2 assertions off the main thread
@@ -497,11 +504,11 @@ TEST_CASE("a ring that fails in a batched submit is drained, and the engine goes
   std::size_t const block = 64 * 1024, size = 12 * block;
   aligned_bytes out(size), in(size);
   for (std::size_t i = 0; i < size; ++i) { out.get()[i] = static_cast<std::byte>((i * 7) ^ (i >> 11)); }
-  io::uring_engine e(options_for(io::backend::io_uring, 4, block, rings));
+  io::uring_engine e(with_plan(options_for(io::backend::io_uring, 4, block, rings)));
   io::request const w{f.fd, 0, out.get(), size, true, &f.path};
   e.submit({&w, 1});
 
-  e.fail_ring(ring_call::submit, EIO);
+  e.options().faults->fail_ring(ring_call::submit, EIO);
   io::request const r{f.fd, 0, in.get(), size, false, &f.path};
   auto const failed = within(std::chrono::seconds(30), [&] {
     try {
@@ -526,19 +533,19 @@ TEST_CASE("a batched submit that fails moves no byte the kernel never took, and 
   // submitted later (its request has been reported failed), and no buffer is in the kernel's
   // hands, so the engine is not broken.
   unsigned const rings = GENERATE(1u, 2u);
-  unsigned const times = GENERATE(1u, io::uring_engine::forever);
+  unsigned const times = GENERATE(1u, io::fault_plan::forever);
   INFO(rings << " rings, " << (times == 1 ? "one failure" : "a ring that stays failed"));
   temp_file f("ring_fails_untaken");
   std::size_t const block = 64 * 1024, size = 6 * block;
   aligned_bytes out(size), in(size);
   for (std::size_t i = 0; i < size; ++i) { out.get()[i] = static_cast<std::byte>((i * 11) ^ (i >> 10)); }
-  io::uring_engine e(options_for(io::backend::io_uring, 8, block, rings));  // room for every piece
+  io::uring_engine e(with_plan(options_for(io::backend::io_uring, 8, block, rings)));  // room for every piece
   io::request const w{f.fd, 0, out.get(), size, true, &f.path};
   e.submit({&w, 1});
 
   std::memset(in.get(), 0, size);
   io::request const r{f.fd, 0, in.get(), size, false, &f.path};
-  e.fail_ring(ring_call::submit, EIO, times);
+  e.options().faults->fail_ring(ring_call::submit, EIO, times);
   for (int attempt = 0; attempt < (times == 1 ? 1 : 2); ++attempt) {
     INFO("attempt " << attempt);
     try {
@@ -565,7 +572,7 @@ TEST_CASE("a batched submit that fails moves no byte the kernel never took, and 
     CHECK(untouched == (rings == 2 && times == 1 ? 3u : 6u));
     std::memset(in.get(), 0, size);
   }
-  e.fail_ring(ring_call::submit, 0, 0);
+  e.options().faults->fail_ring(ring_call::submit, 0, 0);
   e.submit({&r, 1});
   CHECK(std::memcmp(in.get(), out.get(), size) == 0);
 }
@@ -576,14 +583,14 @@ TEST_CASE("a ring whose submit always fails fails every request, every time, and
   std::size_t const block = 64 * 1024, per = 2 * block, count = 3;
   aligned_bytes buf(per * count);
   std::memset(buf.get(), 0x11, per * count);
-  io::uring_engine e(options_for(io::backend::io_uring, 2, block));
+  io::uring_engine e(with_plan(options_for(io::backend::io_uring, 2, block)));
   io::request w{f.fd, 0, buf.get(), per * count, true, &f.path};
   e.submit({&w, 1});
   std::memset(buf.get(), 0, per * count);
 
   std::map<std::uint64_t, std::exception_ptr> finished;
   auto done = [&](std::uint64_t tag, std::exception_ptr error) { finished[tag] = std::move(error); };
-  e.fail_ring(ring_call::submit, EBADF, io::uring_engine::forever);
+  e.options().faults->fail_ring(ring_call::submit, EBADF, io::fault_plan::forever);
   for (int round = 0; round < 2; ++round) {
     INFO("round " << round);
     finished.clear();
@@ -604,7 +611,7 @@ TEST_CASE("a ring whose submit always fails fails every request, every time, and
     CHECK(e.usable());
     CHECK(e.held().empty());
   }
-  e.fail_ring(ring_call::submit, 0, 0);
+  e.options().faults->fail_ring(ring_call::submit, 0, 0);
   io::request r{f.fd, 0, buf.get(), per * count, false, &f.path};
   e.submit({&r, 1});
   CHECK(std::count(buf.get(), buf.get() + per * count, std::byte{0x11}) == static_cast<std::ptrdiff_t>(per * count));
@@ -621,13 +628,13 @@ TEST_CASE("a ring that cannot be drained fails its requests, then every later ca
   std::size_t const n = 4096, count = 3;
   std::vector<std::byte> bufs(n * count, std::byte{0});  // outlives the engine, as held() asks
   {
-    io::uring_engine e(options_for(io::backend::io_uring, 4, n));
+    io::uring_engine e(with_plan(options_for(io::backend::io_uring, 4, n)));
     std::map<std::uint64_t, std::exception_ptr> finished;
     auto done = [&](std::uint64_t tag, std::exception_ptr error) { finished[tag] = std::move(error); };
     for (std::size_t k = 0; k < count; ++k) { e.start({p[0], 0, bufs.data() + k * n, n, false, &name}, k); }
     e.progress(false, done);  // submitted: now in the kernel's hands
     CHECK(finished.empty());
-    e.fail_ring(ring_call::wait, EBADF, io::uring_engine::forever);
+    e.options().faults->fail_ring(ring_call::wait, EBADF, io::fault_plan::forever);
     e.progress(true, done);
     CHECK(e.active() == 0);
     REQUIRE(finished.size() == count);
@@ -715,7 +722,7 @@ struct uring_file_tier {
  private:
   std::size_t bytes_;
   options o_;
-  mutable io::uring_engine engine_{options_for(io::backend::io_uring, 4, 64 * 1024)};
+  mutable io::uring_engine engine_{with_plan(options_for(io::backend::io_uring, 4, 64 * 1024))};
 };
 static_assert(streaming_tier<uring_file_tier>);
 
@@ -755,7 +762,7 @@ TEST_CASE("the pipelined transfer's I/O thread survives a failing ring instead o
     };
     {
       detail::io_worker<uring_file_tier> w(t);
-      t.engine().fail_ring(ring_call::submit, EIO);
+      t.engine().options().faults->fail_ring(ring_call::submit, EIO);
       try {
         read_all(w);
       } catch (io_error const& x) {
@@ -778,7 +785,7 @@ TEST_CASE("the pipelined transfer's I/O thread survives a failing ring instead o
       }
 
       // A ring that dies: every wait throws, none hangs, and the worker still stops.
-      t.engine().fail_ring(ring_call::submit, EBADF, io::uring_engine::forever);
+      t.engine().options().faults->fail_ring(ring_call::submit, EBADF, io::fault_plan::forever);
       try {
         read_all(w);
       } catch (io_error const& x) {

@@ -27,6 +27,13 @@
 //   plan->shorten(io::op::read, 1, 4096);       // the first read piece moves only 4 KiB
 //   plan->hang(io::op::read, 2);                // the second read piece never answers
 //
+// It also fails the io_uring backend's ring calls themselves (fail_ring): io_uring_submit, or
+// the wait for a completion, returns an errno without entering the kernel, as a failing or a
+// dead ring's calls do. Pieces and ring calls are counted apart.
+//
+//   plan->fail_ring(io::ring_call::submit, EIO);                        // the next submit
+//   plan->fail_ring(io::ring_call::wait, EBADF, io::fault_plan::forever);  // a dead ring
+//
 // Thread safety: every member may be called from any thread.
 #pragma once
 
@@ -48,6 +55,10 @@
 namespace tierstate::inline TIERSTATE_ABI::io {
 
 enum class op : std::uint8_t { read, write };
+
+/// The io_uring backend's ring calls a fault_plan can fail: io_uring_submit (and, batched,
+/// io_uring_submit_and_wait), and the wait for a completion.
+enum class ring_call : std::uint8_t { submit, wait };
 
 class fault_plan {
  public:
@@ -118,11 +129,28 @@ class fault_plan {
     std::scoped_lock lock(mutex_);
     if (write_end_ >= 0) { ::close(std::exchange(write_end_, -1)); }
   }
-  /// Forgets every planted fault (the counts go on).
+  /// fail_ring's `times` for a ring that has died: every call from then on fails.
+  static constexpr unsigned forever = ~0u;
+
+  /// The next `times` calls of `call` (streamed or batched, on any of the engine's rings)
+  /// return -`error` without entering the kernel; what they would have submitted is left
+  /// prepared in the ring, not taken. Replaces what was planted for `call` before;
+  /// fail_ring(call, 0, 0) plants nothing. Only the io_uring backend has rings: the psync
+  /// backend never asks.
+  void fail_ring(ring_call call, int error, unsigned times = 1) noexcept
+  {
+    auto& r = rings_[ring_index(call)];
+    r.error.store(error, std::memory_order_relaxed);
+    r.times.store(error != 0 ? times : 0, std::memory_order_release);
+  }
+
+  /// Forgets every planted fault, ring calls' included (the counts go on).
   void clear()
   {
     std::scoped_lock lock(mutex_);
     planted_.clear();
+    fail_ring(ring_call::submit, 0, 0);
+    fail_ring(ring_call::wait, 0, 0);
   }
 
   /// Pieces seen so far: to find how many I/O positions an operation has.
@@ -154,6 +182,20 @@ class fault_plan {
     return decision::as_is(length);
   }
 
+  /// Called by the io_uring engine before each ring call: the errno fail_ring() planted for
+  /// it (and one call fewer to fail), or 0.
+  [[nodiscard]] int ring_failure(ring_call call) noexcept
+  {
+    auto& r    = rings_[ring_index(call)];
+    unsigned t = r.times.load(std::memory_order_acquire);
+    while (t != 0) {
+      if (t == forever || r.times.compare_exchange_weak(t, t - 1, std::memory_order_acq_rel)) {
+        return r.error.load(std::memory_order_relaxed);
+      }
+    }
+    return 0;
+  }
+
  private:
   struct planted {
     op o;
@@ -172,7 +214,13 @@ class fault_plan {
     read_end& operator=(read_end const&) = delete;
     ~read_end() { ::close(fd); }
   };
+  /// What fail_ring() planted for one ring call.
+  struct ring_fault {
+    std::atomic<int> error{0};
+    std::atomic<unsigned> times{0};
+  };
   static constexpr std::size_t index(op o) noexcept { return o == op::read ? 0 : 1; }
+  static constexpr std::size_t ring_index(ring_call c) noexcept { return c == ring_call::submit ? 0 : 1; }
 
   std::mutex mutex_;
   std::vector<planted> planted_;
@@ -180,6 +228,7 @@ class fault_plan {
   int write_end_ = -1;              ///< never written to; closed by release_hangs()
   std::atomic<std::uint64_t> count_[2]{};
   std::atomic<std::uint64_t> applied_{0};
+  ring_fault rings_[2];
 };
 
 }  // namespace tierstate::io

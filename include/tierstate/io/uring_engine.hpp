@@ -237,26 +237,6 @@ class uring_engine {
     finished_now_.clear();
   }
 
-  // --- a test hook ----------------------------------------------------------------------
-
-  /// The ring calls fail_ring() can make fail: io_uring_submit (and, batched,
-  /// io_uring_submit_and_wait), and the wait for a completion.
-  enum class ring_call : std::uint8_t { submit, wait };
-  /// fail_ring's `times` for a ring that has died: every call from then on fails.
-  static constexpr unsigned forever = ~0u;
-
-  /// For tests, the ring-level counterpart of io::fault_plan (which fails pieces): the next
-  /// `times` calls of `call` (streamed or batched), on any ring, return -`error` without
-  /// entering the kernel, as the calls of a failing ring do (what they would have submitted
-  /// is left prepared in the ring, not taken). fail_ring(call, 0, 0) plants nothing. May be
-  /// called from any thread.
-  void fail_ring(ring_call call, int error, unsigned times = 1) noexcept
-  {
-    auto& p = planted_[static_cast<std::size_t>(call)];
-    p.error.store(error, std::memory_order_relaxed);
-    p.times.store(error != 0 ? times : 0, std::memory_order_release);
-  }
-
  private:
   using clock = std::chrono::steady_clock;
   static constexpr clock::time_point never = clock::time_point::max();
@@ -269,10 +249,6 @@ class uring_engine {
   struct ring_failure {
     int error             = 0;
     char const* operation = "";
-  };
-  struct planted_failure {
-    std::atomic<int> error{0};
-    std::atomic<unsigned> times{0};
   };
   /// What made the engine unusable, as later calls report it.
   struct broken_state {
@@ -363,18 +339,8 @@ class uring_engine {
 
   // --- one ring -------------------------------------------------------------------------
 
-  /// The errno fail_ring() planted for this call, or 0.
-  int planted(ring_call call) noexcept
-  {
-    auto& p    = planted_[static_cast<std::size_t>(call)];
-    unsigned t = p.times.load(std::memory_order_acquire);
-    while (t != 0) {
-      if (t == forever || p.times.compare_exchange_weak(t, t - 1, std::memory_order_acq_rel)) {
-        return p.error.load(std::memory_order_relaxed);
-      }
-    }
-    return 0;
-  }
+  /// The errno the fault plan planted for this ring call (fault_plan::fail_ring), or 0.
+  int planted(ring_call call) noexcept { return opts_.faults ? opts_.faults->ring_failure(call) : 0; }
 
   /// What of `h` the kernel has taken: pieces and cancellations.
   [[nodiscard]] static unsigned in_kernel(ring_holder& h) noexcept
@@ -1021,7 +987,6 @@ class uring_engine {
   std::size_t active_ = 0;
   broken_state broken_;                    ///< what made the engine unusable, if anything
   std::vector<held_piece> held_;           ///< see held()
-  planted_failure planted_[2];             ///< fail_ring(), by ring_call
 };
 
 }  // namespace tierstate::io
