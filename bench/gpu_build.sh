@@ -16,7 +16,7 @@ build() {  # NAME SOURCE [EXTRA...]
   echo "nvcc: $name"
   "$NVCC" "${flags[@]}" "$@" "$source" -o "$B/bin/$name" "$B/lib/liburing.a" &
 }
-build test_device_cuda tests/test_device_cuda.cu -Itests
+build test_device_cuda tests/test_device_cuda.cu tests/catch_session.cpp -Itests
 build gpu_compositions_cuda examples/gpu_compositions.cu
 build gpu_step_cuda bench/gpu_step.cu
 build test_pinned_host_cuda tests/test_pinned_host_cuda.cpp

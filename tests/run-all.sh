@@ -181,7 +181,7 @@ run_stage() {
     # OpenMP (GCC's OpenMP runtime is invisible to TSan and gives false reports). Baseline
     # x86-64 without the CUDA toolkit, in place of the clang-baseline stage.
     clang-tsan)
-      configure "$name" clang++ -Darch=x86-64 -Dcuda=disabled -Dthrust=enabled -Db_sanitize=thread \
+      configure "$name" clang++ -Darch=x86-64 -Dcuda=disabled -Dthrust=enabled -Db_sanitize=thread -Doptimization=1 \
           -Db_lundef=false "${covered_elsewhere[@]}" "${reduced[@]}" -Ddisk_tests=false -Dexamples=false &&
         test_build "$name" TIERSTATE_TEST_LARGE_SIZE=65539 TSAN_OPTIONS=halt_on_error=1 ;;
     # The PyTorch extension (examples/pytorch) against torch.optim.AdamW on CPU, with

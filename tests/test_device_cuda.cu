@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // test_device.cpp on the GPU: built by nvcc with TIERSTATE_ENABLE_CUDA and Thrust's CUDA
 // system. Without a CUDA device it exits 77 (Meson's SKIP) and says why.
-#define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
+
+#include "catch_session.hpp"
 
 #include "test_device.cpp"
 
@@ -15,5 +16,5 @@ int main(int argc, char** argv)
     return 77;
   }
   std::printf("device: %s\n", tierstate::device::describe().c_str());
-  return Catch::Session().run(argc, argv);
+  return tierstate::test::run_catch(argc, argv);
 }

@@ -12,10 +12,11 @@
 // Without root, or where mounting is refused (an unprivileged container), it exits 77 (a
 // skip) and says why. A filesystem whose tools or driver are missing here (btrfs, xfs) has
 // its cases skipped, with the reason printed.
-#define CATCH_CONFIG_RUNNER
 #include "nvme_support.hpp"
 
 #include <catch2/catch.hpp>
+
+#include "catch_session.hpp"
 
 #include <cstdio>
 #include <cstdlib>
@@ -278,7 +279,7 @@ int main(int argc, char** argv)
     std::printf("SKIP (xfs cases): %s\n", xfs_missing.c_str());
     xfs_dir.clear();
   }
-  int const result = Catch::Session().run(argc, argv);
+  int const result = tierstate::test::run_catch(argc, argv);
   for (auto const& dir : {ext4_dir, ramfs_dir, readonly_dir, btrfs_dir, xfs_dir}) {
     if (!dir.empty()) { run("umount " + dir.string()); }
   }

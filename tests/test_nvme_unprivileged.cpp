@@ -10,10 +10,11 @@
 // 65534: root's CAP_IPC_LOCK would ignore the limit) and runs the tests there. Run as an
 // ordinary user, it runs them directly. Either way the memlock limit is lowered to 64 KiB
 // first, below any staging ring.
-#define CATCH_CONFIG_RUNNER
 #include "nvme_support.hpp"
 
 #include <catch2/catch.hpp>
+
+#include "catch_session.hpp"
 
 #include <cstdio>
 #include <fstream>
@@ -170,7 +171,7 @@ int main(int argc, char** argv)
     std::perror("setrlimit(RLIMIT_MEMLOCK)");
     return 1;
   }
-  if (!root) { return Catch::Session().run(argc, argv); }
+  if (!root) { return tierstate::test::run_catch(argc, argv); }
 
   std::fflush(stdout);
   pid_t const child = ::fork();
@@ -184,7 +185,7 @@ int main(int argc, char** argv)
       std::perror("dropping to uid/gid 65534");
       std::_Exit(1);
     }
-    int const r = Catch::Session().run(argc, argv);
+    int const r = tierstate::test::run_catch(argc, argv);
     std::fflush(stdout);
     std::_Exit(r == 0 ? 0 : 1);
   }
