@@ -31,7 +31,7 @@
 #pragma once
 
 #include <tierstate/core/error.hpp>
-#include <tierstate/io/engine.hpp>
+#include <tierstate/io/request.hpp>  // io::engine_options only: a codec needs no engine, nor liburing
 
 #include <array>
 #include <bit>
