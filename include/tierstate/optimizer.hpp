@@ -60,6 +60,7 @@
 #include <tierstate/core/layout.hpp>
 #include <tierstate/core/precision.hpp>
 #include <tierstate/core/tensor.hpp>
+#include <tierstate/io/engine.hpp>
 #include <tierstate/kernels/host/finite.hpp>
 #include <tierstate/kernels/host/on_host.hpp>
 #include <tierstate/core/thread_pool.hpp>
