@@ -47,6 +47,8 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=("${all_stages[@]}")
 
 passed=0 failed=0 skipped=0
+failure_log=$(mktemp)
+trap 'rm -f "$failure_log"' EXIT
 failed_stages=()
 timings=()
 
@@ -67,17 +69,26 @@ test_build() {
   local log="build-$name/meson-logs/testlog.json"
   [ -f "$log" ] || return 1
   local counts
-  counts=$(python3 - "$log" <<'PY'
+  # The failed tests' names and the end of their output also go to failure_log, which the
+  # run prints again at its very end: CI keeps only the last part of a run's output.
+  counts=$(python3 - "$log" "$name" "$failure_log" <<'PY'
 import json, sys
 ok = bad = skip = 0
+failures = []
 for line in open(sys.argv[1]):
-    r = json.loads(line)["result"]
+    t = json.loads(line)
+    r = t["result"]
     if r in ("OK", "EXPECTEDFAIL"):
         ok += 1
     elif r == "SKIP":
         skip += 1
     else:
         bad += 1
+        out = (t.get("stdout") or "").splitlines()
+        failures.append(f"--- stage {sys.argv[2]}, test {t['name']}: {r} after {t.get('duration', 0):.1f} s; "
+                        f"the last {min(len(out), 60)} lines of its output:\n" + "\n".join(out[-60:]) + "\n")
+with open(sys.argv[3], "a") as f:
+    f.writelines(failures)
 print(ok, bad, skip)
 PY
 )
@@ -145,6 +156,9 @@ run_pytorch() {
   read -r ran bad skip <<<"$(echo "$line" | sed -E 's/[^0-9]+/ /g')"
   passed=$((passed + ran - bad)) failed=$((failed + bad)) skipped=$((skipped + skip))
   echo "stage pytorch: $((ran - bad)) passed, $bad failed, $skip skipped"
+  if [ "$rc" -ne 0 ]; then
+    { echo "--- stage pytorch: exit $rc; the last 60 lines of its output:"; tail -n 60 "$out"; } >>"$failure_log"
+  fi
   [ "$rc" -eq 0 ]
 }
 
@@ -255,6 +269,11 @@ for s in "${stages[@]}"; do
   echo "=== stage $s: $status in ${took}s"
 done
 
+if [ -s "$failure_log" ]; then
+  echo
+  echo "=== the failed tests"
+  cat "$failure_log"
+fi
 echo
 echo "stage            time  result"
 printf '%s\n' "${timings[@]}"

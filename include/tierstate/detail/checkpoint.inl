@@ -160,18 +160,15 @@ inline void remove_stale_temporaries(int dirfd, temp_names const& names) noexcep
 
 }  // namespace detail
 
-#define TIERSTATE_OPTIMIZER_TEMPLATE \
-  template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
-#define TIERSTATE_OPTIMIZER OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>
-
-TIERSTATE_OPTIMIZER_TEMPLATE
-checkpoint::header TIERSTATE_OPTIMIZER::make_header() const
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+checkpoint::header OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::make_header() const
 {
   return make_header(*layout_);
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-checkpoint::header TIERSTATE_OPTIMIZER::make_header(layout const& lay) const
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+checkpoint::header OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::make_header(
+    layout const& lay) const
 {
   checkpoint::header h;
   h.rule           = std::string(Rule::name);
@@ -196,8 +193,9 @@ checkpoint::header TIERSTATE_OPTIMIZER::make_header(layout const& lay) const
   return h;
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::check_header(checkpoint::header const& h, layout const& lay, std::string const& path) const
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_header(
+    checkpoint::header const& h, layout const& lay, std::string const& path) const
 {
   using detail::quoted;
   auto differ = [&](std::string const& what, std::string const& there, std::string const& here) {
@@ -257,8 +255,9 @@ void TIERSTATE_OPTIMIZER::check_header(checkpoint::header const& h, layout const
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-io::engine_options TIERSTATE_OPTIMIZER::checkpoint_io(checkpoint_options const& o) const
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+io::engine_options OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::checkpoint_io(
+    checkpoint_options const& o) const
 {
   io::engine_options eo;
   if (o.io) {
@@ -275,8 +274,9 @@ io::engine_options TIERSTATE_OPTIMIZER::checkpoint_io(checkpoint_options const& 
   return eo;
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-io::engine TIERSTATE_OPTIMIZER::checkpoint_engine(io::engine_options const& eo, checkpoint_options const& o,
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+io::engine OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::checkpoint_engine(
+    io::engine_options const& eo, checkpoint_options const& o,
                                                   std::string const& path) const
 {
   try {
@@ -289,8 +289,9 @@ io::engine TIERSTATE_OPTIMIZER::checkpoint_engine(io::engine_options const& eo, 
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::params_from_master(std::size_t k, std::byte const* chunk)
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::params_from_master(std::size_t k,
+    std::byte const* chunk)
 {
   if constexpr (Precision::has_master) {
     auto const* master = reinterpret_cast<float const*>(chunk + layout_->slot_offset(0));
@@ -311,8 +312,9 @@ void TIERSTATE_OPTIMIZER::params_from_master(std::size_t k, std::byte const* chu
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::save(std::filesystem::path const& path, checkpoint_options const& o)
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save(
+    std::filesystem::path const& path, checkpoint_options const& o)
 {
   detail::gate_entry const gate(gate_, "save");
   check_not_streaming("save");
@@ -433,8 +435,9 @@ void TIERSTATE_OPTIMIZER::save(std::filesystem::path const& path, checkpoint_opt
   observe(save_event::done);
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::load(std::filesystem::path const& path, checkpoint_options const& o)
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
+    std::filesystem::path const& path, checkpoint_options const& o)
 {
   detail::gate_entry const gate(gate_, "load");
   check_not_streaming("load");
@@ -550,8 +553,5 @@ void TIERSTATE_OPTIMIZER::load(std::filesystem::path const& path, checkpoint_opt
   for (std::size_t t = 0; t < tensors_.size(); ++t) { tensors_[t].group = h.tensors[t].group; }
   lost_.clear();
 }
-
-#undef TIERSTATE_OPTIMIZER_TEMPLATE
-#undef TIERSTATE_OPTIMIZER
 
 }  // namespace tierstate

@@ -30,12 +30,9 @@ inline double pairwise_sum(double const* v, std::size_t n) noexcept
 
 }  // namespace detail
 
-#define TIERSTATE_OPTIMIZER_TEMPLATE \
-  template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
-#define TIERSTATE_OPTIMIZER OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>
-
-TIERSTATE_OPTIMIZER_TEMPLATE
-TIERSTATE_OPTIMIZER::OffloadedOptimizer(hyperparameters const& defaults, options const& opts)
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::OffloadedOptimizer(
+    hyperparameters const& defaults, options const& opts)
   : opts_(opts), pool_(opts.threads)
 {
   Rule::validate(defaults);
@@ -61,8 +58,9 @@ TIERSTATE_OPTIMIZER::OffloadedOptimizer(hyperparameters const& defaults, options
   groups_.push_back(defaults);
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-auto TIERSTATE_OPTIMIZER::add_tensor(std::string name, param_type* param, std::size_t count,
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tensor(std::string name,
+    param_type* param, std::size_t count,
                                      location where) -> tensor_id
 {
   detail::gate_entry const gate(gate_, "add_tensor");
@@ -108,8 +106,8 @@ auto TIERSTATE_OPTIMIZER::add_tensor(std::string name, param_type* param, std::s
   return id;
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-auto TIERSTATE_OPTIMIZER::add_group(hyperparameters const& h,
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_group(hyperparameters const& h,
                                     std::vector<std::string> const& tensor_names) -> group_id
 {
   detail::gate_entry const gate(gate_, "add_group");
@@ -138,8 +136,9 @@ auto TIERSTATE_OPTIMIZER::add_group(hyperparameters const& h,
   return groups_.size() - 1;
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::set_hyperparameters(group_id g, hyperparameters const& h)
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::set_hyperparameters(group_id g,
+    hyperparameters const& h)
 {
   detail::gate_entry const gate(gate_, "set_hyperparameters");
   check_not_streaming("set_hyperparameters");
@@ -151,8 +150,9 @@ void TIERSTATE_OPTIMIZER::set_hyperparameters(group_id g, hyperparameters const&
   groups_[g] = h;
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-auto TIERSTATE_OPTIMIZER::get_hyperparameters(group_id g) const -> hyperparameters const&
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::get_hyperparameters(
+    group_id g) const -> hyperparameters const&
 {
   if (g >= groups_.size()) {
     throw logic_error("get_hyperparameters: there is no group " + std::to_string(g));
@@ -160,22 +160,24 @@ auto TIERSTATE_OPTIMIZER::get_hyperparameters(group_id g) const -> hyperparamete
   return groups_[g];
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-auto TIERSTATE_OPTIMIZER::group_of(std::string_view tensor) const -> group_id
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::group_of(
+    std::string_view tensor) const -> group_id
 {
   return tensors_[find_tensor(tensor, "group_of")].group;
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-std::size_t TIERSTATE_OPTIMIZER::find_tensor(std::string_view name, char const* caller) const
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+std::size_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::find_tensor(
+    std::string_view name, char const* caller) const
 {
   if (auto const it = index_.find(name); it != index_.end()) { return it->second; }
   throw logic_error(std::string(caller) + ": no tensor named '" + std::string(name) +
                     "' is registered");
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-layout TIERSTATE_OPTIMIZER::make_layout() const
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+layout OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::make_layout() const
 {
   if (tensors_.empty()) { throw logic_error("no tensor is registered: add_tensor first"); }
   std::vector<tensor_extent> extents;
@@ -199,14 +201,14 @@ layout TIERSTATE_OPTIMIZER::make_layout() const
   return layout(std::move(extents), chunk, std::move(slots), std::move(bytes));
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::materialize()
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::materialize()
 {
   materialize(true);
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::materialize(bool fill_master)
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::materialize(bool fill_master)
 {
   if (layout_) { return; }
   layout lay = make_layout();
@@ -300,8 +302,8 @@ void TIERSTATE_OPTIMIZER::materialize(bool fill_master)
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::discard_state() noexcept
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::discard_state() noexcept
 {
   keep_held_staging();
   dev_.reset();
@@ -313,9 +315,10 @@ void TIERSTATE_OPTIMIZER::discard_state() noexcept
   staging_.reset();
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 template <class F>
-void TIERSTATE_OPTIMIZER::with_chunk(std::size_t k, bool write_back, step_stats& stats, F&& f)
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::with_chunk(std::size_t k,
+    bool write_back, step_stats& stats, F&& f)
 {
   std::size_t const bytes  = layout_->chunk_bytes();
   std::size_t const offset = k * bytes;
@@ -337,8 +340,9 @@ void TIERSTATE_OPTIMIZER::with_chunk(std::size_t k, bool write_back, step_stats&
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::check_grads(std::span<grad_view<grad_type> const> grads) const
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_grads(
+    std::span<grad_view<grad_type> const> grads) const
 {
   if (tensors_.empty()) { throw logic_error("step: no tensor is registered: add_tensor first"); }
   if (grads.size() != tensors_.size()) {
@@ -369,8 +373,9 @@ void TIERSTATE_OPTIMIZER::check_grads(std::span<grad_view<grad_type> const> grad
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::update_chunk_range(std::size_t k, std::byte* chunk, std::size_t b, std::size_t e,
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_chunk_range(std::size_t k,
+    std::byte* chunk, std::size_t b, std::size_t e,
                                              std::span<grad_view<grad_type> const> grads,
                                              std::vector<typename Rule::coefficients> const& coefficients,
                                              grad_type const* grad_stage, param_type* param_stage)
@@ -403,8 +408,9 @@ void TIERSTATE_OPTIMIZER::update_chunk_range(std::size_t k, std::byte* chunk, st
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-step_result TIERSTATE_OPTIMIZER::step(std::span<grad_view<grad_type> const> grads, double grad_scale,
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step(
+    std::span<grad_view<grad_type> const> grads, double grad_scale,
                                      device::stream_view ready)
 {
   detail::gate_entry const gate(gate_, "step");
@@ -437,8 +443,9 @@ step_result TIERSTATE_OPTIMIZER::step(std::span<grad_view<grad_type> const> grad
   return result;
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-auto TIERSTATE_OPTIMIZER::coefficients_for(double grad_scale) const
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::coefficients_for(
+    double grad_scale) const
   -> std::vector<typename Rule::coefficients>
 {
   std::vector<typename Rule::coefficients> coefficients;
@@ -447,8 +454,9 @@ auto TIERSTATE_OPTIMIZER::coefficients_for(double grad_scale) const
   return coefficients;
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-bool TIERSTATE_OPTIMIZER::check_and_clip(std::span<grad_view<grad_type> const> grads, double grad_scale,
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+bool OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_and_clip(
+    std::span<grad_view<grad_type> const> grads, double grad_scale,
                                          std::vector<typename Rule::coefficients>& coefficients,
                                          step_result& result)
 {
@@ -471,8 +479,9 @@ bool TIERSTATE_OPTIMIZER::check_and_clip(std::span<grad_view<grad_type> const> g
   return true;
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::run_step(std::span<grad_view<grad_type> const> grads,
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::run_step(
+    std::span<grad_view<grad_type> const> grads,
                                    std::vector<typename Rule::coefficients>& coefficients,
                                    step_result& result)
 {
@@ -542,8 +551,9 @@ void TIERSTATE_OPTIMIZER::run_step(std::span<grad_view<grad_type> const> grads,
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::step_staged(std::span<grad_view<grad_type> const> grads,
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step_staged(
+    std::span<grad_view<grad_type> const> grads,
                                       std::vector<typename Rule::coefficients> const& coefficients,
                                       step_stats& stats, bool& changed)
 {
@@ -564,8 +574,9 @@ void TIERSTATE_OPTIMIZER::step_staged(std::span<grad_view<grad_type> const> grad
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::step_pipelined(std::span<grad_view<grad_type> const> grads,
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step_pipelined(
+    std::span<grad_view<grad_type> const> grads,
                                          std::vector<typename Rule::coefficients> const& coefficients,
                                          step_stats& stats, bool& changed)
 {
@@ -613,8 +624,9 @@ void TIERSTATE_OPTIMIZER::step_pipelined(std::span<grad_view<grad_type> const> g
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::read_params(std::size_t t, std::size_t begin, std::size_t count,
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_params(std::size_t t,
+    std::size_t begin, std::size_t count,
                                       param_type* to) const
 {
   param_type const* from = tensors_[t].param + begin;
@@ -625,8 +637,9 @@ void TIERSTATE_OPTIMIZER::read_params(std::size_t t, std::size_t begin, std::siz
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-bool TIERSTATE_OPTIMIZER::find_nonfinite(std::span<grad_view<grad_type> const> grads)
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+bool OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::find_nonfinite(
+    std::span<grad_view<grad_type> const> grads)
 {
   // Host gradients: one parallel pass over all of them, as laid out.
   auto const& ext = layout_->tensors();
@@ -680,8 +693,9 @@ bool TIERSTATE_OPTIMIZER::find_nonfinite(std::span<grad_view<grad_type> const> g
   return found.load();
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::launch_chunk(std::size_t k, std::byte* chunk,
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::launch_chunk(std::size_t k,
+    std::byte* chunk,
                                        std::span<grad_view<grad_type> const> grads,
                                        std::vector<typename Rule::coefficients> const& coefficients)
 {
@@ -710,8 +724,9 @@ void TIERSTATE_OPTIMIZER::launch_chunk(std::size_t k, std::byte* chunk,
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::step_device_resident(std::span<grad_view<grad_type> const> grads,
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step_device_resident(
+    std::span<grad_view<grad_type> const> grads,
                                                std::vector<typename Rule::coefficients> const& coefficients,
                                                step_stats& stats, bool& changed)
 {
@@ -740,8 +755,9 @@ void TIERSTATE_OPTIMIZER::step_device_resident(std::span<grad_view<grad_type> co
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::step_overlapped_host(std::span<grad_view<grad_type> const> grads,
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step_overlapped_host(
+    std::span<grad_view<grad_type> const> grads,
                                                std::vector<typename Rule::coefficients> const& coefficients,
                                                step_stats& stats, bool& changed)
 {
@@ -872,8 +888,9 @@ void TIERSTATE_OPTIMIZER::step_overlapped_host(std::span<grad_view<grad_type> co
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::step_streamed_to_device(std::span<grad_view<grad_type> const> grads,
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step_streamed_to_device(
+    std::span<grad_view<grad_type> const> grads,
                                                   std::vector<typename Rule::coefficients> const& coefficients,
                                                   step_stats& stats, bool& changed)
 {
@@ -966,8 +983,9 @@ void TIERSTATE_OPTIMIZER::step_streamed_to_device(std::span<grad_view<grad_type>
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-double TIERSTATE_OPTIMIZER::gradient_norm(std::span<grad_view<grad_type> const> grads)
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+double OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::gradient_norm(
+    std::span<grad_view<grad_type> const> grads)
 {
   // Sums of squares over blocks of 4096 elements of each tensor (in double, in element
   // order), then all blocks combined pairwise in (tensor, block) order: nothing depends on
@@ -1019,8 +1037,9 @@ double TIERSTATE_OPTIMIZER::gradient_norm(std::span<grad_view<grad_type> const> 
   return std::sqrt(detail::pairwise_sum(sums.data(), sums.size()));
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::await_chunk(std::size_t k, step_stats& stats)
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::await_chunk(std::size_t k,
+    step_stats& stats)
 {
   if (!(streaming_ && streaming_->active)) { return; }
   auto& st      = *streaming_;
@@ -1060,24 +1079,26 @@ void TIERSTATE_OPTIMIZER::await_chunk(std::size_t k, step_stats& stats)
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-bool TIERSTATE_OPTIMIZER::chunk_is_ready(std::size_t k)
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+bool OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::chunk_is_ready(std::size_t k)
 {
   auto& st = *streaming_;
   std::lock_guard lock(st.m);
   return st.ready[k] != 0 && (!st.checks || st.checked);
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::check_not_streaming(char const* call) const
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_not_streaming(
+    char const* call) const
 {
   if (in_step()) {
     throw logic_error(std::string(call).append(": a streaming step is in progress (begin_step without finish_step)"));
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::begin_step(double grad_scale, unsigned micro_batches)
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::begin_step(double grad_scale,
+    unsigned micro_batches)
 {
   detail::gate_entry const gate(gate_, "begin_step");
   check_not_streaming("begin_step");
@@ -1136,8 +1157,9 @@ void TIERSTATE_OPTIMIZER::begin_step(double grad_scale, unsigned micro_batches)
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::grad_ready(tensor_id t, grad_view<grad_type> g, device::stream_view ready)
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::grad_ready(tensor_id t,
+    grad_view<grad_type> g, device::stream_view ready)
 {
   if (t >= tensors_.size()) {
     throw logic_error("grad_ready: there is no tensor " + std::to_string(t) + " (" +
@@ -1180,8 +1202,8 @@ void TIERSTATE_OPTIMIZER::grad_ready(tensor_id t, grad_view<grad_type> g, device
   st.cv.notify_all();
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::mark_final(std::size_t t)
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::mark_final(std::size_t t)
 {
   auto& st     = *streaming_;
   st.final_[t] = 1;
@@ -1197,8 +1219,8 @@ void TIERSTATE_OPTIMIZER::mark_final(std::size_t t)
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-step_result TIERSTATE_OPTIMIZER::finish_step()
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::finish_step()
 {
   detail::gate_entry const gate(gate_, "finish_step");
   if (!in_step()) { throw logic_error("finish_step: no streaming step is in progress (call begin_step)"); }
@@ -1225,8 +1247,8 @@ step_result TIERSTATE_OPTIMIZER::finish_step()
   return r;
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::drive_streaming_step()
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::drive_streaming_step()
 {
   auto& st = *streaming_;
   try {
@@ -1240,8 +1262,8 @@ void TIERSTATE_OPTIMIZER::drive_streaming_step()
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-step_result TIERSTATE_OPTIMIZER::flush()
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::flush()
 {
   detail::gate_entry const gate(gate_, "flush");
   if (!delayed_ || !delayed_->worker.joinable()) { return {}; }
@@ -1262,8 +1284,9 @@ step_result TIERSTATE_OPTIMIZER::flush()
   return dl.result;
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-step_result TIERSTATE_OPTIMIZER::step_delayed(std::span<grad_view<grad_type> const> grads,
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step_delayed(
+    std::span<grad_view<grad_type> const> grads,
                                               double grad_scale, device::stream_view ready)
 {
   auto const t_start = std::chrono::steady_clock::now();
@@ -1349,14 +1372,15 @@ step_result TIERSTATE_OPTIMIZER::step_delayed(std::span<grad_view<grad_type> con
   return r;
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::check_not_lost(char const* call) const
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_not_lost(char const* call) const
 {
   if (!lost_.empty()) { throw tierstate::state_lost(call, lost_); }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::copy_state(std::string_view tensor, slot s, std::span<float> to)
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::copy_state(std::string_view tensor,
+    slot s, std::span<float> to)
 {
   detail::gate_entry const gate(gate_, "copy_state");
   check_not_streaming("copy_state");
@@ -1392,8 +1416,9 @@ void TIERSTATE_OPTIMIZER::copy_state(std::string_view tensor, slot s, std::span<
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::check_slot(slot s, char const* call) const
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_slot(slot s,
+    char const* call) const
 {
   bool const kept = (Precision::has_master && s == slot::master) ||
                     std::find(Rule::slots.begin(), Rule::slots.end(), s) != Rule::slots.end();
@@ -1403,8 +1428,8 @@ void TIERSTATE_OPTIMIZER::check_slot(slot s, char const* call) const
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::set_step_count(std::int64_t n)
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::set_step_count(std::int64_t n)
 {
   detail::gate_entry const gate(gate_, "set_step_count");
   check_not_streaming("set_step_count");
@@ -1413,8 +1438,9 @@ void TIERSTATE_OPTIMIZER::set_step_count(std::int64_t n)
   step_ = n;
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-void TIERSTATE_OPTIMIZER::write_state(std::string_view tensor, slot s, std::span<float const> from)
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::write_state(std::string_view tensor,
+    slot s, std::span<float const> from)
 {
   detail::gate_entry const gate(gate_, "write_state");
   check_not_streaming("write_state");
@@ -1454,23 +1480,20 @@ void TIERSTATE_OPTIMIZER::write_state(std::string_view tensor, slot s, std::span
   }
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-layout const& TIERSTATE_OPTIMIZER::state_layout()
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+layout const& OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::state_layout()
 {
   detail::gate_entry const gate(gate_, "state_layout");
   materialize();
   return *layout_;
 }
 
-TIERSTATE_OPTIMIZER_TEMPLATE
-StateTier& TIERSTATE_OPTIMIZER::state_tier()
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+StateTier& OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::state_tier()
 {
   detail::gate_entry const gate(gate_, "state_tier");
   materialize();
   return *tier_;
 }
-
-#undef TIERSTATE_OPTIMIZER_TEMPLATE
-#undef TIERSTATE_OPTIMIZER
 
 }  // namespace tierstate
