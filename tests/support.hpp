@@ -4,6 +4,8 @@
 // torch.optim.Adam/AdamW's update.
 #pragma once
 
+#include "compositions.hpp"
+
 #include <tierstate/tierstate.hpp>
 
 #include <cmath>

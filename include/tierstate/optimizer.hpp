@@ -591,5 +591,13 @@ class OffloadedOptimizer {
 
 }  // namespace tierstate
 
-#include <tierstate/detail/optimizer.inl>
-#include <tierstate/detail/checkpoint.inl>
+#include <tierstate/detail/optimizer/registry.inl>
+#include <tierstate/detail/optimizer/state.inl>
+#include <tierstate/detail/optimizer/checks.inl>
+#include <tierstate/detail/optimizer/step_host.inl>
+#include <tierstate/detail/optimizer/step_device.inl>
+#include <tierstate/detail/optimizer/streaming.inl>
+#include <tierstate/detail/optimizer/delayed.inl>
+#include <tierstate/detail/optimizer/checkpoint_files.inl>
+#include <tierstate/detail/optimizer/checkpoint_header.inl>
+#include <tierstate/detail/optimizer/checkpoint.inl>

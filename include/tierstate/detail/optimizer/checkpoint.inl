@@ -1,0 +1,250 @@
+// SPDX-License-Identifier: Apache-2.0
+// save and load: a checkpoint written to a temporary, synced and renamed into place, and
+// read back after every check.
+#pragma once
+
+namespace tierstate::inline TIERSTATE_ABI {
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save(
+    std::filesystem::path const& path, checkpoint_options const& o)
+{
+  detail::gate_entry const gate(gate_, "save");
+  check_not_streaming("save");
+  flush();
+  check_not_lost("save");
+  io::engine_options const eo = checkpoint_io(o);
+  if (tensors_.empty()) { throw logic_error("save: no tensor is registered: add_tensor first"); }
+  std::string const target = path.string();
+  std::filesystem::path const dir = path.has_parent_path() ? path.parent_path() : std::filesystem::path(".");
+  std::string const name = path.filename().string();
+  if (name.empty() || name == "." || name == "..") {
+    throw logic_error("save: '" + target + "' names no file");
+  }
+  detail::unique_fd dirfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dirfd.fd < 0) { throw io_error(errno, dir.string(), "open", 0, 0, "the directory of the checkpoint"); }
+  // The target is replaced by rename: anything there but a regular file is refused, so that
+  // a save never replaces a directory, a device, a FIFO or a symlink (rather than its target).
+  {
+    struct stat st{};
+    if (::fstatat(dirfd.fd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) == 0 && !S_ISREG(st.st_mode)) {
+      throw logic_error("save: '" + target + "' is " + detail::file_kind(st.st_mode) +
+                        "; save replaces a regular file (a symlink: save to the path it points to)");
+    }
+  }
+  long const name_max = ::fpathconf(dirfd.fd, _PC_NAME_MAX);
+  if (name_max > 0 && name.size() > static_cast<std::size_t>(name_max)) {
+    throw io_error(ENAMETOOLONG, target, "save", 0, 0,
+                   "the file name is " + std::to_string(name.size()) + " bytes; this directory allows " +
+                     std::to_string(name_max));
+  }
+  detail::temp_names const names(name, name_max);
+  detail::remove_stale_temporaries(dirfd.fd, names);
+  static std::atomic<std::uint64_t> saves{0};
+  std::string const temp      = names.make(saves++);
+  std::string const temp_path = (dir / temp).string();
+
+  auto observe = [&](save_event e, std::uint64_t offset = 0, std::uint64_t length = 0) {
+    if (o.observer) { o.observer(e, offset, length); }
+  };
+  observe(save_event::create);
+  // Nameless until it is complete: a crash leaves nothing. Where the filesystem has no
+  // O_TMPFILE, created under the temporary's name.
+  bool named = false;  // whether `temp` names the file now
+  detail::unique_fd fd(::openat(dirfd.fd, ".", O_TMPFILE | O_WRONLY | O_CLOEXEC, 0600));
+  if (fd.fd < 0) {
+    if (errno != EOPNOTSUPP && errno != EISDIR && errno != EINVAL) {
+      throw io_error(errno, dir.string(), "open(O_TMPFILE)", 0, 0, "the checkpoint's temporary file");
+    }
+    fd.fd = ::openat(dirfd.fd, temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd.fd < 0) { throw io_error(errno, temp_path, "create", 0, 0, "the checkpoint's temporary file"); }
+    named = true;
+  }
+  bool const fresh = !layout_;  // a failed save on an optimizer without state leaves it without
+  PinnedHost header{0}, table{0};
+  try {
+    materialize();
+    detail::try_direct(fd.fd);
+    io::engine engine = checkpoint_engine(eo, o, target);
+    auto write = [&](std::uint64_t offset, std::byte const* data, std::size_t n) {
+      observe(save_event::write, offset, n);
+      io::request const r{fd.fd, offset, const_cast<std::byte*>(data), n, true, &temp_path};
+      try {
+        engine.submit({&r, 1});
+      } catch (...) {
+        // A write the kernel may still read from: its memory is kept, never freed or reused.
+        if (!engine.usable()) {
+          header.abandon();
+          table.abandon();
+        }
+        throw;
+      }
+    };
+    header = detail::aligned_copy(checkpoint::encode(make_header()));
+    write(0, header.data(), header.size());
+
+    std::uint64_t const H = header.size();
+    std::size_t const B   = layout_->chunk_bytes();
+    std::vector<std::uint64_t> sums(layout_->chunk_count());
+    for (std::size_t k = 0; k < layout_->chunk_count(); ++k) {
+      std::byte* chunk;
+      if constexpr (addressable_tier<StateTier>) {
+        chunk = tier_->data() + k * B;
+      } else {
+        chunk = staging(0);
+        tier_->read(k * B, std::span<std::byte>(chunk, B));
+      }
+      sums[k] = checkpoint::checksum(chunk, B);
+      write(H + k * B, chunk, B);
+    }
+    table = detail::aligned_copy(checkpoint::encode_table(sums));
+    write(H + sums.size() * B, table.data(), table.size());
+    observe(save_event::fsync_file);
+    if (::fsync(fd.fd) != 0) { throw io_error(errno, temp_path, "fsync", 0, 0, "the checkpoint's temporary file"); }
+    observe(save_event::rename);
+    if (!named) {
+      // Linked through /proc (no capability needed), else by AT_EMPTY_PATH (which needs
+      // CAP_DAC_READ_SEARCH): the name exists only until the rename below.
+      std::string const self = "/proc/self/fd/" + std::to_string(fd.fd);
+      int r = ::linkat(AT_FDCWD, self.c_str(), dirfd.fd, temp.c_str(), AT_SYMLINK_FOLLOW);
+      if (r != 0 && errno == ENOENT) { r = ::linkat(fd.fd, "", dirfd.fd, temp.c_str(), AT_EMPTY_PATH); }
+      if (r != 0) { throw io_error(errno, temp_path, "linkat", 0, 0, "naming the finished checkpoint before its rename"); }
+      named = true;
+    }
+    fd.reset();
+    if (::renameat(dirfd.fd, temp.c_str(), dirfd.fd, name.c_str()) != 0) {
+      throw io_error(errno, temp_path, "rename", 0, 0, "onto " + target);
+    }
+    named = false;
+  } catch (...) {
+    fd.reset();
+    if (named) { ::unlinkat(dirfd.fd, temp.c_str(), 0); }  // nothing half-written is left, under any name
+    if (fresh) { discard_state(); }
+    throw;
+  }
+  // The rename is durable once the directory is.
+  observe(save_event::fsync_directory);
+  if (::fsync(dirfd.fd) != 0) { throw io_error(errno, dir.string(), "fsync", 0, 0, "the checkpoint's directory"); }
+  observe(save_event::done);
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
+    std::filesystem::path const& path, checkpoint_options const& o)
+{
+  detail::gate_entry const gate(gate_, "load");
+  check_not_streaming("load");
+  // A delayed update in flight is finished first. If it failed, what is loaded replaces
+  // it; if the load is refused, its failure stands (the state is lost).
+  try {
+    flush();
+  } catch (std::exception const& e) {
+    if (lost_.empty()) { lost_ = std::string("the delayed update failed: ") + e.what(); }
+  } catch (...) {
+    if (lost_.empty()) { lost_ = "the delayed update failed"; }
+  }
+  io::engine_options const eo = checkpoint_io(o);
+  if (tensors_.empty()) { throw logic_error("load: no tensor is registered: add_tensor first"); }
+  std::string const file = path.string();
+  // Never blocks in open (a FIFO without a writer); anything but a regular file is refused.
+  detail::unique_fd fd(::open(file.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
+  if (fd.fd < 0) { throw io_error(errno, file, "open", 0, 0, "the checkpoint"); }
+  struct stat st{};
+  if (::fstat(fd.fd, &st) != 0) { throw io_error(errno, file, "fstat"); }
+  if (!S_ISREG(st.st_mode)) {
+    throw checkpoint_error(file, std::string("is ") + detail::file_kind(st.st_mode) + ", not a regular file");
+  }
+  if (int const fl = ::fcntl(fd.fd, F_GETFL); fl >= 0) { (void)::fcntl(fd.fd, F_SETFL, fl & ~O_NONBLOCK); }
+  detail::try_direct(fd.fd);
+  auto const file_bytes = static_cast<std::uint64_t>(st.st_size);
+  if (file_bytes < checkpoint::block) {
+    throw checkpoint_error(file, "is " + std::to_string(file_bytes) + " bytes, shorter than a header (truncated)");
+  }
+  // Everything is checked against the layout this optimizer has, or would make: nothing is
+  // made before the file is known to be good.
+  std::optional<layout> planned;
+  if (!layout_) { planned.emplace(make_layout()); }
+  layout const& lay = layout_ ? *layout_ : *planned;
+  io::engine engine = checkpoint_engine(eo, o, file);
+  // Load's buffers; kept (leaked), never freed, if a read the kernel never answered may
+  // still land in them.
+  PinnedHost first{0}, region{0}, table{0}, scratch{0};
+  auto read = [&](std::uint64_t offset, std::byte* data, std::size_t n) {
+    io::request const r{fd.fd, offset, data, n, false, &file};
+    try {
+      engine.submit({&r, 1});
+    } catch (...) {
+      if (!engine.usable()) {
+        for (PinnedHost* b : {&first, &region, &table, &scratch}) { b->abandon(); }
+      }
+      throw;
+    }
+  };
+
+  // The header: its first block, then the rest, bounded by what a header of this
+  // optimizer's tensors can need (its own size, with a group per tensor), and never more
+  // than 8 MiB for another's: a file's claim is never allocated before it is bounded.
+  first = PinnedHost(checkpoint::block);
+  read(0, first.data(), checkpoint::block);
+  std::uint64_t const own_payload = checkpoint::encode(make_header(lay)).size();
+  std::uint64_t const max_header  = std::max<std::uint64_t>(
+    std::uint64_t{8} << 20,
+    own_payload + (tensors_.size() + 1) * (8 * Rule::hyperparameter_count + 8) + checkpoint::block);
+  std::uint64_t const H = checkpoint::header_bytes({first.data(), first.size()}, file_bytes, file, max_header);
+  region = PinnedHost(H);
+  std::memcpy(region.data(), first.data(), checkpoint::block);
+  if (H > checkpoint::block) { read(checkpoint::block, region.data() + checkpoint::block, H - checkpoint::block); }
+  checkpoint::header const h = checkpoint::decode({region.data(), region.size()}, file, o.verify_checksums);
+  check_header(h, lay, file);
+
+  // The file's size, now that its layout is known to be ours.
+  std::size_t const B   = lay.chunk_bytes();
+  std::size_t const C   = lay.chunk_count();
+  std::uint64_t const T = checkpoint::table_bytes(C);
+  if (file_bytes != H + C * B + T) {
+    throw checkpoint_error(file, "is " + std::to_string(file_bytes) + " bytes; its header describes " +
+                                   std::to_string(H + C * B + T) + " (truncated or extended)");
+  }
+  table = PinnedHost(T);
+  read(H + C * B, table.data(), T);
+  std::vector<std::uint64_t> const sums = checkpoint::decode_table({table.data(), table.size()}, C, file, o.verify_checksums);
+
+  auto corrupt_chunk = [&](std::size_t k) {
+    return checkpoint_error(file, "chunk " + std::to_string(k) + " of " + std::to_string(C) + " (bytes [" +
+                                    std::to_string(H + k * B) + ", " + std::to_string(H + (k + 1) * B) +
+                                    ") of the file) does not match its checksum (corrupt)");
+  };
+  scratch = PinnedHost(B);  // one chunk: what load needs beyond the header and the table
+  // Pass 1: every chunk verified before anything changes.
+  if (o.verify_checksums) {
+    for (std::size_t k = 0; k < C; ++k) {
+      read(H + k * B, scratch.data(), B);
+      if (checkpoint::checksum(scratch.data(), B) != sums[k]) { throw corrupt_chunk(k); }
+    }
+  }
+  // The file is good: the state is made (its master is not filled from the params: every
+  // chunk is loaded below) and replaced. A failure from here on leaves it part loaded: lost.
+  materialize(false);
+  delayed_.reset();  // its param buffer is made afresh from the params load writes
+  try {
+    // Read into load's own buffer, then copied into the tier: a read that hangs never holds
+    // the tier's memory, which a later load would then share with a late transfer.
+    for (std::size_t k = 0; k < C; ++k) {
+      std::byte* chunk = scratch.data();
+      read(H + k * B, chunk, B);
+      if (o.verify_checksums && checkpoint::checksum(chunk, B) != sums[k]) { throw corrupt_chunk(k); }
+      tier_->write(k * B, std::span<std::byte const>(chunk, B));
+      params_from_master(k, chunk);
+    }
+  } catch (std::exception const& e) {
+    lost_ = e.what();
+    throw;
+  }
+  step_ = h.step;
+  groups_.clear();
+  for (auto const& g : h.groups) { groups_.push_back(Rule::from_values(g)); }
+  for (std::size_t t = 0; t < tensors_.size(); ++t) { tensors_[t].group = h.tensors[t].group; }
+  lost_.clear();
+}
+
+}  // namespace tierstate

@@ -1,0 +1,160 @@
+// SPDX-License-Identifier: Apache-2.0
+// A checkpoint's header: made from the layout, checked against it on load, and the I/O
+// engine a save or load uses.
+#pragma once
+
+namespace tierstate::inline TIERSTATE_ABI {
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+checkpoint::header OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::make_header() const
+{
+  return make_header(*layout_);
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+checkpoint::header OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::make_header(
+    layout const& lay) const
+{
+  checkpoint::header h;
+  h.rule           = std::string(Rule::name);
+  h.precision      = Precision::name();
+  h.step           = step_;
+  h.chunk_elements = lay.chunk_elements();
+  h.chunk_bytes    = lay.chunk_bytes();
+  h.chunk_count    = lay.chunk_count();
+  h.total_elements = lay.total_elements();
+  for (std::size_t i = 0; i < lay.slots().size(); ++i) {
+    h.slots.push_back({static_cast<std::uint32_t>(lay.slots()[i]),
+                       static_cast<std::uint32_t>(lay.slot_element_bytes(i))});
+  }
+  for (std::size_t t = 0; t < tensors_.size(); ++t) {
+    h.tensors.push_back({tensors_[t].name, lay.tensors()[t].offset, tensors_[t].count, tensors_[t].group});
+  }
+  h.values_per_group = static_cast<std::uint32_t>(Rule::hyperparameter_count);
+  for (auto const& g : groups_) {
+    auto const v = Rule::to_values(g);
+    h.groups.emplace_back(v.begin(), v.end());
+  }
+  return h;
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_header(
+    checkpoint::header const& h, layout const& lay, std::string const& path) const
+{
+  using detail::quoted;
+  auto differ = [&](std::string const& what, std::string const& there, std::string const& here) {
+    throw checkpoint_error(path, "was saved with " + what + " " + there + ", and this optimizer has " + here);
+  };
+  if (h.rule != Rule::name) { differ("rule", quoted(h.rule), quoted(std::string(Rule::name))); }
+  if (h.precision != Precision::name()) { differ("precision", detail::clipped(h.precision), Precision::name()); }
+  auto const mine = make_header(lay);
+  if (h.slots.size() != mine.slots.size()) {
+    differ("slot count", std::to_string(h.slots.size()), std::to_string(mine.slots.size()));
+  }
+  for (std::size_t i = 0; i < h.slots.size(); ++i) {
+    if (h.slots[i].id != mine.slots[i].id || h.slots[i].element_bytes != mine.slots[i].element_bytes) {
+      differ("slot " + std::to_string(i), "(id " + std::to_string(h.slots[i].id) + ", " +
+               std::to_string(h.slots[i].element_bytes) + " bytes)",
+             "(id " + std::to_string(mine.slots[i].id) + ", " + std::to_string(mine.slots[i].element_bytes) + " bytes)");
+    }
+  }
+  if (h.tensors.size() != mine.tensors.size()) {
+    differ("tensor count", std::to_string(h.tensors.size()), std::to_string(mine.tensors.size()));
+  }
+  for (std::size_t t = 0; t < h.tensors.size(); ++t) {
+    auto const& a = h.tensors[t];
+    auto const& b = mine.tensors[t];
+    if (a.name != b.name || a.count != b.count || a.offset != b.offset) {
+      differ("tensor " + std::to_string(t), quoted(a.name) + " of " + std::to_string(a.count) + " elements",
+             quoted(b.name) + " of " + std::to_string(b.count) + " elements");
+    }
+  }
+  if (h.chunk_elements != mine.chunk_elements) {
+    differ("chunk_elements", std::to_string(h.chunk_elements), std::to_string(mine.chunk_elements));
+  }
+  if (h.chunk_bytes != mine.chunk_bytes || h.chunk_count != mine.chunk_count ||
+      h.total_elements != mine.total_elements) {
+    differ("a layout of", std::to_string(h.chunk_count) + " chunks of " + std::to_string(h.chunk_bytes) + " bytes",
+           std::to_string(mine.chunk_count) + " chunks of " + std::to_string(mine.chunk_bytes) + " bytes");
+  }
+  if (h.step < 0) { throw checkpoint_error(path, "step count " + std::to_string(h.step) + " is negative (corrupt)"); }
+  if (h.values_per_group != Rule::hyperparameter_count || h.groups.empty()) {
+    throw checkpoint_error(path, std::to_string(h.groups.size()) + " groups of " + std::to_string(h.values_per_group) +
+                                   " hyper-parameters; " + std::string(Rule::name) + " has " +
+                                   std::to_string(Rule::hyperparameter_count) + " (corrupt)");
+  }
+  for (std::size_t t = 0; t < h.tensors.size(); ++t) {
+    if (h.tensors[t].group >= h.groups.size()) {
+      throw checkpoint_error(path, "tensor " + quoted(h.tensors[t].name) + " is in group " +
+                                     std::to_string(h.tensors[t].group) + " of " + std::to_string(h.groups.size()) +
+                                     " (corrupt)");
+    }
+  }
+  for (std::size_t g = 0; g < h.groups.size(); ++g) {
+    try {
+      (void)Rule::from_values(h.groups[g]);
+    } catch (invalid_option const& e) {
+      throw checkpoint_error(path, "group " + std::to_string(g) + ": " + e.what());
+    }
+  }
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+io::engine_options OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::checkpoint_io(
+    checkpoint_options const& o) const
+{
+  io::engine_options eo;
+  if (o.io) {
+    eo = *o.io;
+  } else if constexpr (requires { { opts_.tier.io } -> std::convertible_to<io::engine_options const&>; }) {
+    eo        = opts_.tier.io;  // the tier's engine choice (its backend above all) carries over
+    eo.faults = nullptr;        // a fault plan planted for the tier is the tier's
+  }
+  try {
+    eo.validate();
+  } catch (invalid_option const& e) {
+    throw invalid_option("checkpoint_options::io", o.io ? "(given)" : "(the tier's options.io)", e.what());
+  }
+  return eo;
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+io::engine OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::checkpoint_engine(
+    io::engine_options const& eo, checkpoint_options const& o,
+                                                  std::string const& path) const
+{
+  try {
+    return io::engine(eo);
+  } catch (io_error const& e) {
+    throw io_error(e.code().value(), path, "start the checkpoint's I/O engine", 0, 0,
+                   std::string(e.what()) + "; the checkpoint's engine is checkpoint_options::io" +
+                     (o.io ? "" : ", which by default follows the state tier's (options.tier.io)") +
+                     ": set its .backend = io::backend::psync where io_uring is forbidden");
+  }
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::params_from_master(std::size_t k,
+    std::byte const* chunk)
+{
+  if constexpr (Precision::has_master) {
+    auto const* master = reinterpret_cast<float const*>(chunk + layout_->slot_offset(0));
+    std::vector<param_type> staged;  // for params on the device
+    for (std::size_t p = chunk_pieces_[k]; p < chunk_pieces_[k + 1]; ++p) {
+      auto const& pc  = pieces_[p];
+      auto const& t   = tensors_[pc.tensor];
+      param_type* dst = t.param + pc.tensor_begin;
+      if (t.where == location::device) {
+        staged.resize(pc.count);
+        dst = staged.data();
+      }
+      for (std::size_t i = 0; i < pc.count; ++i) { dst[i] = convert<param_type>(master[pc.chunk_begin + i]); }
+      if (t.where == location::device) {
+        device::copy(t.param + pc.tensor_begin, staged.data(), pc.count * sizeof(param_type));
+      }
+    }
+  }
+}
+
+}  // namespace tierstate

@@ -1,0 +1,181 @@
+// SPDX-License-Identifier: Apache-2.0
+// The optimizer's registry: construction, tensors and groups, and their hyperparameters.
+// (OffloadedOptimizer's definitions: include/tierstate/optimizer.hpp includes these files in order.)
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+namespace tierstate::inline TIERSTATE_ABI {
+namespace detail {
+
+inline double seconds_since(std::chrono::steady_clock::time_point t0) noexcept
+{
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/// Thrown inside a streaming step's driver when the checks say skip; never leaves it.
+struct skip_step_signal {};
+
+/// Sum of v in a fixed pairwise order (the halves of each range, recursively).
+inline double pairwise_sum(double const* v, std::size_t n) noexcept
+{
+  if (n == 0) { return 0.0; }
+  if (n == 1) { return v[0]; }
+  std::size_t const h = n / 2;
+  return pairwise_sum(v, h) + pairwise_sum(v + h, n - h);
+}
+
+}  // namespace detail
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::OffloadedOptimizer(
+    hyperparameters const& defaults, options const& opts)
+  : opts_(opts), pool_(opts.threads)
+{
+  Rule::validate(defaults);
+  if (opts.chunk_elements == 0 || opts.chunk_elements % layout::element_granularity != 0) {
+    throw invalid_option("chunk_elements", detail::to_text(opts.chunk_elements),
+                         "must be a positive multiple of 2048, so every slot array of a chunk "
+                         "is a whole number of 4 KiB blocks");
+  }
+  if (!(opts.max_grad_norm >= 0.0) || !std::isfinite(opts.max_grad_norm)) {
+    throw invalid_option("max_grad_norm", detail::to_text(opts.max_grad_norm),
+                         "must be finite and >= 0 (0: no clipping)");
+  }
+  if (on_device_ && opts.delayed_update) {
+    throw invalid_option("delayed_update", "true",
+                         "the delayed parameter update runs the update on the host: use OnHost compute");
+  }
+  if (on_device_ && opts.max_grad_norm > 0.0) {
+    throw invalid_option("max_grad_norm", detail::to_text(opts.max_grad_norm),
+                         "clipping with OnDevice compute is not supported yet (the norm would need a "
+                         "device reduction); clip in the framework, or compute on the host");
+  }
+  if constexpr (preflight_tier<StateTier>) { StateTier::preflight(opts.tier); }
+  groups_.push_back(defaults);
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tensor(std::string name,
+    param_type* param, std::size_t count,
+                                     location where) -> tensor_id
+{
+  detail::gate_entry const gate(gate_, "add_tensor");
+  auto const who = "add_tensor('" + name + "')";
+  if (layout_) {
+    throw logic_error(who + ": the state already exists (after the first step or copy_state), "
+                            "so the set of tensors is fixed");
+  }
+  if (name.empty()) { throw logic_error("add_tensor: the tensor name is empty"); }
+  if (param == nullptr && count > 0) {
+    throw logic_error(who + ": param is a null pointer for " + std::to_string(count) + " elements");
+  }
+  if constexpr (!device_params_) {
+    if (where != location::host) {
+      throw logic_error(who + ": the param lives on the device; this composition keeps params on "
+                              "the host (use the CudaOverlapped transfer, or OnDevice compute)");
+    }
+  }
+  if constexpr (on_device_) {
+    if (where != location::device) {
+      throw logic_error(who + ": the param lives on the host; OnDevice compute updates params on "
+                              "the device (register device memory with location::device)");
+    }
+  }
+#if defined(TIERSTATE_ENABLE_CUDA)
+  if (count > 0 && (where == location::device) != device::is_device_pointer(param)) {
+    throw logic_error(who + ": registered as " + std::string(location_name(where)) +
+                      " memory, but the CUDA runtime says the pointer is " +
+                      (where == location::device ? "not device memory" : "device memory"));
+  }
+#endif
+  if (index_.find(std::string_view(name)) != index_.end()) {
+    throw logic_error(who + ": a tensor of that name is already registered");
+  }
+  std::size_t const id = tensors_.size();
+  auto const [it, inserted] = index_.emplace(name, id);
+  try {
+    tensors_.push_back({std::move(name), param, count, 0, where});
+  } catch (...) {
+    index_.erase(it);  // a refused call leaves the registry as it was
+    throw;
+  }
+  return id;
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_group(hyperparameters const& h,
+                                    std::vector<std::string> const& tensor_names) -> group_id
+{
+  detail::gate_entry const gate(gate_, "add_group");
+  Rule::validate(h);
+  if (tensor_names.empty()) { throw logic_error("add_group: the group names no tensor"); }
+  std::vector<std::size_t> members;
+  members.reserve(tensor_names.size());
+  for (auto const& n : tensor_names) {
+    std::size_t const t = find_tensor(n, "add_group");
+    if (tensors_[t].group != 0) {
+      throw logic_error("add_group: tensor '" + n + "' is already in group " +
+                        std::to_string(tensors_[t].group) + "; a tensor belongs to one group");
+    }
+    members.push_back(t);
+  }
+  {
+    std::vector<std::size_t> sorted = members;
+    std::sort(sorted.begin(), sorted.end());
+    auto const twice = std::adjacent_find(sorted.begin(), sorted.end());
+    if (twice != sorted.end()) {
+      throw logic_error("add_group: tensor '" + tensors_[*twice].name + "' is named twice");
+    }
+  }
+  groups_.push_back(h);
+  for (std::size_t const t : members) { tensors_[t].group = groups_.size() - 1; }
+  return groups_.size() - 1;
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::set_hyperparameters(group_id g,
+    hyperparameters const& h)
+{
+  detail::gate_entry const gate(gate_, "set_hyperparameters");
+  check_not_streaming("set_hyperparameters");
+  if (g >= groups_.size()) {
+    throw logic_error("set_hyperparameters: there is no group " + std::to_string(g) + " (" +
+                      std::to_string(groups_.size()) + " groups)");
+  }
+  Rule::validate(h);
+  groups_[g] = h;
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::get_hyperparameters(
+    group_id g) const -> hyperparameters const&
+{
+  if (g >= groups_.size()) {
+    throw logic_error("get_hyperparameters: there is no group " + std::to_string(g));
+  }
+  return groups_[g];
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::group_of(
+    std::string_view tensor) const -> group_id
+{
+  return tensors_[find_tensor(tensor, "group_of")].group;
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+std::size_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::find_tensor(
+    std::string_view name, char const* caller) const
+{
+  if (auto const it = index_.find(name); it != index_.end()) { return it->second; }
+  throw logic_error(std::string(caller) + ": no tensor named '" + std::string(name) +
+                    "' is registered");
+}
+
+}  // namespace tierstate

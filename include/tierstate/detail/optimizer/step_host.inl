@@ -1,0 +1,234 @@
+// SPDX-License-Identifier: Apache-2.0
+// The host compute's step: the coefficients, the dispatch (run_step) and the host bodies
+// (a chunk in place, staged, or pipelined through the state tier).
+#pragma once
+
+namespace tierstate::inline TIERSTATE_ABI {
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_chunk_range(std::size_t k,
+    std::byte* chunk, std::size_t b, std::size_t e,
+                                             std::span<grad_view<grad_type> const> grads,
+                                             std::vector<typename Rule::coefficients> const& coefficients,
+                                             grad_type const* grad_stage, param_type* param_stage)
+{
+  using arrays_t = update_arrays<Precision, Rule::slot_count>;
+  constexpr std::size_t first_rule_slot = Precision::has_master ? 1 : 0;
+  float* master = nullptr;
+  if constexpr (Precision::has_master) {
+    master = reinterpret_cast<float*>(chunk + layout_->slot_offset(0));
+  }
+  std::array<state_type*, Rule::slot_count> state{};
+  for (std::size_t j = 0; j < Rule::slot_count; ++j) {
+    state[j] = reinterpret_cast<state_type*>(chunk + layout_->slot_offset(first_rule_slot + j));
+  }
+  // The pieces (tensor parts) of chunk k that overlap [b, e), each with its tensor's group.
+  for (std::size_t p = chunk_pieces_[k]; p < chunk_pieces_[k + 1]; ++p) {
+    auto const& pc       = pieces_[p];
+    std::size_t const lo = std::max(b, pc.chunk_begin);
+    std::size_t const hi = std::min(e, pc.chunk_begin + pc.count);
+    if (lo >= hi) { continue; }
+    if (grads[pc.tensor].data == nullptr) { continue; }  // no gradient
+    std::size_t const tofs = pc.tensor_begin + (lo - pc.chunk_begin);
+    auto const& tensor     = tensors_[pc.tensor];
+    arrays_t a;
+    a.param  = update_params_on_device(pc.tensor) ? param_stage + lo : update_params(pc.tensor) + tofs;
+    a.grad   = grads[pc.tensor].where == location::device ? grad_stage + lo : grads[pc.tensor].data + tofs;
+    a.master = master != nullptr ? master + lo : nullptr;
+    for (std::size_t j = 0; j < Rule::slot_count; ++j) { a.state[j] = state[j] + lo; }
+    host::update_range<Rule, Precision, arch>(coefficients[tensor.group], a, 0, hi - lo);
+  }
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step(
+    std::span<grad_view<grad_type> const> grads, double grad_scale,
+                                     device::stream_view ready)
+{
+  detail::gate_entry const gate(gate_, "step");
+  auto const t_start = std::chrono::steady_clock::now();
+  check_not_streaming("step");
+  if (opts_.delayed_update) { return step_delayed(grads, grad_scale, ready); }
+  check_not_lost("step");
+  check_grads(grads);
+  // Every group's coefficients first: a refused hyper-parameter or scale changes nothing.
+  auto coefficients = coefficients_for(grad_scale);
+  materialize();
+
+  if constexpr (device_params_) {
+    // Device gradients are read after the work queued on `ready` so far.
+    dev_->ready.record(ready);
+    dev_->compute.wait(dev_->ready);
+    dev_->d2h.wait(dev_->ready);
+    dev_->h2d.wait(dev_->ready);
+  }
+  step_result result;
+  if (!check_and_clip(grads, grad_scale, coefficients, result)) {
+    result.skipped             = true;
+    result.step                = step_;
+    result.stats.total_seconds = detail::seconds_since(t_start);
+    return result;
+  }
+  run_step(grads, coefficients, result);
+  result.step                = ++step_;
+  result.stats.total_seconds = detail::seconds_since(t_start);
+  return result;
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::coefficients_for(
+    double grad_scale) const
+  -> std::vector<typename Rule::coefficients>
+{
+  std::vector<typename Rule::coefficients> coefficients;
+  coefficients.reserve(groups_.size());
+  for (auto const& h : groups_) { coefficients.push_back(Rule::coefficients_for(h, step_ + 1, grad_scale)); }
+  return coefficients;
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::run_step(
+    std::span<grad_view<grad_type> const> grads,
+                                   std::vector<typename Rule::coefficients>& coefficients,
+                                   step_result& result)
+{
+  std::size_t const ce    = layout_->chunk_elements();
+  std::size_t const grain = 64 * host::batch_size<arch>;
+  if constexpr (device_params_) {
+    bool changed = false;  // whether a chunk's params and state began to change
+    try {
+      if constexpr (device_tier<StateTier>) {
+        step_device_resident(grads, coefficients, result.stats, changed);
+      } else if constexpr (on_device_) {
+        step_streamed_to_device(grads, coefficients, result.stats, changed);
+      } else {
+        step_overlapped_host(grads, coefficients, result.stats, changed);
+      }
+    } catch (std::exception const& e) {
+      if (changed) { lost_ = e.what(); }
+      throw;
+    } catch (...) {
+      if (changed) { lost_ = "an exception that is not a std::exception"; }
+      throw;
+    }
+  } else if constexpr (addressable_tier<StateTier>) {
+    if (streaming_ && streaming_->active) {
+      // A streaming step: chunk by chunk in the step's order, each once its gradients are in.
+      for (std::size_t j = 0; j < layout_->chunk_count(); ++j) {
+        std::size_t const k = chunk_at(j);
+        await_chunk(k, result.stats);
+        auto const t0 = std::chrono::steady_clock::now();
+        std::byte* chunk = tier_->data() + k * layout_->chunk_bytes();
+        pool_.parallel_for(layout_->chunk_size(k), grain, [&](std::size_t b, std::size_t e) {
+          update_chunk_range(k, chunk, b, e, grads, coefficients);
+        });
+        result.stats.compute_seconds += detail::seconds_since(t0);
+        ++result.stats.chunks;
+      }
+      result.stats.tier_bytes_in_place = layout_->total_bytes();
+      return;
+    }
+    // In place: one parallel pass over all elements; a thread's range may cross chunks.
+    auto const t0 = std::chrono::steady_clock::now();
+    pool_.parallel_for(layout_->total_elements(), grain, [&](std::size_t b, std::size_t e) {
+      for (std::size_t k = b / ce; k * ce < e; ++k) {
+        std::byte* chunk = tier_->data() + k * layout_->chunk_bytes();
+        update_chunk_range(k, chunk, std::max(b, k * ce) - k * ce, std::min(e, (k + 1) * ce) - k * ce,
+                           grads, coefficients);
+      }
+    });
+    result.stats.compute_seconds = detail::seconds_since(t0);
+    result.stats.chunks          = layout_->chunk_count();
+    result.stats.tier_bytes_in_place = layout_->total_bytes();
+  } else {
+    bool changed = false;  // whether a chunk's params and state began to change
+    try {
+      if constexpr (is_pipelined_v<Transfer>) {
+        step_pipelined(grads, coefficients, result.stats, changed);
+      } else {
+        step_staged(grads, coefficients, result.stats, changed);
+      }
+    } catch (std::exception const& e) {
+      if (changed) { lost_ = e.what(); }
+      throw;
+    } catch (...) {
+      if (changed) { lost_ = "an exception that is not a std::exception"; }
+      throw;
+    }
+  }
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step_staged(
+    std::span<grad_view<grad_type> const> grads,
+                                      std::vector<typename Rule::coefficients> const& coefficients,
+                                      step_stats& stats, bool& changed)
+{
+  // Each chunk read, updated by all threads, written back, before the next is read.
+  std::size_t const grain = 64 * host::batch_size<arch>;
+  for (std::size_t j = 0; j < layout_->chunk_count(); ++j) {
+    std::size_t const k = chunk_at(j);
+    with_chunk(k, true, stats, [&](std::byte* chunk) {
+      await_chunk(k, stats);
+      changed       = true;
+      auto const t0 = std::chrono::steady_clock::now();
+      pool_.parallel_for(layout_->chunk_size(k), grain, [&](std::size_t b, std::size_t e) {
+        update_chunk_range(k, chunk, b, e, grads, coefficients);
+      });
+      stats.compute_seconds += detail::seconds_since(t0);
+    });
+    ++stats.chunks;
+  }
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step_pipelined(
+    std::span<grad_view<grad_type> const> grads,
+                                         std::vector<typename Rule::coefficients> const& coefficients,
+                                         step_stats& stats, bool& changed)
+{
+  // The j-th chunk of the step's order uses staging buffer j % B. Reads run Depth chunks
+  // ahead of the compute; the (j + Depth + 1)-th is read into the buffer of the (j - 1)-th,
+  // queued after its write (the I/O thread never batches two jobs on one buffer, so the
+  // write finishes first).
+  constexpr unsigned B     = Transfer::staging_buffers;
+  std::size_t const n      = layout_->chunk_count();
+  std::size_t const bytes  = layout_->chunk_bytes();
+  std::size_t const grain  = 64 * host::batch_size<arch>;
+  std::vector<std::uint64_t> read_ticket(n);
+  auto read = [&](std::size_t j) {
+    read_ticket[j] = io_->enqueue({chunk_at(j) * bytes, staging(j % B), bytes, false}, static_cast<unsigned>(j % B));
+    stats.tier_bytes_read += bytes;
+  };
+  try {
+    for (std::size_t j = 0; j < std::min<std::size_t>(n, Transfer::depth + 1); ++j) { read(j); }
+    for (std::size_t j = 0; j < n; ++j) {
+      std::size_t const k = chunk_at(j);
+      auto t0 = std::chrono::steady_clock::now();
+      io_->wait(read_ticket[j]);
+      stats.wait_seconds += detail::seconds_since(t0);
+      await_chunk(k, stats);
+
+      changed         = true;
+      std::byte* const chunk = staging(j % B);
+      t0 = std::chrono::steady_clock::now();
+      pool_.parallel_for(layout_->chunk_size(k), grain, [&](std::size_t b, std::size_t e) {
+        update_chunk_range(k, chunk, b, e, grads, coefficients);
+      });
+      stats.compute_seconds += detail::seconds_since(t0);
+
+      io_->enqueue({k * bytes, chunk, bytes, true}, static_cast<unsigned>(j % B));
+      stats.tier_bytes_written += bytes;
+      ++stats.chunks;
+      if (j + Transfer::depth + 1 < n) { read(j + Transfer::depth + 1); }
+    }
+    auto const t0 = std::chrono::steady_clock::now();
+    io_->wait_all();  // every write, not only the last one queued: they finish out of order
+    stats.wait_seconds += detail::seconds_since(t0);
+  } catch (...) {
+    io_->drain();  // no staging buffer in the tier's hands when the exception leaves
+    throw;
+  }
+}
+
+}  // namespace tierstate
