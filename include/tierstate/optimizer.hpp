@@ -68,6 +68,7 @@
 #include <tierstate/tiers/device.hpp>
 #include <tierstate/tiers/pinned_host.hpp>
 #include <tierstate/tiers/tier.hpp>
+#include <tierstate/transfer/concept.hpp>
 #include <tierstate/transfer/cuda_overlapped.hpp>
 #include <tierstate/transfer/detail/io_worker.hpp>
 #include <tierstate/transfer/pipelined.hpp>
@@ -174,13 +175,19 @@ struct step_result {
   step_stats stats;
 };
 
+namespace routes {
+template <class Optimizer>
+class host_staged;  // transfer/routes/host_staged.hpp
+}  // namespace routes
+
 template <rule Rule, precision Precision = Bf16Mixed, tier StateTier = PinnedHost,
           class Transfer = Synchronous, class Compute = OnHost<>>
 class OffloadedOptimizer {
-  static_assert(std::is_same_v<Transfer, Synchronous> || is_pipelined_v<Transfer> ||
-                  is_cuda_overlapped_v<Transfer>,
-                "tierstate::OffloadedOptimizer: the transfers available are Synchronous, "
-                "Pipelined<Depth> and CudaOverlapped<Depth>.");
+  static_assert(transfer<Transfer> || is_cuda_overlapped_v<Transfer>,
+                "tierstate::OffloadedOptimizer: Transfer must model tierstate::transfer "
+                "(transfer/concept.hpp): static constexpr unsigned depth and staging_buffers (more than "
+                "depth), and a static template schedule(Route&) that drives a route's legs; the "
+                "library's transfers are Synchronous, Pipelined<Depth> and CudaOverlapped<Depth>.");
   static_assert(requires { Compute::runs_on_device; },
                 "tierstate::OffloadedOptimizer: the computes available are OnHost<Arch> "
                 "(kernels/host/on_host.hpp) and OnDevice (kernels/device/on_device.hpp).");
@@ -427,12 +434,8 @@ class OffloadedOptimizer {
   void read_params(std::size_t t, std::size_t begin, std::size_t count, param_type* to) const;
   template <class F>
   void with_chunk(std::size_t k, bool write_back, step_stats& stats, F&& f);
-  void step_staged(std::span<grad_view<grad_type> const> grads,
-                   std::vector<typename Rule::coefficients> const& coefficients, step_stats& stats,
-                   bool& changed);
-  void step_pipelined(std::span<grad_view<grad_type> const> grads,
-                      std::vector<typename Rule::coefficients> const& coefficients, step_stats& stats,
-                      bool& changed);
+  template <class>
+  friend class routes::host_staged;
   [[nodiscard]] std::vector<typename Rule::coefficients> coefficients_for(double grad_scale) const;
   /// Non-finite detection and clipping; false when the step must be skipped.
   bool check_and_clip(std::span<grad_view<grad_type> const> grads, double grad_scale,
@@ -601,3 +604,4 @@ class OffloadedOptimizer {
 #include <tierstate/detail/optimizer/checkpoint_files.inl>
 #include <tierstate/detail/optimizer/checkpoint_header.inl>
 #include <tierstate/detail/optimizer/checkpoint.inl>
+#include <tierstate/transfer/routes/host_staged.hpp>

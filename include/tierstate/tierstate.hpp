@@ -29,6 +29,8 @@
 #include <tierstate/tiers/nvme_file.hpp>
 #include <tierstate/tiers/pinned_host.hpp>
 #include <tierstate/tiers/tier.hpp>
+#include <tierstate/transfer/concept.hpp>
 #include <tierstate/transfer/cuda_overlapped.hpp>
 #include <tierstate/transfer/pipelined.hpp>
+#include <tierstate/transfer/routes/host_staged.hpp>
 #include <tierstate/transfer/synchronous.hpp>

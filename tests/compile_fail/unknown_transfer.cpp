@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// A transfer that is none of the library's: the list is named. (Until transfers are a concept
-// a user's type can model: then this file names the member it lacks.)
-// expect: tierstate::OffloadedOptimizer: the transfers available are Synchronous, Pipelined<Depth> and CudaOverlapped<Depth>.
+// A transfer with none of the concept's members: the sentence names the concept and what it asks.
+// expect: tierstate::OffloadedOptimizer: Transfer must model tierstate::transfer (transfer/concept.hpp): static constexpr unsigned depth and staging_buffers (more than depth), and a static template schedule(Route&) that drives a route's legs
 #include <tierstate/tierstate.hpp>
 
 struct Throttled {};

@@ -17,6 +17,7 @@
 
 #include <tierstate/core/config.hpp>
 
+#include <cstddef>
 #include <type_traits>
 
 namespace tierstate::inline TIERSTATE_ABI {
@@ -28,6 +29,22 @@ struct Pipelined {
   static constexpr unsigned depth = Depth;
   /// Staging buffers of one chunk each: Depth being read, one computed, one being written.
   static constexpr unsigned staging_buffers = Depth + 2;
+
+  /// The j-th chunk uses buffer j % B. Fetches run Depth chunks ahead of the compute: the
+  /// (j + Depth + 1)-th is fetched into the buffer of the (j - 1)-th, behind its retire.
+  template <class Route>
+  static void schedule(Route& r)
+  {
+    constexpr unsigned B = staging_buffers;
+    std::size_t const n  = r.chunks();
+    for (std::size_t j = 0; j < n && j <= Depth; ++j) { r.fetch(j, static_cast<unsigned>(j % B)); }
+    for (std::size_t j = 0; j < n; ++j) {
+      r.compute(j, static_cast<unsigned>(j % B));
+      r.retire(j, static_cast<unsigned>(j % B));
+      if (j + Depth + 1 < n) { r.fetch(j + Depth + 1, static_cast<unsigned>((j + Depth + 1) % B)); }
+    }
+    r.finish();
+  }
 };
 
 template <class T>

@@ -6,6 +6,8 @@
 
 #include <tierstate/core/config.hpp>
 
+#include <cstddef>
+
 namespace tierstate::inline TIERSTATE_ABI {
 
 struct Synchronous {
@@ -13,6 +15,18 @@ struct Synchronous {
   static constexpr unsigned depth = 0;
   /// Staging buffers of one chunk each (for tiers that are not addressable).
   static constexpr unsigned staging_buffers = 1;
+
+  /// Each chunk fetched, computed and retired before the next (transfer/concept.hpp).
+  template <class Route>
+  static void schedule(Route& r)
+  {
+    for (std::size_t j = 0; j < r.chunks(); ++j) {
+      r.fetch(j, 0);
+      r.compute(j, 0);
+      r.retire(j, 0);
+    }
+    r.finish();
+  }
 };
 
 }  // namespace tierstate

@@ -95,7 +95,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::material
   }
   dev_ = std::move(dev);
   if constexpr (!addressable_tier<StateTier> && !device_tier<StateTier> &&
-                (is_pipelined_v<Transfer> || is_cuda_overlapped_v<Transfer>)) {
+                Transfer::depth > 0) {  // the I/O thread of transfer/concept.hpp
     io_ = std::make_unique<detail::io_worker<StateTier>>(*tier_);
   }
 

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// The host compute's step: the coefficients, the dispatch (run_step) and the host bodies
-// (a chunk in place, staged, or pipelined through the state tier).
+// The host compute's step: the coefficients and the dispatch (run_step): in place for an
+// addressable tier, else the transfer's schedule over the host-staged route
+// (transfer/routes/host_staged.hpp).
 #pragma once
 
 namespace tierstate::inline TIERSTATE_ABI {
@@ -143,10 +144,13 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::run_step
   } else {
     bool changed = false;  // whether a chunk's params and state began to change
     try {
-      if constexpr (is_pipelined_v<Transfer>) {
-        step_pipelined(grads, coefficients, result.stats, changed);
-      } else {
-        step_staged(grads, coefficients, result.stats, changed);
+      // The transfer's schedule over the host-staged route (transfer/concept.hpp).
+      routes::host_staged<OffloadedOptimizer> route(*this, grads, coefficients, result.stats, changed);
+      try {
+        Transfer::schedule(route);
+      } catch (...) {
+        route.abandon();  // no staging buffer in the tier's hands when the exception leaves
+        throw;
       }
     } catch (std::exception const& e) {
       if (changed) { lost_ = e.what(); }
@@ -155,79 +159,6 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::run_step
       if (changed) { lost_ = "an exception that is not a std::exception"; }
       throw;
     }
-  }
-}
-
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
-void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step_staged(
-    std::span<grad_view<grad_type> const> grads,
-                                      std::vector<typename Rule::coefficients> const& coefficients,
-                                      step_stats& stats, bool& changed)
-{
-  // Each chunk read, updated by all threads, written back, before the next is read.
-  std::size_t const grain = 64 * host::batch_size<arch>;
-  for (std::size_t j = 0; j < layout_->chunk_count(); ++j) {
-    std::size_t const k = chunk_at(j);
-    with_chunk(k, true, stats, [&](std::byte* chunk) {
-      await_chunk(k, stats);
-      changed       = true;
-      auto const t0 = std::chrono::steady_clock::now();
-      pool_.parallel_for(layout_->chunk_size(k), grain, [&](std::size_t b, std::size_t e) {
-        update_chunk_range(k, chunk, b, e, grads, coefficients);
-      });
-      stats.compute_seconds += detail::seconds_since(t0);
-    });
-    ++stats.chunks;
-  }
-}
-
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
-void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step_pipelined(
-    std::span<grad_view<grad_type> const> grads,
-                                         std::vector<typename Rule::coefficients> const& coefficients,
-                                         step_stats& stats, bool& changed)
-{
-  // The j-th chunk of the step's order uses staging buffer j % B. Reads run Depth chunks
-  // ahead of the compute; the (j + Depth + 1)-th is read into the buffer of the (j - 1)-th,
-  // queued after its write (the I/O thread never batches two jobs on one buffer, so the
-  // write finishes first).
-  constexpr unsigned B     = Transfer::staging_buffers;
-  std::size_t const n      = layout_->chunk_count();
-  std::size_t const bytes  = layout_->chunk_bytes();
-  std::size_t const grain  = 64 * host::batch_size<arch>;
-  std::vector<std::uint64_t> read_ticket(n);
-  auto read = [&](std::size_t j) {
-    read_ticket[j] = io_->enqueue({chunk_at(j) * bytes, staging(j % B), bytes, false}, static_cast<unsigned>(j % B));
-    stats.tier_bytes_read += bytes;
-  };
-  try {
-    for (std::size_t j = 0; j < std::min<std::size_t>(n, Transfer::depth + 1); ++j) { read(j); }
-    for (std::size_t j = 0; j < n; ++j) {
-      std::size_t const k = chunk_at(j);
-      auto t0 = std::chrono::steady_clock::now();
-      io_->wait(read_ticket[j]);
-      stats.wait_seconds += detail::seconds_since(t0);
-      await_chunk(k, stats);
-
-      changed         = true;
-      std::byte* const chunk = staging(j % B);
-      t0 = std::chrono::steady_clock::now();
-      pool_.parallel_for(layout_->chunk_size(k), grain, [&](std::size_t b, std::size_t e) {
-        update_chunk_range(k, chunk, b, e, grads, coefficients);
-      });
-      stats.compute_seconds += detail::seconds_since(t0);
-
-      io_->enqueue({k * bytes, chunk, bytes, true}, static_cast<unsigned>(j % B));
-      stats.tier_bytes_written += bytes;
-      ++stats.chunks;
-      if (j + Transfer::depth + 1 < n) { read(j + Transfer::depth + 1); }
-    }
-    auto const t0 = std::chrono::steady_clock::now();
-    io_->wait_all();  // every write, not only the last one queued: they finish out of order
-    stats.wait_seconds += detail::seconds_since(t0);
-  } catch (...) {
-    io_->drain();  // no staging buffer in the tier's hands when the exception leaves
-    throw;
   }
 }
 

@@ -1,0 +1,185 @@
+// SPDX-License-Identifier: Apache-2.0
+// A user's own transfer, written against the transfer concept only (transfer/concept.hpp):
+// Throttled<Depth> sleeps before each chunk's compute and fetches on its own rhythm (just
+// before the compute that needs a buffer, not after the retire as Pipelined does). It is not
+// derived from any library transfer and nothing in include/ names it. It runs over the host
+// routes (in place, and staged through NvmeFile with and without the I/O thread, plain and
+// streaming steps), bit for bit as Synchronous does.
+//
+// The device compositions still take CudaOverlapped<Depth> only (their step bodies are not
+// routes yet); a user's transfer there is refused by the same static_assert.
+#include "nvme_support.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstring>
+#include <span>
+#include <stdexcept>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using namespace tierstate;
+using namespace tierstate::test;
+
+std::atomic<std::size_t> throttled_computes{0};  ///< compute legs the schedules below ran
+
+template <unsigned Depth>
+struct Throttled {
+  static constexpr unsigned depth           = Depth;
+  static constexpr unsigned staging_buffers = Depth + 2;
+
+  template <class Route>
+  static void schedule(Route& r)
+  {
+    std::size_t const n = r.chunks();
+    std::size_t fetched = 0;  // chunks whose fetch has started
+    for (std::size_t j = 0; j < n; ++j) {
+      // Chunk f goes into buffer f % (Depth + 2), whose previous chunk (f - Depth - 2 <= j - 2)
+      // was retired two iterations ago.
+      while (fetched < n && fetched <= j + Depth) {
+        r.fetch(fetched, static_cast<unsigned>(fetched % staging_buffers));
+        ++fetched;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+      r.compute(j, static_cast<unsigned>(j % staging_buffers));
+      ++throttled_computes;
+      r.retire(j, static_cast<unsigned>(j % staging_buffers));
+    }
+    r.finish();
+  }
+};
+
+static_assert(transfer<Throttled<0>> && transfer<Throttled<3>>);
+static_assert(transfer<Synchronous> && transfer<Pipelined<1>>);
+
+/// Trains with streaming steps: each step's gradients handed over last tensor first.
+template <class Opt>
+run_result train_streaming(int steps, typename Opt::options const& o)
+{
+  nvme_model<typename Opt::precision_type> m;
+  Opt opt(schedule<Opt>(1), o);
+  register_model(opt, m);
+  for (int t = 1; t <= steps; ++t) {
+    m.fill_grads(t);
+    opt.set_hyperparameters(0, schedule<Opt>(t));
+    auto const views = m.views();
+    opt.begin_step();
+    for (std::size_t k = views.size(); k-- > 0;) { opt.grad_ready(k, views[k]); }
+    (void)opt.finish_step();
+  }
+  return snapshot(opt, m);
+}
+
+/// A user's tier: plain memory behind read and write (not addressable), whose writes fail
+/// once a budget runs out.
+class memory_tier {
+ public:
+  struct options {
+    int* writes_left = nullptr;  ///< null: never fails
+  };
+  static constexpr std::string_view name = "memory_tier";
+  memory_tier(std::size_t bytes, options const& o) : bytes_(bytes), opts_(o) {}
+  [[nodiscard]] std::size_t size() const { return bytes_.size(); }
+  void read(std::size_t offset, std::span<std::byte> to) const
+  {
+    std::memcpy(to.data(), bytes_.data() + offset, to.size());
+  }
+  void write(std::size_t offset, std::span<std::byte const> from)
+  {
+    if (opts_.writes_left != nullptr && (*opts_.writes_left)-- <= 0) {
+      throw std::runtime_error("memory_tier: write failed");
+    }
+    std::memcpy(bytes_.data() + offset, from.data(), from.size());
+  }
+
+ private:
+  std::vector<std::byte> bytes_;
+  options opts_;
+};
+
+template <class Transfer>
+typename NvmeOpt<Bf16Mixed, Transfer>::options nvme_options(scratch_dir const& d)
+{
+  typename NvmeOpt<Bf16Mixed, Transfer>::options o;
+  o.chunk_elements = 2048;  // 21 chunks: many more than any depth here
+  o.tier           = in(d);
+  return o;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("a user's transfer over the host-staged route matches Synchronous bit for bit",
+                   "[transfer][nvme]", Throttled<0>, Throttled<1>, Throttled<3>)
+{
+  scratch_dir d;
+  auto const sync = on_nvme<Bf16Mixed, Synchronous>(12, 2048, in(d));
+  REQUIRE(sync == reference<Bf16Mixed>(12, 2048));
+  throttled_computes = 0;
+  CHECK(on_nvme<Bf16Mixed, TestType>(12, 2048, in(d)) == sync);
+  CHECK(throttled_computes > 12);  // the schedule drove every chunk of every step
+  // The step's accounting is the route's, whatever the schedule: the same bytes and chunks.
+  using Opt = NvmeOpt<Bf16Mixed, TestType>;
+  nvme_model<Bf16Mixed> m;
+  Opt opt(schedule<Opt>(1), nvme_options<TestType>(d));
+  register_model(opt, m);
+  m.fill_grads(1);
+  auto const s = opt.step(m.views()).stats;
+  std::size_t const chunks = opt.state_layout().chunk_count();
+  CHECK(s.chunks == chunks);
+  CHECK(s.tier_bytes_read == chunks * opt.state_layout().chunk_bytes());
+  CHECK(s.tier_bytes_written == s.tier_bytes_read);
+  CHECK(s.tier_bytes_in_place == 0);
+}
+
+TEMPLATE_TEST_CASE("a user's transfer runs streaming steps, bit for bit as Synchronous does",
+                   "[transfer][nvme][streaming]", Throttled<0>, Throttled<2>)
+{
+  scratch_dir d;
+  auto const sync = train_streaming<NvmeOpt<Bf16Mixed, Synchronous>>(8, nvme_options<Synchronous>(d));
+  CHECK(train_streaming<NvmeOpt<Bf16Mixed, TestType>>(8, nvme_options<TestType>(d)) == sync);
+}
+
+TEST_CASE("a user's transfer with an addressable tier: computed in place, as Synchronous", "[transfer]")
+{
+  using Opt = OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost, Throttled<2>>;
+  Opt::options o;
+  o.chunk_elements = 2048;
+  CHECK(train<Opt>(12, o) == reference<Bf16Mixed>(12, 2048));
+}
+
+TEST_CASE("a user's transfer over a user's tier, and a write that fails: the error, nothing in flight, the state lost",
+          "[transfer][errors]")
+{
+  using Opt = OffloadedOptimizer<AdamW, Bf16Mixed, memory_tier, Throttled<2>>;
+  using Sync = OffloadedOptimizer<AdamW, Bf16Mixed, memory_tier, Synchronous>;
+  Opt::options o;
+  o.chunk_elements = 2048;
+  Sync::options so;
+  so.chunk_elements = 2048;
+  auto const plain = train<Sync>(12, so);
+  REQUIRE(plain == reference<Bf16Mixed>(12, 2048));
+  CHECK(train<Opt>(12, o) == plain);
+
+  int budget = 1'000'000;
+  o.tier = {&budget};
+  nvme_model<Bf16Mixed> m;
+  Opt opt(schedule<Opt>(1), o);
+  register_model(opt, m);
+  m.fill_grads(1);
+  CHECK(opt.step(m.views()).step == 1);
+  budget = 5;  // the sixth write of the next step fails, with later reads and writes queued
+  m.fill_grads(2);
+  CHECK_THROWS_WITH(opt.step(m.views()), "memory_tier: write failed");
+  CHECK(opt.step_count() == 1);
+  budget = 1'000'000;
+  // Part of the state was updated: the optimizer says so instead of stepping on it.
+  CHECK_THROWS_AS(opt.step(m.views()), state_lost);
+  std::vector<float> master(m.params[0].size());
+  CHECK_THROWS_AS(opt.copy_state(tensor_name(0), slot::master, master), state_lost);
+}  // ~Opt: the I/O thread has nothing of the failed step left to finish
