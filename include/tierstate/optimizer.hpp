@@ -59,6 +59,7 @@
 #include <tierstate/core/error.hpp>
 #include <tierstate/core/layout.hpp>
 #include <tierstate/core/precision.hpp>
+#include <tierstate/core/stats.hpp>
 #include <tierstate/core/tensor.hpp>
 #include <tierstate/io/engine.hpp>
 #include <tierstate/kernels/host/finite.hpp>
@@ -72,9 +73,11 @@
 #include <tierstate/transfer/cuda_overlapped.hpp>
 #include <tierstate/transfer/detail/io_worker.hpp>
 #include <tierstate/transfer/pipelined.hpp>
+#include <tierstate/transfer/routes/route.hpp>
 #include <tierstate/transfer/synchronous.hpp>
 
 #include <atomic>
+#include <chrono>
 
 #include <condition_variable>
 #include <cstddef>
@@ -150,40 +153,10 @@ enum class nonfinite_policy : std::uint8_t {
   ignore,     ///< do not look (saves one read of the gradients)
 };
 
-/// What one step did and cost.
-struct step_stats {
-  std::uint64_t tier_bytes_read    = 0;  ///< state bytes read from the state tier
-  std::uint64_t tier_bytes_written = 0;  ///< state bytes written to the state tier
-  std::uint64_t tier_bytes_in_place = 0;  ///< state bytes updated in place in an addressable tier
-  std::uint64_t h2d_bytes           = 0;  ///< bytes copied host to device (params, or state)
-  std::uint64_t d2h_bytes           = 0;  ///< bytes copied device to host (gradients, or state)
-  std::size_t chunks                = 0;
-  double check_seconds   = 0;  ///< looking for non-finite gradients
-  double compute_seconds = 0;  ///< running the rule
-  double wait_seconds    = 0;  ///< waiting for the tier's reads and writes, and for copies
-  double grad_wait_seconds = 0;  ///< a streaming step: waiting for gradients to arrive
-  double total_seconds   = 0;
-};
-
-struct step_result {
-  bool found_nonfinite = false;  ///< a gradient held an infinity or NaN (when checked)
-  bool skipped         = false;  ///< the step was skipped for it (nonfinite_policy::skip_step)
-  bool deferred        = false;  ///< delayed_update: the update was started, not finished; stats
-                                 ///< are those of the previous step's update
-  std::int64_t step    = 0;      ///< the step count after this call
-  double grad_norm     = 0;      ///< with max_grad_norm: the unscaled gradients' 2-norm, before clipping
-  step_stats stats;
-};
-
-namespace routes {
-template <class Optimizer>
-class host_staged;  // transfer/routes/host_staged.hpp
-}  // namespace routes
-
 template <rule Rule, precision Precision = Bf16Mixed, tier StateTier = PinnedHost,
           class Transfer = Synchronous, class Compute = OnHost<>>
 class OffloadedOptimizer {
-  static_assert(transfer<Transfer> || is_cuda_overlapped_v<Transfer>,
+  static_assert(transfer<Transfer>,
                 "tierstate::OffloadedOptimizer: Transfer must model tierstate::transfer "
                 "(transfer/concept.hpp): static constexpr unsigned depth and staging_buffers (more than "
                 "depth), and a static template schedule(Route&) that drives a route's legs; the "
@@ -436,6 +409,16 @@ class OffloadedOptimizer {
   void with_chunk(std::size_t k, bool write_back, step_stats& stats, F&& f);
   template <class>
   friend class routes::host_staged;
+  template <class>
+  friend class routes::device_params_on_host;
+  template <class>
+  friend class routes::device_resident;
+  template <class>
+  friend class routes::streamed_to_device;
+  template <class>
+  friend class routes::detail::tier_io;
+  template <class>
+  friend class routes::detail::route_base;
   [[nodiscard]] std::vector<typename Rule::coefficients> coefficients_for(double grad_scale) const;
   /// Non-finite detection and clipping; false when the step must be skipped.
   bool check_and_clip(std::span<grad_view<grad_type> const> grads, double grad_scale,
@@ -472,15 +455,6 @@ class OffloadedOptimizer {
   void drive_streaming_step();
   /// Tensor t's gradient is final (or absent): its chunks may become ready. Under st.m.
   void mark_final(std::size_t t);
-  void step_device_resident(std::span<grad_view<grad_type> const> grads,
-                            std::vector<typename Rule::coefficients> const& coefficients,
-                            step_stats& stats, bool& changed);
-  void step_overlapped_host(std::span<grad_view<grad_type> const> grads,
-                            std::vector<typename Rule::coefficients> const& coefficients,
-                            step_stats& stats, bool& changed);
-  void step_streamed_to_device(std::span<grad_view<grad_type> const> grads,
-                               std::vector<typename Rule::coefficients> const& coefficients,
-                               step_stats& stats, bool& changed);
   /// Queues the device update of chunk k, whose state is device memory at `chunk`.
   void launch_chunk(std::size_t k, std::byte* chunk, std::span<grad_view<grad_type> const> grads,
                     std::vector<typename Rule::coefficients> const& coefficients);
@@ -604,4 +578,3 @@ class OffloadedOptimizer {
 #include <tierstate/detail/optimizer/checkpoint_files.inl>
 #include <tierstate/detail/optimizer/checkpoint_header.inl>
 #include <tierstate/detail/optimizer/checkpoint.inl>
-#include <tierstate/transfer/routes/host_staged.hpp>

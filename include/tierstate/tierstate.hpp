@@ -15,6 +15,7 @@
 #include <tierstate/core/notice.hpp>
 #include <tierstate/core/numeric.hpp>
 #include <tierstate/core/precision.hpp>
+#include <tierstate/core/stats.hpp>
 #include <tierstate/core/tensor.hpp>
 #include <tierstate/core/thread_pool.hpp>
 #include <tierstate/io/engine.hpp>
@@ -32,5 +33,5 @@
 #include <tierstate/transfer/concept.hpp>
 #include <tierstate/transfer/cuda_overlapped.hpp>
 #include <tierstate/transfer/pipelined.hpp>
-#include <tierstate/transfer/routes/host_staged.hpp>
+#include <tierstate/transfer/routes/route.hpp>
 #include <tierstate/transfer/synchronous.hpp>

@@ -13,12 +13,15 @@
 //   r.retire(j, b)      start returning the chunk in buffer b to its tier
 //   r.finish()          wait until every retire has landed; the step ends with it
 //
-// Each chunk is fetched, computed and retired once, in that order, with b in
-// [0, staging_buffers). A buffer may be fetched into again once the chunk in it has been
-// retired: the route orders that fetch behind the retire. With `depth` 0 the route runs each
-// leg to completion in the step's thread; with `depth` > 0 it hands reads and writes to one
-// I/O thread (transfer/detail/io_worker.hpp), which starts each as soon as its buffer is
-// free. If a leg throws, the optimizer waits for what is in flight and reports the error: a
+// Each chunk is fetched, computed and retired once, in that order, and the chunks are
+// computed and retired in the order j = 0, 1, ...; the j-th chunk's buffer b is
+// j % staging_buffers, from its fetch to its retire (the device routes bring the next
+// chunks' gradients or state forward on their own, into those buffers). A buffer is fetched
+// into again only after the chunk in it has been retired: the route orders that fetch behind
+// the retire. With `depth` 0 the route runs each leg to completion in the step's thread;
+// with `depth` > 0 it hands reads and writes to one I/O thread
+// (transfer/detail/io_worker.hpp), which starts each as soon as its buffer is free. If a
+// leg throws, the optimizer waits for what is in flight and reports the error: a
 // schedule needs no handler of its own.
 //
 // A user's transfer is any type with these members (tests/test_user_transfer.cpp has one);

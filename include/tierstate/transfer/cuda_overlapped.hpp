@@ -20,6 +20,7 @@
 #pragma once
 
 #include <tierstate/core/config.hpp>
+#include <tierstate/transfer/pipelined.hpp>
 
 #include <type_traits>
 
@@ -32,6 +33,13 @@ struct CudaOverlapped {
   static constexpr unsigned depth = Depth;
   /// Buffers of one chunk in each staging ring: Depth coming in, one computed, one going out.
   static constexpr unsigned staging_buffers = Depth + 2;
+
+  /// The pipelined schedule (Pipelined<Depth>'s) over the device routes' legs.
+  template <class Route>
+  static void schedule(Route& r)
+  {
+    Pipelined<Depth>::schedule(r);
+  }
 };
 
 template <class T>

@@ -13,11 +13,6 @@
 namespace tierstate::inline TIERSTATE_ABI {
 namespace detail {
 
-inline double seconds_since(std::chrono::steady_clock::time_point t0) noexcept
-{
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 /// Thrown inside a streaming step's driver when the checks say skip; never leaves it.
 struct skip_step_signal {};
 

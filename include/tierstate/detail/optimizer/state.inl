@@ -94,8 +94,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::material
     (void)tier_->register_staging({staging_->data(), staging_->size()});  // refusal is announced
   }
   dev_ = std::move(dev);
-  if constexpr (!addressable_tier<StateTier> && !device_tier<StateTier> &&
-                Transfer::depth > 0) {  // the I/O thread of transfer/concept.hpp
+  if constexpr (routes::detail::tier_io<OffloadedOptimizer>::threaded) {  // transfer/concept.hpp
     io_ = std::make_unique<detail::io_worker<StateTier>>(*tier_);
   }
 

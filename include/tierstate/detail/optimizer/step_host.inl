@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// The host compute's step: the coefficients and the dispatch (run_step): in place for an
-// addressable tier, else the transfer's schedule over the host-staged route
-// (transfer/routes/host_staged.hpp).
+// The step's dispatch (run_step): in place for an addressable tier with host compute and host
+// params, else the transfer's schedule over the composition's route (transfer/routes/route.hpp);
+// the host update of a range of a chunk; the coefficients.
 #pragma once
 
 namespace tierstate::inline TIERSTATE_ABI {
@@ -95,24 +95,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::run_step
 {
   std::size_t const ce    = layout_->chunk_elements();
   std::size_t const grain = 64 * host::batch_size<arch>;
-  if constexpr (device_params_) {
-    bool changed = false;  // whether a chunk's params and state began to change
-    try {
-      if constexpr (device_tier<StateTier>) {
-        step_device_resident(grads, coefficients, result.stats, changed);
-      } else if constexpr (on_device_) {
-        step_streamed_to_device(grads, coefficients, result.stats, changed);
-      } else {
-        step_overlapped_host(grads, coefficients, result.stats, changed);
-      }
-    } catch (std::exception const& e) {
-      if (changed) { lost_ = e.what(); }
-      throw;
-    } catch (...) {
-      if (changed) { lost_ = "an exception that is not a std::exception"; }
-      throw;
-    }
-  } else if constexpr (addressable_tier<StateTier>) {
+  if constexpr (addressable_tier<StateTier> && !device_params_) {
     if (streaming_ && streaming_->active) {
       // A streaming step: chunk by chunk in the step's order, each once its gradients are in.
       for (std::size_t j = 0; j < layout_->chunk_count(); ++j) {
@@ -143,9 +126,13 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::run_step
     result.stats.tier_bytes_in_place = layout_->total_bytes();
   } else {
     bool changed = false;  // whether a chunk's params and state began to change
+    // The transfer's schedule over the composition's route (transfer/concept.hpp).
+    constexpr auto home = device_tier<StateTier>       ? routes::state_home::device
+                          : addressable_tier<StateTier> ? routes::state_home::addressable_host
+                                                        : routes::state_home::staged_host;
+    using route_type = typename routes::route_for<OffloadedOptimizer, home, on_device_, device_params_>::type;
     try {
-      // The transfer's schedule over the host-staged route (transfer/concept.hpp).
-      routes::host_staged<OffloadedOptimizer> route(*this, grads, coefficients, result.stats, changed);
+      route_type route(*this, grads, coefficients, result.stats, changed);
       try {
         Transfer::schedule(route);
       } catch (...) {

@@ -1,0 +1,91 @@
+// SPDX-License-Identifier: Apache-2.0
+// The legs every staged route shares: a chunk's state read from its tier into a staging
+// buffer, and written back from one. With a transfer of depth > 0 they go through the
+// optimizer's I/O thread (materialize makes it), otherwise they run in the step's thread.
+// The bytes are counted in the step's stats; the time a leg waits, in wait_seconds.
+#pragma once
+
+#include <tierstate/core/stats.hpp>
+#include <tierstate/tiers/tier.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace tierstate::inline TIERSTATE_ABI::routes::detail {
+
+template <class Optimizer>
+class tier_io {
+ public:
+  /// The reads and writes go through the I/O thread: the optimizer makes one for a tier that
+  /// is not addressable, under a transfer of depth > 0. For any other tier waiting and draining
+  /// do nothing (and the routes read and write nothing).
+  static constexpr bool threaded = !addressable_tier<typename Optimizer::tier_type> &&
+                                   !device_tier<typename Optimizer::tier_type> &&
+                                   Optimizer::transfer_type::depth > 0;
+
+  tier_io(Optimizer& o, step_stats& stats) : o_(o), stats_(stats), bytes_(o.layout_->chunk_bytes())
+  {
+    if constexpr (threaded) { tickets_.resize(o.layout_->chunk_count()); }
+  }
+
+  /// Starts (threaded) or does the read of the j-th chunk into `to`, staging buffer b.
+  void read(std::size_t j, std::byte* to, unsigned b)
+  {
+    std::size_t const offset = o_.chunk_at(j) * bytes_;
+    if constexpr (threaded) {
+      tickets_[j] = o_.io_->enqueue({offset, to, bytes_, false}, b);
+    } else {
+      auto const t0 = std::chrono::steady_clock::now();
+      o_.tier_->read(offset, std::span<std::byte>(to, bytes_));
+      stats_.wait_seconds += tierstate::detail::seconds_since(t0);
+    }
+    stats_.tier_bytes_read += bytes_;
+  }
+
+  /// Blocks until the j-th chunk's read has landed.
+  void wait_read(std::size_t j)
+  {
+    if constexpr (threaded) {
+      auto const t0 = std::chrono::steady_clock::now();
+      o_.io_->wait(tickets_[j]);
+      stats_.wait_seconds += tierstate::detail::seconds_since(t0);
+    }
+  }
+
+  /// Starts (threaded) or does the write of the j-th chunk from `from`, staging buffer b.
+  void write(std::size_t j, std::byte* from, unsigned b)
+  {
+    std::size_t const offset = o_.chunk_at(j) * bytes_;
+    if constexpr (threaded) {
+      o_.io_->enqueue({offset, from, bytes_, true}, b);
+    } else {
+      auto const t0 = std::chrono::steady_clock::now();
+      o_.tier_->write(offset, std::span<std::byte const>(from, bytes_));
+      stats_.wait_seconds += tierstate::detail::seconds_since(t0);
+    }
+    stats_.tier_bytes_written += bytes_;
+  }
+
+  /// Blocks until every write has landed (they finish out of order). Not timed here.
+  void wait_all()
+  {
+    if constexpr (threaded) { o_.io_->wait_all(); }
+  }
+
+  /// After a leg threw: no staging buffer is left in the tier's hands.
+  void drain()
+  {
+    if constexpr (threaded) { o_.io_->drain(); }
+  }
+
+ private:
+  Optimizer& o_;
+  step_stats& stats_;
+  std::size_t bytes_;
+  std::vector<std::uint64_t> tickets_;  ///< the j-th read's, when threaded
+};
+
+}  // namespace tierstate::routes::detail

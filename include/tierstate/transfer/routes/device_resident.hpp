@@ -1,0 +1,62 @@
+// SPDX-License-Identifier: Apache-2.0
+// The device-resident route: state in the Device tier, updated where it lives. Nothing
+// crosses PCIe: fetch and retire have nothing to move, compute launches the chunk's update
+// on the compute stream, and finish waits for the stream.
+#pragma once
+
+#include <tierstate/core/stats.hpp>
+#include <tierstate/core/tensor.hpp>
+#include <tierstate/transfer/routes/detail/route_base.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <span>
+#include <vector>
+
+namespace tierstate::inline TIERSTATE_ABI::routes {
+
+template <class Optimizer>
+class device_resident : public detail::route_base<Optimizer> {
+  using base = detail::route_base<Optimizer>;
+  using base::o_, base::grads_, base::coefficients_, base::stats_, base::changed_;
+
+ public:
+  device_resident(Optimizer& o, typename base::grads_type grads, typename base::coefficients const& c,
+                  step_stats& stats, bool& changed)
+    : base(o, grads, c, stats, changed), start_(std::chrono::steady_clock::now())
+  {
+  }
+
+  void fetch(std::size_t, unsigned) {}
+
+  void compute(std::size_t j, unsigned)
+  {
+    std::size_t const k = o_.chunk_at(j);
+    o_.await_chunk(k, stats_);
+    changed_ = true;
+    o_.launch_chunk(k, o_.tier_->device_data() + k * o_.layout_->chunk_bytes(), grads_, coefficients_);
+  }
+
+  void retire(std::size_t, unsigned) { ++stats_.chunks; }
+
+  void finish()
+  {
+    o_.dev_->compute.synchronize();
+    stats_.compute_seconds += tierstate::detail::seconds_since(start_);
+    stats_.tier_bytes_in_place += o_.layout_->total_bytes();
+  }
+
+  /// After a leg threw: nothing of the step is left in flight.
+  void abandon()
+  {
+    try {
+      o_.dev_->compute.synchronize();
+    } catch (...) {  // the first failure is the one reported
+    }
+  }
+
+ private:
+  std::chrono::steady_clock::time_point start_;
+};
+
+}  // namespace tierstate::routes
