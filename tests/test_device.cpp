@@ -8,6 +8,7 @@
 // where it runs only when there is a device.
 #include "device_matrix.hpp"
 #include "nvme_support.hpp"
+#include "throttled.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -20,6 +21,7 @@
 #include <random>
 #include <thread>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 using namespace tierstate;
@@ -440,6 +442,52 @@ TEMPLATE_LIST_TEST_CASE("streaming steps on the device compositions give step()'
       CHECK(train_on_device_streaming<TestType>(20, o) == reference<P>(20, chunk));
     }
   }
+}
+
+namespace {
+
+/// The device compositions under a user's transfer (tests/throttled.hpp) that says
+/// params_on_device: every device route, each against the same composition under
+/// CudaOverlapped<2>, the pipelined schedule.
+template <class P, class Tier, class Compute, unsigned Depth>
+using throttled_on_device = OffloadedOptimizer<AdamW, P, Tier, Throttled<Depth, true>, Compute>;
+template <class P, class Tier, class Compute>
+using overlapped_on_device = OffloadedOptimizer<AdamW, P, Tier, CudaOverlapped<2>, Compute>;
+
+/// 2048-element chunks; an NvmeFile's state in `d`.
+template <class Opt>
+typename Opt::options chunked_in(scratch_dir const& d)
+{
+  auto o = chunked<Opt>(2048);
+  if constexpr (requires { o.tier.directory; }) { o.tier.directory = d.path; }
+  return o;
+}
+
+}  // namespace
+
+/// (state tier, compute) of every device route; reduced: one OnHost and one OnDevice route.
+using device_routes =
+  pick<std::tuple<std::pair<Device, OnDevice>, std::pair<PinnedHost, OnDevice>, std::pair<NvmeFile, OnDevice>,
+                  std::pair<PinnedHost, OnHost<>>, std::pair<NvmeFile, OnHost<>>>,
+       std::tuple<std::pair<NvmeFile, OnDevice>, std::pair<PinnedHost, OnHost<>>>>;
+
+TEMPLATE_LIST_TEST_CASE("a user's transfer over every device route gives CudaOverlapped's bits, plain and streaming",
+                        "[device][transfer]", device_routes)
+{
+  using Tier    = typename TestType::first_type;
+  using Compute = typename TestType::second_type;
+  using P       = Bf16Mixed;
+  using Pipe    = overlapped_on_device<P, Tier, Compute>;
+  scratch_dir d;
+  auto const expected = train_on_device<Pipe>(12, chunked_in<Pipe>(d));
+  REQUIRE(expected == reference<P>(12, 2048));
+  throttled_computes = 0;
+  using T1 = throttled_on_device<P, Tier, Compute, 1>;
+  using T3 = throttled_on_device<P, Tier, Compute, 3>;
+  CHECK(train_on_device<T1>(12, chunked_in<T1>(d)) == expected);
+  CHECK(throttled_computes > 12);  // the user's schedule drove the chunks
+  CHECK(train_on_device<T3>(12, chunked_in<T3>(d)) == expected);
+  CHECK(train_on_device_streaming<T1>(12, chunked_in<T1>(d)) == reference<P>(12, 2048));
 }
 
 TEST_CASE("with OnHost and CudaOverlapped, host and device tensors mix in one model", "[device][compositions]")

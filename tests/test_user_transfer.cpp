@@ -1,59 +1,24 @@
 // SPDX-License-Identifier: Apache-2.0
-// A user's own transfer, written against the transfer concept only (transfer/concept.hpp):
-// Throttled<Depth> sleeps before each chunk's compute and fetches on its own rhythm (just
-// before the compute that needs a buffer, not after the retire as Pipelined does). It is not
-// derived from any library transfer and nothing in include/ names it. It runs over the host
-// routes (in place, and staged through NvmeFile with and without the I/O thread, plain and
-// streaming steps), bit for bit as Synchronous does.
-//
-// The device compositions still take CudaOverlapped<Depth> only (their step bodies are not
-// routes yet); a user's transfer there is refused by the same static_assert.
+// A user's own transfer (tests/throttled.hpp: Throttled<Depth>, written against the transfer
+// concept only) over the host routes: in place, and staged through NvmeFile with and without
+// the I/O thread, plain and streaming steps, and through a user's own tier with a write that
+// fails; bit for bit as Synchronous does. tests/test_device.cpp runs it over the device routes.
 #include "nvme_support.hpp"
+#include "throttled.hpp"
 
 #include <catch2/catch.hpp>
 
-#include <atomic>
-#include <chrono>
 #include <cstddef>
 #include <cstring>
 #include <span>
 #include <stdexcept>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 namespace {
 
 using namespace tierstate;
 using namespace tierstate::test;
-
-std::atomic<std::size_t> throttled_computes{0};  ///< compute legs the schedules below ran
-
-template <unsigned Depth>
-struct Throttled {
-  static constexpr unsigned depth           = Depth;
-  static constexpr unsigned staging_buffers = Depth + 2;
-
-  template <class Route>
-  static void schedule(Route& r)
-  {
-    std::size_t const n = r.chunks();
-    std::size_t fetched = 0;  // chunks whose fetch has started
-    for (std::size_t j = 0; j < n; ++j) {
-      // Chunk f goes into buffer f % (Depth + 2), whose previous chunk (f - Depth - 2 <= j - 2)
-      // was retired two iterations ago.
-      while (fetched < n && fetched <= j + Depth) {
-        r.fetch(fetched, static_cast<unsigned>(fetched % staging_buffers));
-        ++fetched;
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-      r.compute(j, static_cast<unsigned>(j % staging_buffers));
-      ++throttled_computes;
-      r.retire(j, static_cast<unsigned>(j % staging_buffers));
-    }
-    r.finish();
-  }
-};
 
 static_assert(transfer<Throttled<0>> && transfer<Throttled<3>>);
 static_assert(transfer<Synchronous> && transfer<Pipelined<1>>);

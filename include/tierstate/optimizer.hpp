@@ -168,11 +168,12 @@ class OffloadedOptimizer {
   static_assert(!device_tier<StateTier> || on_device_,
                 "tierstate::OffloadedOptimizer: state in the Device tier is updated where it lives: "
                 "use OnDevice compute (or PinnedHost / NvmeFile state for OnHost compute).");
-  static_assert(!on_device_ || device_tier<StateTier> || is_cuda_overlapped_v<Transfer>,
+  static_assert(!on_device_ || device_tier<StateTier> || moves_device_params<Transfer>,
                 "tierstate::OffloadedOptimizer: OnDevice compute with state in a host tier streams "
-                "each chunk's state to the GPU and back: use the CudaOverlapped<Depth> transfer.");
+                "each chunk's state to the GPU and back: use the CudaOverlapped<Depth> transfer. (A "
+                "transfer of your own streams it when it says params_on_device = true.)");
   /// Params and gradients may be on the device (the GPU, or the emulated device).
-  static constexpr bool device_params_ = on_device_ || is_cuda_overlapped_v<Transfer>;
+  static constexpr bool device_params_ = on_device_ || moves_device_params<Transfer>;
 
  public:
   using rule_type       = Rule;

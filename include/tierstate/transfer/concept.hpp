@@ -25,7 +25,9 @@
 // schedule needs no handler of its own.
 //
 // A user's transfer is any type with these members (tests/test_user_transfer.cpp has one);
-// a type that lacks one is refused with a sentence that names the concept.
+// a type that lacks one is refused with a sentence that names the concept. One that also
+// says `static constexpr bool params_on_device = true` takes params and gradients in device
+// memory, as CudaOverlapped does, and drives the device routes.
 #pragma once
 
 #include <tierstate/core/config.hpp>
@@ -56,5 +58,14 @@ concept transfer = requires {
   { T::staging_buffers } -> std::convertible_to<unsigned>;
   requires T::staging_buffers > T::depth;
 } && requires(detail::route_archetype& r) { T::schedule(r); };
+
+/// Whether a transfer moves params and gradients that live on the device (its optional
+/// `static constexpr bool params_on_device`; CudaOverlapped's is true). Such a transfer's
+/// schedule drives the device routes (transfer/routes/route.hpp), whose PCIe legs bring each
+/// chunk's gradients down and its params back up.
+template <class T>
+inline constexpr bool moves_device_params = requires {
+  requires static_cast<bool>(T::params_on_device);
+};
 
 }  // namespace tierstate

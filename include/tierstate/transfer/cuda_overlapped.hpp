@@ -33,6 +33,8 @@ struct CudaOverlapped {
   static constexpr unsigned depth = Depth;
   /// Buffers of one chunk in each staging ring: Depth coming in, one computed, one going out.
   static constexpr unsigned staging_buffers = Depth + 2;
+  /// Params and gradients live on the device (transfer/concept.hpp's moves_device_params).
+  static constexpr bool params_on_device = true;
 
   /// The pipelined schedule (Pipelined<Depth>'s) over the device routes' legs.
   template <class Route>
