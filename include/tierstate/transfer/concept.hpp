@@ -24,7 +24,7 @@
 // leg throws, the optimizer waits for what is in flight and reports the error: a
 // schedule needs no handler of its own.
 //
-// A user's transfer is any type with these members (tests/test_user_transfer.cpp has one);
+// A user's transfer is any type with these members (tests/throttled.hpp has one);
 // a type that lacks one is refused with a sentence that names the concept. One that also
 // says `static constexpr bool params_on_device = true` takes params and gradients in device
 // memory, as CudaOverlapped does, and drives the device routes.
