@@ -66,6 +66,10 @@
 #include <tierstate/kernels/host/on_host.hpp>
 #include <tierstate/core/thread_pool.hpp>
 #include <tierstate/kernels/host/update.hpp>
+#include <tierstate/optimizer_options.hpp>
+#include <tierstate/detail/optimizer/device_resources.hpp>
+#include <tierstate/detail/optimizer/registry_parts.hpp>
+#include <tierstate/detail/optimizer/step_states.hpp>
 #include <tierstate/tiers/device.hpp>
 #include <tierstate/tiers/pinned_host.hpp>
 #include <tierstate/tiers/tier.hpp>
@@ -96,62 +100,6 @@
 #include <vector>
 
 namespace tierstate::inline TIERSTATE_ABI {
-namespace detail {
-
-/// Who is inside an optimizer's members: a second thread entering while another is inside is
-/// refused before it touches anything. Calls nest on one thread (save calls flush).
-struct call_gate {
-  std::atomic<std::thread::id> owner{};
-  std::atomic<char const*> call{nullptr};
-};
-
-class gate_entry {
- public:
-  gate_entry(call_gate& g, char const* call) : gate_(g)
-  {
-    std::thread::id expected{};
-    if (g.owner.compare_exchange_strong(expected, std::this_thread::get_id(), std::memory_order_acquire)) {
-      g.call.store(call, std::memory_order_relaxed);
-      return;
-    }
-    if (expected == std::this_thread::get_id()) {  // nested on this thread
-      nested_ = true;
-      return;
-    }
-    char const* other = g.call.load(std::memory_order_relaxed);
-    throw logic_error(std::string(call) + ": another thread is inside " + (other != nullptr ? other : "a call") +
-                      "() of this optimizer; one thread at a time may call an optimizer's members "
-                      "(grad_ready alone may be called concurrently); nothing was changed");
-  }
-  gate_entry(gate_entry const&)            = delete;
-  gate_entry& operator=(gate_entry const&) = delete;
-  ~gate_entry()
-  {
-    if (!nested_) {
-      gate_.call.store(nullptr, std::memory_order_relaxed);
-      gate_.owner.store(std::thread::id{}, std::memory_order_release);
-    }
-  }
-
- private:
-  call_gate& gate_;
-  bool nested_ = false;
-};
-
-/// Hashes std::string and std::string_view alike, for lookups without a copy.
-struct name_hash {
-  using is_transparent = void;
-  std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
-};
-
-}  // namespace detail
-
-/// What step() does when a gradient holds an infinity or a NaN.
-enum class nonfinite_policy : std::uint8_t {
-  skip_step,  ///< GradScaler's contract: report it and leave params, state and step count as they are
-  report,     ///< report it, and update anyway
-  ignore,     ///< do not look (saves one read of the gradients)
-};
 
 template <rule Rule, precision Precision = Bf16Mixed, tier StateTier = PinnedHost,
           class Transfer = Synchronous, class Compute = OnHost<>>
@@ -194,31 +142,8 @@ class OffloadedOptimizer {
   /// one), then the rule's.
   static constexpr std::size_t slot_count = Rule::slot_count + (Precision::has_master ? 1 : 0);
 
-  struct options {
-    /// Elements per chunk: a positive multiple of 2048 (each slot array a multiple of 4 KiB).
-    /// A model with fewer elements gets one chunk of its own size, rounded up to 2048.
-    std::size_t chunk_elements = std::size_t{1} << 20;
-    /// Worker threads, the caller included; 0: the CPUs of the affinity mask.
-    std::size_t threads = 0;
-    nonfinite_policy on_nonfinite = nonfinite_policy::skip_step;
-    /// Clip the gradients' global 2-norm to this, as torch.nn.utils.clip_grad_norm_ does
-    /// (after unscaling); 0: no clipping. The norm is summed over fixed 4096-element blocks
-    /// of each tensor, combined pairwise in (tensor, block) order: the same bits whatever
-    /// the chunk size, the thread count or the order gradients arrive in.
-    double max_grad_norm = 0.0;
-    /// ZeRO-Offload's delayed parameter update (OnHost compute): step() copies the
-    /// gradients into the optimizer's own buffer, waits for the previous step's update,
-    /// writes its params into the model, starts this step's update in the background and
-    /// returns, so the update runs while the next forward and backward do. The model then
-    /// always computes with params one step older than the state: one step of staleness,
-    /// a trade of exactness for time that ZeRO-Offload makes only after its first steps.
-    /// Costs a model-sized gradient buffer and a model-sized param buffer of pinned host
-    /// memory (grad + param bytes per element). flush() (also called by save, load,
-    /// copy_state and write_state) waits for the update in flight and writes its params.
-    /// Off by default; streaming steps are refused with it.
-    bool delayed_update = false;
-    typename StateTier::options tier{};
-  };
+  /// See optimizer_options.hpp.
+  using options = optimizer_options<typename StateTier::options>;
 
   /// Group 0 holds every tensor not placed in another group, with `defaults`.
   explicit OffloadedOptimizer(hyperparameters const& defaults = {}, options const& opts = {});
@@ -339,61 +264,17 @@ class OffloadedOptimizer {
   /// staging_buffers x the layout's chunk bytes; with CudaOverlapped and OnHost, also
   /// staging_buffers x chunk_elements x (grad + param bytes) for the PCIe copies. Made with
   /// the state. A fixed amount: it does not grow with the model.
-  [[nodiscard]] std::size_t staging_bytes() const noexcept
-  {
-    return (staging_ ? staging_->size() : 0) +
-           (dev_ ? dev_->grad_stage.size() + dev_->param_stage.size() : 0);
-  }
+  [[nodiscard]] std::size_t staging_bytes() const noexcept;
   /// Device memory used to stage chunks (OnDevice with a host tier: staging_buffers chunks).
-  [[nodiscard]] std::size_t device_staging_bytes() const noexcept
-  {
-    return dev_ ? dev_->state_stage_bytes : 0;
-  }
+  [[nodiscard]] std::size_t device_staging_bytes() const noexcept;
   /// Whether a failed step left the state part updated (see "Failures" above).
   [[nodiscard]] bool state_lost() const noexcept { return !lost_.empty(); }
   [[nodiscard]] thread_pool& pool() noexcept { return pool_; }
 
  private:
-  struct tensor_entry {
-    std::string name;
-    param_type* param = nullptr;
-    std::size_t count = 0;
-    group_id group    = 0;
-    location where    = location::host;
-  };
-  /// The streams, events and PCIe staging of a step with device params (made with the
-  /// state): compute runs the device kernels, h2d and d2h carry the copies each way. In[b],
-  /// computed[b] and out[b] mark, for the chunk in staging buffer b, its arrival, its update
-  /// and its departure.
-  struct device_resources {
-    static constexpr unsigned buffers = Transfer::staging_buffers;
-    device::stream compute, h2d, d2h;
-    device::event ready;
-    device::event in[buffers], computed[buffers], out[buffers];
-    PinnedHost grad_stage{0};   ///< OnHost: buffers x chunk_elements gradients
-    PinnedHost param_stage{0};  ///< OnHost: buffers x chunk_elements params
-    std::byte* state_stage = nullptr;  ///< OnDevice with a host tier: buffers chunks, device memory
-    std::size_t state_stage_bytes = 0;
-    std::uint32_t* nonfinite_flag = nullptr;  ///< OnDevice: device memory, set by the inf/NaN check
-    ~device_resources()
-    {
-      try {
-        compute.synchronize();
-        h2d.synchronize();
-        d2h.synchronize();
-      } catch (...) {  // a failure was reported by the step it belonged to
-      }
-      device::deallocate_async(state_stage, compute);
-      device::deallocate_async(nonfinite_flag, compute);
-    }
-  };
-  /// The part of a tensor that falls in one chunk.
-  struct piece {
-    std::size_t tensor;
-    std::size_t tensor_begin;  ///< first element, within the tensor
-    std::size_t chunk_begin;   ///< first element, within the chunk
-    std::size_t count;
-  };
+  using device_resources = detail::device_resources<Transfer::staging_buffers>;
+  using tensor_entry = detail::tensor_entry<param_type>;
+  using piece        = detail::chunk_piece;
 
   void materialize();
   /// Makes the layout, the tier and the staging, with the master left unset when
@@ -430,10 +311,7 @@ class OffloadedOptimizer {
   void run_step(std::span<grad_view<grad_type> const> grads,
                 std::vector<typename Rule::coefficients>& coefficients, step_result& result);
   /// The chunk the j-th position of this step's order updates.
-  [[nodiscard]] std::size_t chunk_at(std::size_t j) const noexcept
-  {
-    return streaming_ && streaming_->active ? streaming_->order[j] : j;
-  }
+  [[nodiscard]] std::size_t chunk_at(std::size_t j) const noexcept;
   /// A streaming step: blocks until chunk k's gradients are all in (and, when the checks
   /// need them all, until every gradient is in and checked).
   void await_chunk(std::size_t k, step_stats& stats);
@@ -444,15 +322,8 @@ class OffloadedOptimizer {
                            device::stream_view ready);
   /// Where the update reads and writes tensor t's params: the model's, or (delayed_update)
   /// the optimizer's own buffer, which is host memory.
-  [[nodiscard]] param_type* update_params(std::size_t t) const noexcept
-  {
-    return delayed_ ? reinterpret_cast<param_type*>(delayed_->params.data()) + layout_->tensors()[t].offset
-                    : tensors_[t].param;
-  }
-  [[nodiscard]] bool update_params_on_device(std::size_t t) const noexcept
-  {
-    return !delayed_ && tensors_[t].where == location::device;
-  }
+  [[nodiscard]] param_type* update_params(std::size_t t) const noexcept;
+  [[nodiscard]] bool update_params_on_device(std::size_t t) const noexcept;
   void drive_streaming_step();
   /// Tensor t's gradient is final (or absent): its chunks may become ready. Under st.m.
   void mark_final(std::size_t t);
@@ -466,12 +337,7 @@ class OffloadedOptimizer {
   /// that made it).
   void discard_state() noexcept;
   /// Abandons the staging memory if the tier's engine may still use it (see the destructor).
-  void keep_held_staging() noexcept
-  {
-    if constexpr (requires(StateTier const& t) { { t.engine().usable() } -> std::convertible_to<bool>; }) {
-      if (tier_ && !tier_->engine().usable() && staging_) { staging_->abandon(); }
-    }
-  }
+  void keep_held_staging() noexcept;
   [[nodiscard]] checkpoint::header make_header() const;
   [[nodiscard]] checkpoint::header make_header(layout const& lay) const;
   void check_header(checkpoint::header const& h, layout const& lay, std::string const& path) const;
@@ -481,10 +347,7 @@ class OffloadedOptimizer {
   /// The engine, or an io_error that says which options choose it.
   [[nodiscard]] io::engine checkpoint_engine(io::engine_options const& eo, checkpoint_options const& o,
                                              std::string const& path) const;
-  [[nodiscard]] std::byte* staging(std::size_t buffer) noexcept
-  {
-    return staging_->data() + buffer * layout_->chunk_bytes();
-  }
+  [[nodiscard]] std::byte* staging(std::size_t buffer) noexcept;
   /// Updates elements [b, e) of chunk k (whose bytes start at `chunk`) on this thread. The
   /// gradients and params of device tensors are read from, and written to, the chunk's PCIe
   /// staging (`grad_stage`, `param_stage`: chunk_elements each) instead.
@@ -510,56 +373,8 @@ class OffloadedOptimizer {
   std::unique_ptr<detail::io_worker<StateTier>> io_;  ///< Pipelined's I/O thread (declared after tier_)
   std::unique_ptr<device_resources> dev_;  ///< with device params (declared after tier_ and staging_)
 
-  /// A streaming step's bookkeeping; its driver thread runs run_step().
-  struct streaming_state {
-    std::mutex m;
-    std::condition_variable cv;
-    bool active       = false;
-    bool abandoned    = false;  ///< the optimizer is being destroyed mid-step
-    bool checks       = false;  ///< non-finite check or clipping: wait for every gradient
-    bool checked      = false;  ///< those ran
-    unsigned micro_batches = 1;
-    double grad_scale = 1.0;
-    std::chrono::steady_clock::time_point started;
-    std::vector<grad_view<grad_type>> views;  ///< per tensor; {nullptr, 0}: no gradient
-    std::vector<unsigned> arrivals;           ///< per tensor: grad_ready calls so far
-    std::vector<char> final_;                 ///< per tensor: gradient final (or absent)
-    std::size_t finals = 0;
-    std::vector<std::size_t> pending;  ///< per chunk: its tensors not yet final
-    std::vector<char> ready;           ///< per chunk
-    std::vector<std::size_t> arrival;  ///< chunks in the order they became ready
-    std::vector<std::size_t> order;    ///< this step's chunk order
-    std::vector<std::unique_ptr<device::event>> grad_events;  ///< per tensor: its gradient's readiness
-    std::vector<typename Rule::coefficients> coefficients;
-    step_result result;
-    std::exception_ptr error;
-    std::thread driver;
-    ~streaming_state()
-    {
-      if (driver.joinable()) {
-        {
-          std::lock_guard lock(m);
-          abandoned = true;
-        }
-        cv.notify_all();
-        driver.join();
-      }
-    }
-  };
-  /// delayed_update: the update in the background, its gradients and its params.
-  struct delayed_state {
-    PinnedHost grads{0};   ///< every tensor's gradient, in layout order
-    PinnedHost params{0};  ///< every tensor's params as the update leaves them, in layout order
-    std::vector<grad_view<grad_type>> views;
-    std::vector<typename Rule::coefficients> coefficients;
-    step_result result;
-    std::exception_ptr error;
-    std::thread worker;
-    ~delayed_state()
-    {
-      if (worker.joinable()) { worker.join(); }
-    }
-  };
+  using streaming_state = detail::streaming_state<grad_type, typename Rule::coefficients>;
+  using delayed_state   = detail::delayed_state<grad_type, typename Rule::coefficients>;
   std::unique_ptr<delayed_state> delayed_;  ///< declared after what its worker uses
 
   std::vector<std::size_t> next_order_;  ///< the chunk order the next streaming step starts with

@@ -6,6 +6,45 @@
 namespace tierstate::inline TIERSTATE_ABI {
 
 template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+std::size_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::staging_bytes() const noexcept
+{
+  return (staging_ ? staging_->size() : 0) + (dev_ ? dev_->grad_stage.size() + dev_->param_stage.size() : 0);
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+std::size_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::device_staging_bytes() const noexcept
+{
+  return dev_ ? dev_->state_stage_bytes : 0;
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_params(std::size_t t) const noexcept -> param_type*
+{
+  return delayed_ ? reinterpret_cast<param_type*>(delayed_->params.data()) + layout_->tensors()[t].offset
+                  : tensors_[t].param;
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+bool OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_params_on_device(std::size_t t) const noexcept
+{
+  return !delayed_ && tensors_[t].where == location::device;
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::keep_held_staging() noexcept
+{
+  if constexpr (requires(StateTier const& t) { { t.engine().usable() } -> std::convertible_to<bool>; }) {
+    if (tier_ && !tier_->engine().usable() && staging_) { staging_->abandon(); }
+  }
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+std::byte* OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::staging(std::size_t buffer) noexcept
+{
+  return staging_->data() + buffer * layout_->chunk_bytes();
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 layout OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::make_layout() const
 {
   if (tensors_.empty()) { throw logic_error("no tensor is registered: add_tensor first"); }

@@ -6,6 +6,12 @@
 namespace tierstate::inline TIERSTATE_ABI {
 
 template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+std::size_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::chunk_at(std::size_t j) const noexcept
+{
+  return streaming_ && streaming_->active ? streaming_->order[j] : j;
+}
+
+template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::await_chunk(std::size_t k,
     step_stats& stats)
 {

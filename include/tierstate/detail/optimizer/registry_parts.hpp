@@ -1,0 +1,82 @@
+// SPDX-License-Identifier: Apache-2.0
+// OffloadedOptimizer's registry parts (optimizer.hpp): the gate that refuses a second
+// thread, the name index's hash, and what the registry keeps per tensor.
+#pragma once
+
+#include <tierstate/core/error.hpp>
+#include <tierstate/core/tensor.hpp>
+
+#include <atomic>
+#include <cstddef>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <thread>
+
+namespace tierstate::inline TIERSTATE_ABI::detail {
+
+/// Who is inside an optimizer's members: a second thread entering while another is inside is
+/// refused before it touches anything. Calls nest on one thread (save calls flush).
+struct call_gate {
+  std::atomic<std::thread::id> owner{};
+  std::atomic<char const*> call{nullptr};
+};
+
+class gate_entry {
+ public:
+  gate_entry(call_gate& g, char const* call) : gate_(g)
+  {
+    std::thread::id expected{};
+    if (g.owner.compare_exchange_strong(expected, std::this_thread::get_id(), std::memory_order_acquire)) {
+      g.call.store(call, std::memory_order_relaxed);
+      return;
+    }
+    if (expected == std::this_thread::get_id()) {  // nested on this thread
+      nested_ = true;
+      return;
+    }
+    char const* other = g.call.load(std::memory_order_relaxed);
+    throw logic_error(std::string(call) + ": another thread is inside " + (other != nullptr ? other : "a call") +
+                      "() of this optimizer; one thread at a time may call an optimizer's members "
+                      "(grad_ready alone may be called concurrently); nothing was changed");
+  }
+  gate_entry(gate_entry const&)            = delete;
+  gate_entry& operator=(gate_entry const&) = delete;
+  ~gate_entry()
+  {
+    if (!nested_) {
+      gate_.call.store(nullptr, std::memory_order_relaxed);
+      gate_.owner.store(std::thread::id{}, std::memory_order_release);
+    }
+  }
+
+ private:
+  call_gate& gate_;
+  bool nested_ = false;
+};
+
+/// Hashes std::string and std::string_view alike, for lookups without a copy.
+struct name_hash {
+  using is_transparent = void;
+  std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
+};
+
+/// A registered parameter tensor.
+template <class Param>
+struct tensor_entry {
+  std::string name;
+  Param* param      = nullptr;
+  std::size_t count = 0;
+  std::size_t group = 0;
+  location where    = location::host;
+};
+
+/// The part of a tensor that falls in one chunk.
+struct chunk_piece {
+  std::size_t tensor;
+  std::size_t tensor_begin;  ///< first element, within the tensor
+  std::size_t chunk_begin;   ///< first element, within the chunk
+  std::size_t count;
+};
+
+}  // namespace tierstate::detail

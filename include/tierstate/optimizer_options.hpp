@@ -1,0 +1,48 @@
+// SPDX-License-Identifier: Apache-2.0
+// OffloadedOptimizer's options (optimizer.hpp): OffloadedOptimizer<...>::options is
+// optimizer_options<StateTier::options>.
+#pragma once
+
+#include <tierstate/core/config.hpp>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace tierstate::inline TIERSTATE_ABI {
+
+/// What step() does when a gradient holds an infinity or a NaN.
+enum class nonfinite_policy : std::uint8_t {
+  skip_step,  ///< GradScaler's contract: report it and leave params, state and step count as they are
+  report,     ///< report it, and update anyway
+  ignore,     ///< do not look (saves one read of the gradients)
+};
+
+/// What an OffloadedOptimizer is made with; `tier` holds its state tier's own options.
+template <class TierOptions>
+struct optimizer_options {
+  /// Elements per chunk: a positive multiple of 2048 (each slot array a multiple of 4 KiB).
+  /// A model with fewer elements gets one chunk of its own size, rounded up to 2048.
+  std::size_t chunk_elements = std::size_t{1} << 20;
+  /// Worker threads, the caller included; 0: the CPUs of the affinity mask.
+  std::size_t threads = 0;
+  nonfinite_policy on_nonfinite = nonfinite_policy::skip_step;
+  /// Clip the gradients' global 2-norm to this, as torch.nn.utils.clip_grad_norm_ does
+  /// (after unscaling); 0: no clipping. The norm is summed over fixed 4096-element blocks
+  /// of each tensor, combined pairwise in (tensor, block) order: the same bits whatever
+  /// the chunk size, the thread count or the order gradients arrive in.
+  double max_grad_norm = 0.0;
+  /// ZeRO-Offload's delayed parameter update (OnHost compute): step() copies the
+  /// gradients into the optimizer's own buffer, waits for the previous step's update,
+  /// writes its params into the model, starts this step's update in the background and
+  /// returns, so the update runs while the next forward and backward do. The model then
+  /// always computes with params one step older than the state: one step of staleness,
+  /// a trade of exactness for time that ZeRO-Offload makes only after its first steps.
+  /// Costs a model-sized gradient buffer and a model-sized param buffer of pinned host
+  /// memory (grad + param bytes per element). flush() (also called by save, load,
+  /// copy_state and write_state) waits for the update in flight and writes its params.
+  /// Off by default; streaming steps are refused with it.
+  bool delayed_update = false;
+  TierOptions tier{};  ///< the state tier's own (StateTier::options)
+};
+
+}  // namespace tierstate
