@@ -113,9 +113,10 @@ run_result snapshot(Opt& opt, M const& m)
   return r;
 }
 
-/// Trains the model for `steps` steps with the given composition and options.
+/// Trains the model for `steps` steps with the given composition and options: plain steps,
+/// or (`streaming`) streaming steps, each step's gradients handed over last tensor first.
 template <class Opt>
-run_result train(int steps, typename Opt::options const& o)
+run_result train(int steps, typename Opt::options const& o, bool streaming = false)
 {
   nvme_model<typename Opt::precision_type> m;
   Opt opt(schedule<Opt>(1), o);
@@ -124,7 +125,13 @@ run_result train(int steps, typename Opt::options const& o)
     m.fill_grads(t);
     opt.set_hyperparameters(0, schedule<Opt>(t));
     auto const views = m.views();
-    opt.step(views);
+    if (!streaming) {
+      opt.step(views);
+      continue;
+    }
+    opt.begin_step();
+    for (std::size_t k = views.size(); k-- > 0;) { opt.grad_ready(k, views[k]); }
+    (void)opt.finish_step();
   }
   return snapshot(opt, m);
 }

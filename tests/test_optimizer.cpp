@@ -2,6 +2,7 @@
 // OffloadedOptimizer on the host: bit-for-bit the bare kernel's results over several
 // tensors and groups, whatever the chunk size, thread count and tier; custom tiers; the
 // non-finite policy; copy_state; and a clear exception for every bad input.
+#include "memory_tier.hpp"
 #include "matrix.hpp"
 #include "support.hpp"
 
@@ -367,48 +368,18 @@ TEST_CASE("bad input gets a clear exception that names what was wrong", "[optimi
   }
 }
 
-namespace {
-
-/// A tier whose writes fail from the n-th one on (as a full disk would).
-class FailingTier {
- public:
-  struct options {
-    int* writes_before_failure = nullptr;
-  };
-  static constexpr std::string_view name = "FailingTier";
-  FailingTier(std::size_t bytes, options const& o) : bytes_(bytes), opts_(o) {}
-  [[nodiscard]] std::size_t size() const { return bytes_.size(); }
-  void read(std::size_t offset, std::span<std::byte> to) const
-  {
-    std::memcpy(to.data(), bytes_.data() + offset, to.size());
-  }
-  void write(std::size_t offset, std::span<std::byte const> from)
-  {
-    if (opts_.writes_before_failure != nullptr && (*opts_.writes_before_failure)-- <= 0) {
-      throw std::runtime_error("FailingTier: write failed");
-    }
-    std::memcpy(bytes_.data() + offset, from.data(), from.size());
-  }
-
- private:
-  std::vector<std::byte> bytes_;
-  options opts_;
-};
-
-}  // namespace
-
 TEST_CASE("a tier failing while the state is made leaves no half-made state", "[optimizer][errors]")
 {
   int budget = 1;  // the second chunk's write fails
   std::vector<bf16> w(5000), g(5000, bf16(0.5f));
   for (std::size_t i = 0; i < w.size(); ++i) { w[i] = bf16(static_cast<float>(i) * 1e-3f); }
-  OffloadedOptimizer<AdamW, Bf16Mixed, FailingTier>::options o;
+  OffloadedOptimizer<AdamW, Bf16Mixed, test::memory_tier>::options o;
   o.chunk_elements = 2048;
   o.tier           = {&budget};
-  OffloadedOptimizer<AdamW, Bf16Mixed, FailingTier> opt({}, o);
+  OffloadedOptimizer<AdamW, Bf16Mixed, test::memory_tier> opt({}, o);
   opt.add_tensor("w", w.data(), w.size());
   std::vector<grad_view<bf16>> views = {{g.data(), g.size()}};
-  CHECK_THROWS_WITH(opt.step(views), "FailingTier: write failed");
+  CHECK_THROWS_WITH(opt.step(views), "memory_tier: write failed");
   CHECK(opt.step_count() == 0);
   budget = 1000;
   std::vector<float> master(w.size());

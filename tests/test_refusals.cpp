@@ -34,8 +34,7 @@ namespace {
 std::vector<std::size_t> const sizes = {1, 4097, 7, 6144, 2047, 3};
 
 template <class Opt>
-constexpr bool device_params_v =
-  Opt::compute_type::runs_on_device || is_cuda_overlapped_v<typename Opt::transfer_type>;
+constexpr bool device_params_v = Opt::takes_device_params;
 
 /// A tensor's memory: host, or device memory with a host copy.
 template <class T>

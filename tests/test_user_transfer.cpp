@@ -3,6 +3,7 @@
 // concept only) over the host routes: in place, and staged through NvmeFile with and without
 // the I/O thread, plain and streaming steps, and through a user's own tier with a write that
 // fails; bit for bit as Synchronous does. tests/test_device.cpp runs it over the device routes.
+#include "memory_tier.hpp"
 #include "nvme_support.hpp"
 #include "throttled.hpp"
 
@@ -22,51 +23,6 @@ using namespace tierstate::test;
 
 static_assert(transfer<Throttled<0>> && transfer<Throttled<3>>);
 static_assert(transfer<Synchronous> && transfer<Pipelined<1>>);
-
-/// Trains with streaming steps: each step's gradients handed over last tensor first.
-template <class Opt>
-run_result train_streaming(int steps, typename Opt::options const& o)
-{
-  nvme_model<typename Opt::precision_type> m;
-  Opt opt(schedule<Opt>(1), o);
-  register_model(opt, m);
-  for (int t = 1; t <= steps; ++t) {
-    m.fill_grads(t);
-    opt.set_hyperparameters(0, schedule<Opt>(t));
-    auto const views = m.views();
-    opt.begin_step();
-    for (std::size_t k = views.size(); k-- > 0;) { opt.grad_ready(k, views[k]); }
-    (void)opt.finish_step();
-  }
-  return snapshot(opt, m);
-}
-
-/// A user's tier: plain memory behind read and write (not addressable), whose writes fail
-/// once a budget runs out.
-class memory_tier {
- public:
-  struct options {
-    int* writes_left = nullptr;  ///< null: never fails
-  };
-  static constexpr std::string_view name = "memory_tier";
-  memory_tier(std::size_t bytes, options const& o) : bytes_(bytes), opts_(o) {}
-  [[nodiscard]] std::size_t size() const { return bytes_.size(); }
-  void read(std::size_t offset, std::span<std::byte> to) const
-  {
-    std::memcpy(to.data(), bytes_.data() + offset, to.size());
-  }
-  void write(std::size_t offset, std::span<std::byte const> from)
-  {
-    if (opts_.writes_left != nullptr && (*opts_.writes_left)-- <= 0) {
-      throw std::runtime_error("memory_tier: write failed");
-    }
-    std::memcpy(bytes_.data() + offset, from.data(), from.size());
-  }
-
- private:
-  std::vector<std::byte> bytes_;
-  options opts_;
-};
 
 template <class Transfer>
 typename NvmeOpt<Bf16Mixed, Transfer>::options nvme_options(scratch_dir const& d)
@@ -106,8 +62,8 @@ TEMPLATE_TEST_CASE("a user's transfer runs streaming steps, bit for bit as Synch
                    "[transfer][nvme][streaming]", Throttled<0>, Throttled<2>)
 {
   scratch_dir d;
-  auto const sync = train_streaming<NvmeOpt<Bf16Mixed, Synchronous>>(8, nvme_options<Synchronous>(d));
-  CHECK(train_streaming<NvmeOpt<Bf16Mixed, TestType>>(8, nvme_options<TestType>(d)) == sync);
+  auto const sync = train<NvmeOpt<Bf16Mixed, Synchronous>>(8, nvme_options<Synchronous>(d), true);
+  CHECK(train<NvmeOpt<Bf16Mixed, TestType>>(8, nvme_options<TestType>(d), true) == sync);
 }
 
 TEST_CASE("a user's transfer with an addressable tier: computed in place, as Synchronous", "[transfer]")

@@ -141,6 +141,9 @@ class OffloadedOptimizer {
   /// The slots this composition keeps, in layout order: the master (when the precision has
   /// one), then the rule's.
   static constexpr std::size_t slot_count = Rule::slot_count + (Precision::has_master ? 1 : 0);
+  /// Whether params and gradients may be in device memory: OnDevice compute, or a transfer
+  /// that moves them (CudaOverlapped, or one of yours with params_on_device = true).
+  static constexpr bool takes_device_params = device_params_;
 
   /// See optimizer_options.hpp.
   using options = optimizer_options<typename StateTier::options>;
@@ -289,6 +292,8 @@ class OffloadedOptimizer {
   void read_params(std::size_t t, std::size_t begin, std::size_t count, param_type* to) const;
   template <class F>
   void with_chunk(std::size_t k, bool write_back, step_stats& stats, F&& f);
+  template <class>
+  friend class routes::host_in_place;
   template <class>
   friend class routes::host_staged;
   template <class>

@@ -6,7 +6,8 @@
 // chooses the order and the overlap of the legs and knows nothing of which route it drives:
 //
 //   r.chunks()          the chunks of this step, visited as j = 0 .. chunks() - 1 (the route
-//                       maps j to a chunk: layout order, or a streaming step's order)
+//                       maps j to a chunk: layout order, or a streaming step's order; the
+//                       in-place route's plain step is one unit, a pass over the whole tier)
 //   r.fetch(j, b)       start bringing the j-th chunk's state into staging buffer b
 //   r.compute(j, b)     wait for that fetch (and, in a streaming step, for the chunk's
 //                       gradients), then update the chunk in buffer b

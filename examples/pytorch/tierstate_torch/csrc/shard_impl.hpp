@@ -64,7 +64,7 @@ namespace detail {
 template <class Rule, class Precision, class Tier, class Transfer, class Compute = tierstate::OnHost<>>
 class shard_impl final : public shard {
   using optimizer = tierstate::OffloadedOptimizer<Rule, Precision, Tier, Transfer, Compute>;
-  static constexpr bool device_params = tierstate::is_cuda_overlapped_v<Transfer>;
+  static constexpr bool device_params = optimizer::takes_device_params;
   static constexpr auto where = device_params ? tierstate::location::device : tierstate::location::host;
   using param_t   = typename optimizer::param_type;
   using grad_t    = typename optimizer::grad_type;

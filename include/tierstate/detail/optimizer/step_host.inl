@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// The step's dispatch (run_step): in place for an addressable tier with host compute and host
-// params, else the transfer's schedule over the composition's route (transfer/routes/route.hpp);
-// the host update of a range of a chunk; the coefficients.
+// The step's dispatch (run_step): the transfer's schedule over the composition's route
+// (transfer/routes/route.hpp); the host update of a range of a chunk; the coefficients.
 #pragma once
 
 namespace tierstate::inline TIERSTATE_ABI {
@@ -93,59 +92,23 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::run_step
                                    std::vector<typename Rule::coefficients>& coefficients,
                                    step_result& result)
 {
-  std::size_t const ce    = layout_->chunk_elements();
-  std::size_t const grain = 64 * host::batch_size<arch>;
-  if constexpr (addressable_tier<StateTier> && !device_params_) {
-    if (streaming_ && streaming_->active) {
-      // A streaming step: chunk by chunk in the step's order, each once its gradients are in.
-      for (std::size_t j = 0; j < layout_->chunk_count(); ++j) {
-        std::size_t const k = chunk_at(j);
-        await_chunk(k, result.stats);
-        auto const t0 = std::chrono::steady_clock::now();
-        std::byte* chunk = tier_->data() + k * layout_->chunk_bytes();
-        pool_.parallel_for(layout_->chunk_size(k), grain, [&](std::size_t b, std::size_t e) {
-          update_chunk_range(k, chunk, b, e, grads, coefficients);
-        });
-        result.stats.compute_seconds += detail::seconds_since(t0);
-        ++result.stats.chunks;
-      }
-      result.stats.tier_bytes_in_place = layout_->total_bytes();
-      return;
-    }
-    // In place: one parallel pass over all elements; a thread's range may cross chunks.
-    auto const t0 = std::chrono::steady_clock::now();
-    pool_.parallel_for(layout_->total_elements(), grain, [&](std::size_t b, std::size_t e) {
-      for (std::size_t k = b / ce; k * ce < e; ++k) {
-        std::byte* chunk = tier_->data() + k * layout_->chunk_bytes();
-        update_chunk_range(k, chunk, std::max(b, k * ce) - k * ce, std::min(e, (k + 1) * ce) - k * ce,
-                           grads, coefficients);
-      }
-    });
-    result.stats.compute_seconds = detail::seconds_since(t0);
-    result.stats.chunks          = layout_->chunk_count();
-    result.stats.tier_bytes_in_place = layout_->total_bytes();
-  } else {
-    bool changed = false;  // whether a chunk's params and state began to change
-    // The transfer's schedule over the composition's route (transfer/concept.hpp).
-    constexpr auto home = device_tier<StateTier>       ? routes::state_home::device
-                          : addressable_tier<StateTier> ? routes::state_home::addressable_host
-                                                        : routes::state_home::staged_host;
-    using route_type = typename routes::route_for<OffloadedOptimizer, home, on_device_, device_params_>::type;
+  bool changed = false;  // whether a chunk's params and state began to change
+  // The transfer's schedule over the composition's route (transfer/concept.hpp).
+  using route_type = routes::route_of<OffloadedOptimizer>;
+  try {
+    route_type route(*this, grads, coefficients, result.stats, changed);
     try {
-      route_type route(*this, grads, coefficients, result.stats, changed);
-      try {
-        Transfer::schedule(route);
-      } catch (...) {
-        route.abandon();  // no staging buffer in the tier's hands when the exception leaves
-        throw;
-      }
-    } catch (std::exception const& e) {
-      if (changed) { lost_ = e.what(); }
-      throw;
+      Transfer::schedule(route);
     } catch (...) {
-      if (changed) { lost_ = "an exception that is not a std::exception"; }
+      route.abandon();  // no staging buffer in the tier's hands when the exception leaves
       throw;
     }
+  } catch (std::exception const& e) {
+    if (changed) { lost_ = e.what(); }
+    throw;
+  } catch (...) {
+    if (changed) { lost_ = "an exception that is not a std::exception"; }
+    throw;
   }
 }
 

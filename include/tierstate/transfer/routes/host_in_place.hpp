@@ -1,0 +1,79 @@
+// SPDX-License-Identifier: Apache-2.0
+// The in-place route: state in an addressable host tier (PinnedHost, a user's), compute on
+// the host, params and gradients in host memory. Nothing moves: fetch and retire have nothing
+// to do, and compute updates the tier's memory where it is.
+//
+// A plain step is one unit of work for the schedule (chunks() is 1): one parallel pass over
+// every element of the tier, whose threads' ranges cross chunk boundaries, so that a model of
+// many small chunks costs no barrier per chunk. A streaming step visits the chunks one by
+// one, in the step's order, each once its gradients are in.
+#pragma once
+
+#include <tierstate/core/stats.hpp>
+#include <tierstate/core/tensor.hpp>
+#include <tierstate/kernels/host/update.hpp>
+#include <tierstate/transfer/routes/detail/route_base.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+
+namespace tierstate::inline TIERSTATE_ABI::routes {
+
+template <class Optimizer>
+class host_in_place : public detail::route_base<Optimizer> {
+  using base = detail::route_base<Optimizer>;
+  using base::o_, base::grads_, base::coefficients_, base::stats_, base::changed_;
+  static constexpr std::size_t grain = 64 * host::batch_size<typename Optimizer::arch>;
+
+ public:
+  using base::base;
+
+  [[nodiscard]] std::size_t chunks() const noexcept { return streaming() ? o_.layout_->chunk_count() : 1; }
+
+  void fetch(std::size_t, unsigned) noexcept {}
+
+  void compute(std::size_t j, unsigned)
+  {
+    auto const& lay = *o_.layout_;
+    if (!streaming()) {
+      std::size_t const ce = lay.chunk_elements();
+      changed_             = true;
+      auto const t0        = std::chrono::steady_clock::now();
+      o_.pool_.parallel_for(lay.total_elements(), grain, [&](std::size_t b, std::size_t e) {
+        for (std::size_t k = b / ce; k * ce < e; ++k) {
+          o_.update_chunk_range(k, chunk(k), std::max(b, k * ce) - k * ce, std::min(e, (k + 1) * ce) - k * ce,
+                                grads_, coefficients_);
+        }
+      });
+      stats_.compute_seconds += tierstate::detail::seconds_since(t0);
+      stats_.chunks += lay.chunk_count();
+      return;
+    }
+    std::size_t const k = o_.chunk_at(j);
+    o_.await_chunk(k, stats_);
+    changed_      = true;
+    auto const t0 = std::chrono::steady_clock::now();
+    o_.pool_.parallel_for(lay.chunk_size(k), grain, [&](std::size_t b, std::size_t e) {
+      o_.update_chunk_range(k, chunk(k), b, e, grads_, coefficients_);
+    });
+    stats_.compute_seconds += tierstate::detail::seconds_since(t0);
+    ++stats_.chunks;
+  }
+
+  void retire(std::size_t, unsigned) noexcept {}
+
+  void finish() noexcept { stats_.tier_bytes_in_place = o_.layout_->total_bytes(); }
+
+  /// After a leg threw: nothing is in flight.
+  void abandon() noexcept {}
+
+ private:
+  [[nodiscard]] bool streaming() const noexcept { return o_.streaming_ && o_.streaming_->active; }
+  [[nodiscard]] std::byte* chunk(std::size_t k) const noexcept
+  {
+    return o_.tier_->data() + k * o_.layout_->chunk_bytes();
+  }
+};
+
+}  // namespace tierstate::routes

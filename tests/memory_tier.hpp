@@ -1,0 +1,41 @@
+// SPDX-License-Identifier: Apache-2.0
+// A user's tier for the tests: plain memory behind read and write (not addressable, so the
+// optimizer stages its chunks), whose writes fail once a budget runs out (as a full disk's
+// would). tests/test_optimizer.cpp and tests/test_user_transfer.cpp use it.
+#pragma once
+
+#include <cstddef>
+#include <cstring>
+#include <span>
+#include <stdexcept>
+#include <string_view>
+#include <vector>
+
+namespace tierstate::test {
+
+class memory_tier {
+ public:
+  struct options {
+    int* writes_left = nullptr;  ///< writes that succeed before they fail; null: never fails
+  };
+  static constexpr std::string_view name = "memory_tier";
+  memory_tier(std::size_t bytes, options const& o) : bytes_(bytes), opts_(o) {}
+  [[nodiscard]] std::size_t size() const { return bytes_.size(); }
+  void read(std::size_t offset, std::span<std::byte> to) const
+  {
+    std::memcpy(to.data(), bytes_.data() + offset, to.size());
+  }
+  void write(std::size_t offset, std::span<std::byte const> from)
+  {
+    if (opts_.writes_left != nullptr && (*opts_.writes_left)-- <= 0) {
+      throw std::runtime_error("memory_tier: write failed");
+    }
+    std::memcpy(bytes_.data() + offset, from.data(), from.size());
+  }
+
+ private:
+  std::vector<std::byte> bytes_;
+  options opts_;
+};
+
+}  // namespace tierstate::test
