@@ -220,6 +220,37 @@ TEST_CASE("the device kernel refuses missing arrays, and finds non-finite values
   s.synchronize();
 }
 
+TEST_CASE("TIERSTATE_CUDA_TRY lets success through and throws cuda_error naming a failed call", "[device][runtime]")
+{
+  int calls = 0;
+#if defined(TIERSTATE_ENABLE_CUDA)
+  auto const status = [&](bool ok) {
+    ++calls;
+    return ok ? cudaSuccess : cudaErrorInvalidValue;
+  };
+  char const* const reason = "cudaErrorInvalidValue";
+#else
+  // The emulation's statuses: integral or enum, zero for success, as cudaError_t.
+  enum class emulated_status : int { ok = 0, refused = 22 };
+  auto const status = [&](bool ok) {
+    ++calls;
+    return ok ? emulated_status::ok : emulated_status::refused;
+  };
+  char const* const reason = "status 22";
+  CHECK_NOTHROW([] { TIERSTATE_CUDA_TRY(0); }());
+  CHECK_THROWS_AS([] { TIERSTATE_CUDA_TRY(-1); }(), tierstate::cuda_error);
+#endif
+  CHECK_NOTHROW([&] { TIERSTATE_CUDA_TRY(status(true)); }());
+  CHECK(calls == 1);
+  try {
+    TIERSTATE_CUDA_TRY(status(false));
+    FAIL("a failed status did not throw");
+  } catch (tierstate::cuda_error const& e) {
+    CHECK_THAT(e.what(), Catch::Matchers::Contains("status(false)") && Catch::Matchers::Contains(reason));
+  }
+  CHECK(calls == 2);  // evaluated once
+}
+
 // The OMP build (test_device_omp) has the kernel tests only: the compositions below call the
 // kernels those tests check under OMP, and that build never ran them (it ran `[kernel]`);
 // it compiled them for nothing.

@@ -176,7 +176,7 @@ void update_async(stream_view s, typename R::coefficients const& k,
   thrust::for_each(thrust::cuda::par_nosync.on(s.native()), begin, end, f);
   TIERSTATE_CUDA_TRY(cudaGetLastError());
 #else
-  s.enqueue([=] { thrust::for_each(thrust::device, begin, end, f); });
+  runtime::detail::enqueue(s, [=] { thrust::for_each(thrust::device, begin, end, f); });
 #endif
 }
 
@@ -208,7 +208,7 @@ void mark_nonfinite_async(stream_view s, T const* x, std::size_t n, std::uint32_
   thrust::for_each(thrust::cuda::par_nosync.on(s.native()), b, b + n, f);
   TIERSTATE_CUDA_TRY(cudaGetLastError());
 #else
-  s.enqueue([=] { thrust::for_each(thrust::device, b, b + n, f); });
+  runtime::detail::enqueue(s, [=] { thrust::for_each(thrust::device, b, b + n, f); });
 #endif
 }
 
