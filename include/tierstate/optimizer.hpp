@@ -292,20 +292,14 @@ class OffloadedOptimizer {
   void read_params(std::size_t t, std::size_t begin, std::size_t count, param_type* to) const;
   template <class F>
   void with_chunk(std::size_t k, bool write_back, step_stats& stats, F&& f);
-  template <class>
-  friend class routes::host_in_place;
-  template <class>
-  friend class routes::host_staged;
-  template <class>
-  friend class routes::device_params_on_host;
-  template <class>
-  friend class routes::device_resident;
-  template <class>
-  friend class routes::streamed_to_device;
-  template <class>
-  friend class routes::detail::tier_io;
-  template <class>
-  friend class routes::detail::route_base;
+  // The routes (transfer/routes/) move a step's chunks through the optimizer's parts.
+  template <class> friend class routes::host_in_place;
+  template <class> friend class routes::host_staged;
+  template <class> friend class routes::device_params_on_host;
+  template <class> friend class routes::device_resident;
+  template <class> friend class routes::streamed_to_device;
+  template <class> friend class routes::detail::tier_io;
+  template <class> friend class routes::detail::route_base;
   [[nodiscard]] std::vector<typename Rule::coefficients> coefficients_for(double grad_scale) const;
   /// Non-finite detection and clipping; false when the step must be skipped.
   bool check_and_clip(std::span<grad_view<grad_type> const> grads, double grad_scale,

@@ -26,22 +26,12 @@
 
 namespace tierstate::inline TIERSTATE_ABI {
 
+/// The pipelined schedule (Pipelined<Depth>'s: its depth, staging_buffers and schedule) over
+/// the device routes: what sets it apart is that params and gradients live on the device.
 template <unsigned Depth = 2>
-struct CudaOverlapped {
-  static_assert(Depth >= 1 && Depth <= 64, "tierstate::CudaOverlapped<Depth>: Depth must be in 1..64");
-  /// Chunks being copied (and read) ahead while one is computed.
-  static constexpr unsigned depth = Depth;
-  /// Buffers of one chunk in each staging ring: Depth coming in, one computed, one going out.
-  static constexpr unsigned staging_buffers = Depth + 2;
+struct CudaOverlapped : Pipelined<Depth> {
   /// Params and gradients live on the device (transfer/concept.hpp's moves_device_params).
   static constexpr bool params_on_device = true;
-
-  /// The pipelined schedule (Pipelined<Depth>'s) over the device routes' legs.
-  template <class Route>
-  static void schedule(Route& r)
-  {
-    Pipelined<Depth>::schedule(r);
-  }
 };
 
 template <class T>

@@ -24,7 +24,8 @@ namespace tierstate::inline TIERSTATE_ABI {
 
 template <unsigned Depth = 2>
 struct Pipelined {
-  static_assert(Depth >= 1 && Depth <= 64, "tierstate::Pipelined<Depth>: Depth must be in 1..64");
+  static_assert(Depth >= 1 && Depth <= 64,
+                "tierstate::Pipelined<Depth> (and CudaOverlapped<Depth>): Depth must be in 1..64");
   /// Chunks being read ahead while one is computed.
   static constexpr unsigned depth = Depth;
   /// Staging buffers of one chunk each: Depth being read, one computed, one being written.
