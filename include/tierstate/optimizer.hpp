@@ -67,9 +67,10 @@
 #include <tierstate/core/thread_pool.hpp>
 #include <tierstate/kernels/host/update.hpp>
 #include <tierstate/optimizer_options.hpp>
-#include <tierstate/detail/optimizer/device_resources.hpp>
 #include <tierstate/detail/optimizer/registry_parts.hpp>
 #include <tierstate/detail/optimizer/step_states.hpp>
+#include <tierstate/state/store.hpp>
+#include <tierstate/step/checks.hpp>
 #include <tierstate/tiers/device.hpp>
 #include <tierstate/tiers/pinned_host.hpp>
 #include <tierstate/tiers/tier.hpp>
@@ -112,18 +113,13 @@ class OffloadedOptimizer {
   static_assert(requires { Compute::runs_on_device; },
                 "tierstate::OffloadedOptimizer: the computes available are OnHost<Arch> "
                 "(kernels/host/on_host.hpp) and OnDevice (kernels/device/on_device.hpp).");
-  static constexpr bool on_device_ = Compute::runs_on_device;
-  static_assert(!device_tier<StateTier> || on_device_,
-                "tierstate::OffloadedOptimizer: state in the Device tier is updated where it lives: "
-                "use OnDevice compute (or PinnedHost / NvmeFile state for OnHost compute).");
-  static_assert(!on_device_ || device_tier<StateTier> || moves_device_params<Transfer>,
-                "tierstate::OffloadedOptimizer: OnDevice compute with state in a host tier streams "
-                "each chunk's state to the GPU and back: use the CudaOverlapped<Depth> transfer. (A "
-                "transfer of your own streams it when it says params_on_device = true.)");
-  /// Params and gradients may be on the device (the GPU, or the emulated device).
-  static constexpr bool device_params_ = on_device_ || moves_device_params<Transfer>;
 
  public:
+  /// The composition's route and what it needs (transfer/routes/route.hpp): the one place
+  /// that looks at the tier's kind, the compute and the transfer's traits, and refuses a
+  /// combination that has no route.
+  using placement = routes::placement<StateTier, Compute, Transfer>;
+
   using rule_type       = Rule;
   using precision_type  = Precision;
   using tier_type       = StateTier;
@@ -143,16 +139,17 @@ class OffloadedOptimizer {
   static constexpr std::size_t slot_count = Rule::slot_count + (Precision::has_master ? 1 : 0);
   /// Whether params and gradients may be in device memory: OnDevice compute, or a transfer
   /// that moves them (CudaOverlapped, or one of yours with params_on_device = true).
-  static constexpr bool takes_device_params = device_params_;
+  static constexpr bool takes_device_params = placement::device_params;
 
   /// See optimizer_options.hpp.
   using options = optimizer_options<typename StateTier::options>;
 
   /// Group 0 holds every tensor not placed in another group, with `defaults`.
   explicit OffloadedOptimizer(hyperparameters const& defaults = {}, options const& opts = {});
-  /// Keeps (leaks) the staging memory when the tier's I/O engine retired with a transfer the
-  /// kernel never answered (io::engine::held()): a late transfer must not land in freed pages.
-  ~OffloadedOptimizer() { keep_held_staging(); }
+  /// The state store keeps (leaks) the staging memory when the tier's I/O engine retired with
+  /// a transfer the kernel never answered (io::engine::held()): a late transfer must not land
+  /// in freed pages.
+  ~OffloadedOptimizer() = default;
   OffloadedOptimizer(OffloadedOptimizer const&)            = delete;
   OffloadedOptimizer& operator=(OffloadedOptimizer const&) = delete;
 
@@ -271,27 +268,19 @@ class OffloadedOptimizer {
   /// Device memory used to stage chunks (OnDevice with a host tier: staging_buffers chunks).
   [[nodiscard]] std::size_t device_staging_bytes() const noexcept;
   /// Whether a failed step left the state part updated (see "Failures" above).
-  [[nodiscard]] bool state_lost() const noexcept { return !lost_.empty(); }
+  [[nodiscard]] bool state_lost() const noexcept { return store_.lost(); }
   [[nodiscard]] thread_pool& pool() noexcept { return pool_; }
 
  private:
-  using device_resources = detail::device_resources<Transfer::staging_buffers>;
+  using store_type   = detail::state_store<Precision, Rule, StateTier, placement>;
+  using checks       = detail::step_checks<grad_type, Compute, placement>;
+  using device_resources = typename store_type::device_resources;
   using tensor_entry = detail::tensor_entry<param_type>;
-  using piece        = detail::chunk_piece;
 
-  void materialize();
-  /// Makes the layout, the tier and the staging, with the master left unset when
-  /// `fill_master` is false (load overwrites every chunk).
-  void materialize(bool fill_master);
-  /// The layout the state will have (the same as materialize makes), without making it.
-  [[nodiscard]] layout make_layout() const;
+  /// Makes the state (state/store.hpp) from the tensors registered now; the master is left
+  /// unset when `fill_master` is false (load overwrites every chunk).
+  void materialize(bool fill_master = true);
   std::size_t find_tensor(std::string_view name, char const* caller) const;
-  void check_grads(std::span<grad_view<grad_type> const> grads) const;
-  [[nodiscard]] bool find_nonfinite(std::span<grad_view<grad_type> const> grads);
-  /// Copies `count` params of tensor t from element `begin` to host memory `to`.
-  void read_params(std::size_t t, std::size_t begin, std::size_t count, param_type* to) const;
-  template <class F>
-  void with_chunk(std::size_t k, bool write_back, step_stats& stats, F&& f);
   // The routes (transfer/routes/) move a step's chunks through the optimizer's parts.
   template <class> friend class routes::host_in_place;
   template <class> friend class routes::host_staged;
@@ -304,8 +293,6 @@ class OffloadedOptimizer {
   /// Non-finite detection and clipping; false when the step must be skipped.
   bool check_and_clip(std::span<grad_view<grad_type> const> grads, double grad_scale,
                       std::vector<typename Rule::coefficients>& coefficients, step_result& result);
-  /// The gradients' 2-norm (scaled as given): fixed blocks, fixed pairwise order.
-  [[nodiscard]] double gradient_norm(std::span<grad_view<grad_type> const> grads);
   /// The step after its checks: chunks updated in chunk_at() order, each after await_chunk().
   void run_step(std::span<grad_view<grad_type> const> grads,
                 std::vector<typename Rule::coefficients>& coefficients, step_result& result);
@@ -329,24 +316,16 @@ class OffloadedOptimizer {
   /// Queues the device update of chunk k, whose state is device memory at `chunk`.
   void launch_chunk(std::size_t k, std::byte* chunk, std::span<grad_view<grad_type> const> grads,
                     std::vector<typename Rule::coefficients> const& coefficients);
-  void check_not_lost(char const* call) const;
   /// Refuses a slot this composition does not keep, naming it.
   void check_slot(slot s, char const* call) const;
-  /// Back to "no state yet" (a failure while the state was being made, or a refused call
-  /// that made it).
-  void discard_state() noexcept;
-  /// Abandons the staging memory if the tier's engine may still use it (see the destructor).
-  void keep_held_staging() noexcept;
   [[nodiscard]] checkpoint::header make_header() const;
   [[nodiscard]] checkpoint::header make_header(layout const& lay) const;
   void check_header(checkpoint::header const& h, layout const& lay, std::string const& path) const;
-  void params_from_master(std::size_t k, std::byte const* chunk);
   /// The checkpoint's engine options: given, or the tier's (see checkpoint_options::io).
   [[nodiscard]] io::engine_options checkpoint_io(checkpoint_options const& o) const;
   /// The engine, or an io_error that says which options choose it.
   [[nodiscard]] io::engine checkpoint_engine(io::engine_options const& eo, checkpoint_options const& o,
                                              std::string const& path) const;
-  [[nodiscard]] std::byte* staging(std::size_t buffer) noexcept;
   /// Updates elements [b, e) of chunk k (whose bytes start at `chunk`) on this thread. The
   /// gradients and params of device tensors are read from, and written to, the chunk's PCIe
   /// staging (`grad_stage`, `param_stage`: chunk_elements each) instead.
@@ -363,14 +342,10 @@ class OffloadedOptimizer {
   std::int64_t step_ = 0;
   thread_pool pool_;
 
-  // Made by materialize().
-  std::optional<layout> layout_;
-  std::optional<StateTier> tier_;
-  std::vector<piece> pieces_;
-  std::vector<std::size_t> chunk_pieces_;  ///< pieces of chunk k: [chunk_pieces_[k], chunk_pieces_[k + 1])
-  std::optional<PinnedHost> staging_;  ///< staging_buffers chunks, for tiers that are not addressable
-  std::unique_ptr<detail::io_worker<StateTier>> io_;  ///< Pipelined's I/O thread (declared after tier_)
-  std::unique_ptr<device_resources> dev_;  ///< with device params (declared after tier_ and staging_)
+  /// The layout, the tier, the staging, the I/O thread, the device resources and the lost
+  /// state, made by materialize() (declared before what uses them: the delayed update's
+  /// worker and the streaming step's driver stop first).
+  store_type store_;
 
   using streaming_state = detail::streaming_state<grad_type, typename Rule::coefficients>;
   using delayed_state   = detail::delayed_state<grad_type, typename Rule::coefficients>;
@@ -378,7 +353,6 @@ class OffloadedOptimizer {
 
   std::vector<std::size_t> next_order_;  ///< the chunk order the next streaming step starts with
   std::unique_ptr<streaming_state> streaming_;  ///< declared last: its driver stops first
-  std::string lost_;  ///< the failure that left the state part updated, or empty
 };
 
 }  // namespace tierstate

@@ -12,7 +12,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save(
   detail::gate_entry const gate(gate_, "save");
   check_not_streaming("save");
   flush();
-  check_not_lost("save");
+  store_.check_not_lost("save");
   io::engine_options const eo = checkpoint_io(o);
   if (tensors_.empty()) { throw logic_error("save: no tensor is registered: add_tensor first"); }
   std::string const target = path.string();
@@ -60,7 +60,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save(
     if (fd.fd < 0) { throw io_error(errno, temp_path, "create", 0, 0, "the checkpoint's temporary file"); }
     named = true;
   }
-  bool const fresh = !layout_;  // a failed save on an optimizer without state leaves it without
+  bool const fresh = !store_.made();  // a failed save on an optimizer without state leaves it without
   PinnedHost header{0}, table{0};
   try {
     materialize();
@@ -84,18 +84,14 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save(
     write(0, header.data(), header.size());
 
     std::uint64_t const H = header.size();
-    std::size_t const B   = layout_->chunk_bytes();
-    std::vector<std::uint64_t> sums(layout_->chunk_count());
-    for (std::size_t k = 0; k < layout_->chunk_count(); ++k) {
-      std::byte* chunk;
-      if constexpr (addressable_tier<StateTier>) {
-        chunk = tier_->data() + k * B;
-      } else {
-        chunk = staging(0);
-        tier_->read(k * B, std::span<std::byte>(chunk, B));
-      }
-      sums[k] = checkpoint::checksum(chunk, B);
-      write(H + k * B, chunk, B);
+    std::size_t const B   = store_.layout().chunk_bytes();
+    std::vector<std::uint64_t> sums(store_.layout().chunk_count());
+    step_stats ignored;
+    for (std::size_t k = 0; k < store_.layout().chunk_count(); ++k) {
+      store_.with_chunk(k, false, ignored, [&](std::byte const* chunk) {
+        sums[k] = checkpoint::checksum(chunk, B);
+        write(H + k * B, chunk, B);
+      });
     }
     table = detail::aligned_copy(checkpoint::encode_table(sums));
     write(H + sums.size() * B, table.data(), table.size());
@@ -119,7 +115,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save(
   } catch (...) {
     fd.reset();
     if (named) { ::unlinkat(dirfd.fd, temp.c_str(), 0); }  // nothing half-written is left, under any name
-    if (fresh) { discard_state(); }
+    if (fresh) { store_.discard(); }
     throw;
   }
   // The rename is durable once the directory is.
@@ -139,9 +135,9 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
   try {
     flush();
   } catch (std::exception const& e) {
-    if (lost_.empty()) { lost_ = std::string("the delayed update failed: ") + e.what(); }
+    store_.mark_lost(std::string("the delayed update failed: ") + e.what(), true);
   } catch (...) {
-    if (lost_.empty()) { lost_ = "the delayed update failed"; }
+    store_.mark_lost("the delayed update failed", true);
   }
   io::engine_options const eo = checkpoint_io(o);
   if (tensors_.empty()) { throw logic_error("load: no tensor is registered: add_tensor first"); }
@@ -163,8 +159,8 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
   // Everything is checked against the layout this optimizer has, or would make: nothing is
   // made before the file is known to be good.
   std::optional<layout> planned;
-  if (!layout_) { planned.emplace(make_layout()); }
-  layout const& lay = layout_ ? *layout_ : *planned;
+  if (!store_.made()) { planned.emplace(store_type::layout_for(tensors_, opts_.chunk_elements)); }
+  layout const& lay = store_.made() ? store_.layout() : *planned;
   io::engine engine = checkpoint_engine(eo, o, file);
   // Load's buffers; kept (leaked), never freed, if a read the kernel never answered may
   // still land in them.
@@ -233,18 +229,18 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
       std::byte* chunk = scratch.data();
       read(H + k * B, chunk, B);
       if (o.verify_checksums && checkpoint::checksum(chunk, B) != sums[k]) { throw corrupt_chunk(k); }
-      tier_->write(k * B, std::span<std::byte const>(chunk, B));
-      params_from_master(k, chunk);
+      store_.tier().write(k * B, std::span<std::byte const>(chunk, B));
+      store_.params_from_master(k, chunk, tensors_);
     }
   } catch (std::exception const& e) {
-    lost_ = e.what();
+    store_.mark_lost(e.what());
     throw;
   }
   step_ = h.step;
   groups_.clear();
   for (auto const& g : h.groups) { groups_.push_back(Rule::from_values(g)); }
   for (std::size_t t = 0; t < tensors_.size(); ++t) { tensors_[t].group = h.tensors[t].group; }
-  lost_.clear();
+  store_.clear_lost();
 }
 
 }  // namespace tierstate

@@ -8,7 +8,7 @@ namespace tierstate::inline TIERSTATE_ABI {
 template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 checkpoint::header OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::make_header() const
 {
-  return make_header(*layout_);
+  return make_header(store_.layout());
 }
 
 template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
@@ -131,29 +131,6 @@ io::engine OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::ch
                    std::string(e.what()) + "; the checkpoint's engine is checkpoint_options::io" +
                      (o.io ? "" : ", which by default follows the state tier's (options.tier.io)") +
                      ": set its .backend = io::backend::psync where io_uring is forbidden");
-  }
-}
-
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
-void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::params_from_master(std::size_t k,
-    std::byte const* chunk)
-{
-  if constexpr (Precision::has_master) {
-    auto const* master = reinterpret_cast<float const*>(chunk + layout_->slot_offset(0));
-    std::vector<param_type> staged;  // for params on the device
-    for (std::size_t p = chunk_pieces_[k]; p < chunk_pieces_[k + 1]; ++p) {
-      auto const& pc  = pieces_[p];
-      auto const& t   = tensors_[pc.tensor];
-      param_type* dst = t.param + pc.tensor_begin;
-      if (t.where == location::device) {
-        staged.resize(pc.count);
-        dst = staged.data();
-      }
-      for (std::size_t i = 0; i < pc.count; ++i) { dst[i] = convert<param_type>(master[pc.chunk_begin + i]); }
-      if (t.where == location::device) {
-        device::copy(t.param + pc.tensor_begin, staged.data(), pc.count * sizeof(param_type));
-      }
-    }
   }
 }
 

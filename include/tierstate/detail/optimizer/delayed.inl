@@ -10,19 +10,25 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
                                               double grad_scale, device::stream_view ready)
 {
   auto const t_start = std::chrono::steady_clock::now();
-  check_grads(grads);
+  checks::check_grads(grads, std::span<tensor_entry const>(tensors_));
   step_result const previous = flush();  // also the first place a failed update is reported
-  check_not_lost("step");
+  store_.check_not_lost("step");
   auto coefficients = coefficients_for(grad_scale);
   materialize();
-  std::size_t const total = layout_->total_elements();
+  std::size_t const total = store_.layout().total_elements();
   if (!delayed_) {
     auto dl    = std::make_unique<delayed_state>();
     dl.get()->grads  = PinnedHost(total * sizeof(grad_type));
     dl.get()->params = PinnedHost(total * sizeof(param_type));
     auto* params = reinterpret_cast<param_type*>(dl->params.data());
     for (std::size_t t = 0; t < tensors_.size(); ++t) {
-      read_params(t, 0, tensors_[t].count, params + layout_->tensors()[t].offset);
+      auto const& e = tensors_[t];
+      param_type* to = params + store_.layout().tensors()[t].offset;
+      if (e.where == location::device) {
+        device::copy(to, e.param, e.count * sizeof(param_type));
+      } else {
+        std::copy(e.param, e.param + e.count, to);
+      }
     }
     dl->views.resize(tensors_.size());
     delayed_ = std::move(dl);
@@ -30,9 +36,9 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
   auto& dl = *delayed_;
   // The gradients into the optimizer's own buffer: the caller may reuse theirs at once.
   auto* own = reinterpret_cast<grad_type*>(dl.grads.data());
-  if constexpr (device_params_) {
-    dev_->ready.record(ready);
-    dev_->d2h.wait(dev_->ready);
+  if constexpr (placement::device_params) {
+    store_.device().ready.record(ready);
+    store_.device().d2h.wait(store_.device().ready);
   } else {
     (void)ready;
   }
@@ -51,9 +57,9 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
       dl.views[t] = {};
       continue;
     }
-    grad_type* to = own + layout_->tensors()[t].offset;
+    grad_type* to = own + store_.layout().tensors()[t].offset;
     if (g.where == location::device) {
-      if constexpr (device_params_) { device::copy_async(to, g.data, g.size * sizeof(grad_type), dev_->d2h); }
+      if constexpr (placement::device_params) { device::copy_async(to, g.data, g.size * sizeof(grad_type), store_.device().d2h); }
     } else {
       for (std::size_t b = 0; b < g.size; b += piece_elements) {
         pieces.push_back({g.data + b, to + b, std::min(piece_elements, g.size - b)});
@@ -64,7 +70,7 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
   pool_.parallel_for(pieces.size(), 1, [&](std::size_t b, std::size_t e) {
     for (std::size_t i = b; i < e; ++i) { std::copy_n(pieces[i].from, pieces[i].n, pieces[i].to); }
   });
-  if constexpr (device_params_) { dev_->d2h.synchronize(); }
+  if constexpr (placement::device_params) { store_.device().d2h.synchronize(); }
 
   step_result r;
   r.deferred = true;

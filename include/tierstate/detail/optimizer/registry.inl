@@ -16,15 +16,6 @@ namespace detail {
 /// Thrown inside a streaming step's driver when the checks say skip; never leaves it.
 struct skip_step_signal {};
 
-/// Sum of v in a fixed pairwise order (the halves of each range, recursively).
-inline double pairwise_sum(double const* v, std::size_t n) noexcept
-{
-  if (n == 0) { return 0.0; }
-  if (n == 1) { return v[0]; }
-  std::size_t const h = n / 2;
-  return pairwise_sum(v, h) + pairwise_sum(v + h, n - h);
-}
-
 }  // namespace detail
 
 template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
@@ -42,11 +33,11 @@ OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::OffloadedOpti
     throw invalid_option("max_grad_norm", detail::to_text(opts.max_grad_norm),
                          "must be finite and >= 0 (0: no clipping)");
   }
-  if (on_device_ && opts.delayed_update) {
+  if (placement::on_device && opts.delayed_update) {
     throw invalid_option("delayed_update", "true",
                          "the delayed parameter update runs the update on the host: use OnHost compute");
   }
-  if (on_device_ && opts.max_grad_norm > 0.0) {
+  if (placement::on_device && opts.max_grad_norm > 0.0) {
     throw invalid_option("max_grad_norm", detail::to_text(opts.max_grad_norm),
                          "clipping with OnDevice compute is not supported yet (the norm would need a "
                          "device reduction); clip in the framework, or compute on the host");
@@ -62,7 +53,7 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tens
 {
   detail::gate_entry const gate(gate_, "add_tensor");
   auto const who = "add_tensor('" + name + "')";
-  if (layout_) {
+  if (store_.made()) {
     throw logic_error(who + ": the state already exists (after the first step or copy_state), "
                             "so the set of tensors is fixed");
   }
@@ -70,13 +61,13 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tens
   if (param == nullptr && count > 0) {
     throw logic_error(who + ": param is a null pointer for " + std::to_string(count) + " elements");
   }
-  if constexpr (!device_params_) {
+  if constexpr (!placement::device_params) {
     if (where != location::host) {
       throw logic_error(who + ": the param lives on the device; this composition keeps params on "
                               "the host (use the CudaOverlapped transfer, or OnDevice compute)");
     }
   }
-  if constexpr (on_device_) {
+  if constexpr (placement::on_device) {
     if (where != location::device) {
       throw logic_error(who + ": the param lives on the host; OnDevice compute updates params on "
                               "the device (register device memory with location::device)");

@@ -11,24 +11,23 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::launch_c
                                        std::span<grad_view<grad_type> const> grads,
                                        std::vector<typename Rule::coefficients> const& coefficients)
 {
-  if constexpr (on_device_) {
+  if constexpr (placement::on_device) {
     using arrays_t = update_arrays<Precision, Rule::slot_count>;
     constexpr std::size_t first_rule_slot = Precision::has_master ? 1 : 0;
-    for (std::size_t p = chunk_pieces_[k]; p < chunk_pieces_[k + 1]; ++p) {
-      auto const& pc     = pieces_[p];
+    for (auto const& pc : store_.pieces(k)) {
       auto const& tensor = tensors_[pc.tensor];
       if (grads[pc.tensor].data == nullptr) { continue; }  // no gradient
       arrays_t a;
       a.param = tensor.param + pc.tensor_begin;
       a.grad  = grads[pc.tensor].data + pc.tensor_begin;
       if constexpr (Precision::has_master) {
-        a.master = reinterpret_cast<float*>(chunk + layout_->slot_offset(0)) + pc.chunk_begin;
+        a.master = reinterpret_cast<float*>(chunk + store_.layout().slot_offset(0)) + pc.chunk_begin;
       }
       for (std::size_t j = 0; j < Rule::slot_count; ++j) {
-        a.state[j] = reinterpret_cast<state_type*>(chunk + layout_->slot_offset(first_rule_slot + j)) +
+        a.state[j] = reinterpret_cast<state_type*>(chunk + store_.layout().slot_offset(first_rule_slot + j)) +
                      pc.chunk_begin;
       }
-      Compute::template update_async<Rule, Precision>(dev_->compute, coefficients[tensor.group], a,
+      Compute::template update_async<Rule, Precision>(store_.device().compute, coefficients[tensor.group], a,
                                                       pc.count);
     }
   } else {

@@ -16,15 +16,14 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
   constexpr std::size_t first_rule_slot = Precision::has_master ? 1 : 0;
   float* master = nullptr;
   if constexpr (Precision::has_master) {
-    master = reinterpret_cast<float*>(chunk + layout_->slot_offset(0));
+    master = reinterpret_cast<float*>(chunk + store_.layout().slot_offset(0));
   }
   std::array<state_type*, Rule::slot_count> state{};
   for (std::size_t j = 0; j < Rule::slot_count; ++j) {
-    state[j] = reinterpret_cast<state_type*>(chunk + layout_->slot_offset(first_rule_slot + j));
+    state[j] = reinterpret_cast<state_type*>(chunk + store_.layout().slot_offset(first_rule_slot + j));
   }
   // The pieces (tensor parts) of chunk k that overlap [b, e), each with its tensor's group.
-  for (std::size_t p = chunk_pieces_[k]; p < chunk_pieces_[k + 1]; ++p) {
-    auto const& pc       = pieces_[p];
+  for (auto const& pc : store_.pieces(k)) {
     std::size_t const lo = std::max(b, pc.chunk_begin);
     std::size_t const hi = std::min(e, pc.chunk_begin + pc.count);
     if (lo >= hi) { continue; }
@@ -49,18 +48,19 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
   auto const t_start = std::chrono::steady_clock::now();
   check_not_streaming("step");
   if (opts_.delayed_update) { return step_delayed(grads, grad_scale, ready); }
-  check_not_lost("step");
-  check_grads(grads);
+  store_.check_not_lost("step");
+  checks::check_grads(grads, std::span<tensor_entry const>(tensors_));
   // Every group's coefficients first: a refused hyper-parameter or scale changes nothing.
   auto coefficients = coefficients_for(grad_scale);
   materialize();
 
-  if constexpr (device_params_) {
+  if constexpr (placement::device_params) {
     // Device gradients are read after the work queued on `ready` so far.
-    dev_->ready.record(ready);
-    dev_->compute.wait(dev_->ready);
-    dev_->d2h.wait(dev_->ready);
-    dev_->h2d.wait(dev_->ready);
+    auto& d = store_.device();
+    d.ready.record(ready);
+    d.compute.wait(d.ready);
+    d.d2h.wait(d.ready);
+    d.h2d.wait(d.ready);
   }
   step_result result;
   if (!check_and_clip(grads, grad_scale, coefficients, result)) {
@@ -104,10 +104,10 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::run_step
       throw;
     }
   } catch (std::exception const& e) {
-    if (changed) { lost_ = e.what(); }
+    if (changed) { store_.mark_lost(e.what()); }
     throw;
   } catch (...) {
-    if (changed) { lost_ = "an exception that is not a std::exception"; }
+    if (changed) { store_.mark_lost("an exception that is not a std::exception"); }
     throw;
   }
 }

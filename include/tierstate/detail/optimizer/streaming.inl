@@ -25,11 +25,11 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::await_ch
     st.checked = true;
     lock.unlock();
     stats.grad_wait_seconds += detail::seconds_since(t0);
-    if constexpr (device_params_) {  // every gradient's device work first
+    if constexpr (placement::device_params) {  // every gradient's device work first
       for (std::size_t t = 0; t < tensors_.size(); ++t) {
         if (st.views[t].where == location::device && st.views[t].data != nullptr) {
-          dev_->d2h.wait(*st.grad_events[t]);
-          dev_->compute.wait(*st.grad_events[t]);
+          store_.device().d2h.wait(*st.grad_events[t]);
+          store_.device().compute.wait(*st.grad_events[t]);
         }
       }
     }
@@ -42,12 +42,12 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::await_ch
   if (st.abandoned) { throw logic_error("the optimizer was destroyed during a streaming step"); }
   lock.unlock();
   stats.grad_wait_seconds += detail::seconds_since(t0);
-  if constexpr (device_params_) {  // the device work that made these gradients comes first
-    for (std::size_t p = chunk_pieces_[k]; p < chunk_pieces_[k + 1]; ++p) {
-      std::size_t const t = pieces_[p].tensor;
+  if constexpr (placement::device_params) {  // the device work that made these gradients comes first
+    for (auto const& pc : store_.pieces(k)) {
+      std::size_t const t = pc.tensor;
       if (st.views[t].where == location::device && st.views[t].data != nullptr) {
-        dev_->d2h.wait(*st.grad_events[t]);
-        dev_->compute.wait(*st.grad_events[t]);
+        store_.device().d2h.wait(*st.grad_events[t]);
+        store_.device().compute.wait(*st.grad_events[t]);
       }
     }
   }
@@ -80,14 +80,14 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::begin_st
     throw logic_error("begin_step: streaming steps and delayed_update do not combine (the delayed "
                       "update already runs during the next forward and backward): call step()");
   }
-  check_not_lost("begin_step");
+  store_.check_not_lost("begin_step");
   if (micro_batches == 0) { throw invalid_option("micro_batches", "0", "must be >= 1"); }
   if (tensors_.empty()) { throw logic_error("begin_step: no tensor is registered: add_tensor first"); }
   auto coefficients = coefficients_for(grad_scale);  // refused values change nothing
   materialize();
   if (!streaming_) { streaming_ = std::make_unique<streaming_state>(); }
   auto& st            = *streaming_;
-  std::size_t const n = layout_->chunk_count();
+  std::size_t const n = store_.layout().chunk_count();
   std::size_t const T = tensors_.size();
   st.started          = std::chrono::steady_clock::now();
   st.abandoned        = false;
@@ -100,7 +100,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::begin_st
   st.final_.assign(T, 0);
   st.finals = 0;
   st.pending.resize(n);
-  for (std::size_t k = 0; k < n; ++k) { st.pending[k] = chunk_pieces_[k + 1] - chunk_pieces_[k]; }
+  for (std::size_t k = 0; k < n; ++k) { st.pending[k] = store_.pieces(k).size(); }
   st.ready.assign(n, 0);
   st.arrival.clear();
   st.arrival.reserve(n);
@@ -110,7 +110,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::begin_st
     st.order.resize(n);
     for (std::size_t j = 0; j < n; ++j) { st.order[j] = n - 1 - j; }
   }
-  if constexpr (device_params_) {
+  if constexpr (placement::device_params) {
     while (st.grad_events.size() < T) { st.grad_events.push_back(std::make_unique<device::event>()); }
   }
   st.coefficients = std::move(coefficients);
@@ -141,21 +141,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::grad_rea
   }
   auto const& e  = tensors_[t];
   auto const who = "grad_ready: the gradient of tensor " + std::to_string(t) + " ('" + e.name + "')";
-  if (g.size != e.count) {
-    throw logic_error(who + " has " + std::to_string(g.size) + " elements; the tensor has " +
-                      std::to_string(e.count));
-  }
-  if constexpr (on_device_) {
-    if (g.where != location::device) {
-      throw logic_error(who + " is on the host; OnDevice compute reads gradients on the device");
-    }
-  } else if constexpr (!device_params_) {
-    if (g.where != location::host) {
-      throw logic_error(who + " is on the device; this composition reads gradients on the host "
-                              "(use the CudaOverlapped transfer, or OnDevice compute)");
-    }
-  }
-  if (g.data == nullptr && g.size > 0) { throw logic_error(who + " is a null pointer"); }
+  checks::check_view(who, g, e);
   if (!streaming_) { throw logic_error("grad_ready: no streaming step is in progress (call begin_step)"); }
   auto& st = *streaming_;
   {
@@ -167,7 +153,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::grad_rea
                         " time(s), and micro_batches is " + std::to_string(st.micro_batches));
     }
     st.views[t] = g;
-    if constexpr (device_params_) {
+    if constexpr (placement::device_params) {
       // The gradient is final after the work queued on `ready` so far.
       if (g.where == location::device) { st.grad_events[t]->record(ready); }
     }
@@ -182,9 +168,9 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::mark_fin
   auto& st     = *streaming_;
   st.final_[t] = 1;
   ++st.finals;
-  std::size_t const ce    = layout_->chunk_elements();
-  std::size_t const first = layout_->tensors()[t].offset / ce;
-  std::size_t const last  = (layout_->tensors()[t].offset + tensors_[t].count - 1) / ce;
+  std::size_t const ce    = store_.layout().chunk_elements();
+  std::size_t const first = store_.layout().tensors()[t].offset / ce;
+  std::size_t const last  = (store_.layout().tensors()[t].offset + tensors_[t].count - 1) / ce;
   for (std::size_t k = first; k <= last; ++k) {
     if (--st.pending[k] == 0) {  // its last tensor: the chunk may go
       st.ready[k] = 1;
@@ -248,7 +234,7 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::f
   auto const* params = reinterpret_cast<param_type const*>(dl.params.data());
   for (std::size_t t = 0; t < tensors_.size(); ++t) {
     auto const& e          = tensors_[t];
-    param_type const* from = params + layout_->tensors()[t].offset;
+    param_type const* from = params + store_.layout().tensors()[t].offset;
     if (e.where == location::device) {
       device::copy(e.param, from, e.count * sizeof(param_type));
     } else {

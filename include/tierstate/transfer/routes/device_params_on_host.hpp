@@ -42,8 +42,8 @@ class device_params_on_host : public detail::route_base<Optimizer> {
  public:
   device_params_on_host(Optimizer& o, typename base::grads_type grads, typename base::coefficients const& c,
                         step_stats& stats, bool& changed)
-    : base(o, grads, c, stats, changed), d_(*o.dev_), io_(o, stats), n_(o.layout_->chunk_count()),
-      bytes_(o.layout_->chunk_bytes()), ce_(o.layout_->chunk_elements()),
+    : base(o, grads, c, stats, changed), d_(o.store_.device()), io_(o, stats), n_(o.store_.layout().chunk_count()),
+      bytes_(o.store_.layout().chunk_bytes()), ce_(o.store_.layout().chunk_elements()),
       grad_ring_(reinterpret_cast<grad_type*>(d_.grad_stage.data())),
       param_ring_(reinterpret_cast<param_type*>(d_.param_stage.data())), streaming_(o.in_step()), copied_(n_, 0)
   {
@@ -51,7 +51,7 @@ class device_params_on_host : public detail::route_base<Optimizer> {
 
   void fetch(std::size_t j, unsigned b)
   {
-    if constexpr (staged) { io_.read(j, o_.staging(b), b); }
+    if constexpr (staged) { io_.read(j, o_.store_.staging(b), b); }
     if (!streaming_) { copy_down(j, b); }
   }
 
@@ -70,7 +70,7 @@ class device_params_on_host : public detail::route_base<Optimizer> {
     changed_               = true;
     std::byte* const chunk = state_of(j, b);
     t0                     = std::chrono::steady_clock::now();
-    o_.pool_.parallel_for(o_.layout_->chunk_size(k), 64 * host::batch_size<typename Optimizer::arch>,
+    o_.pool_.parallel_for(o_.store_.layout().chunk_size(k), 64 * host::batch_size<typename Optimizer::arch>,
                           [&](std::size_t lo, std::size_t hi) {
                             o_.update_chunk_range(k, chunk, lo, hi, grads_, coefficients_, grad_ring_ + b * ce_,
                                                   param_ring_ + b * ce_);
@@ -82,12 +82,11 @@ class device_params_on_host : public detail::route_base<Optimizer> {
   {
     std::size_t const k = o_.chunk_at(j);
     if constexpr (staged) {
-      io_.write(j, o_.staging(b), b);
+      io_.write(j, o_.store_.staging(b), b);
     } else {
       stats_.tier_bytes_in_place += bytes_;
     }
-    for (std::size_t p = o_.chunk_pieces_[k]; p < o_.chunk_pieces_[k + 1]; ++p) {
-      auto const& pc = o_.pieces_[p];
+    for (auto const& pc : o_.store_.pieces(k)) {
       auto const& t  = o_.tensors_[pc.tensor];
       if (o_.update_params_on_device(pc.tensor) && grads_[pc.tensor].data != nullptr) {
         device::copy_async(t.param + pc.tensor_begin, param_ring_ + b * ce_ + pc.chunk_begin,
@@ -133,10 +132,10 @@ class device_params_on_host : public detail::route_base<Optimizer> {
   {
     if constexpr (staged) {
       (void)j;
-      return o_.staging(b);
+      return o_.store_.staging(b);
     } else {
       (void)b;
-      return o_.tier_->data() + o_.chunk_at(j) * bytes_;
+      return o_.store_.tier().data() + o_.chunk_at(j) * bytes_;
     }
   }
 
@@ -145,8 +144,7 @@ class device_params_on_host : public detail::route_base<Optimizer> {
   {
     std::size_t const k = o_.chunk_at(j);
     if (j >= B) { d_.out[b].synchronize(); }  // position j - B's params have left this buffer
-    for (std::size_t p = o_.chunk_pieces_[k]; p < o_.chunk_pieces_[k + 1]; ++p) {
-      auto const& pc = o_.pieces_[p];
+    for (auto const& pc : o_.store_.pieces(k)) {
       auto const& g  = grads_[pc.tensor];
       if (g.data == nullptr) { continue; }  // no gradient
       if (g.where == location::device) {

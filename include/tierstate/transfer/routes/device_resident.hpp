@@ -34,23 +34,23 @@ class device_resident : public detail::route_base<Optimizer> {
     std::size_t const k = o_.chunk_at(j);
     o_.await_chunk(k, stats_);
     changed_ = true;
-    o_.launch_chunk(k, o_.tier_->device_data() + k * o_.layout_->chunk_bytes(), grads_, coefficients_);
+    o_.launch_chunk(k, o_.store_.tier().device_data() + k * o_.store_.layout().chunk_bytes(), grads_, coefficients_);
   }
 
   void retire(std::size_t, unsigned) { ++stats_.chunks; }
 
   void finish()
   {
-    o_.dev_->compute.synchronize();
+    o_.store_.device().compute.synchronize();
     stats_.compute_seconds += tierstate::detail::seconds_since(start_);
-    stats_.tier_bytes_in_place += o_.layout_->total_bytes();
+    stats_.tier_bytes_in_place += o_.store_.layout().total_bytes();
   }
 
   /// After a leg threw: nothing of the step is left in flight.
   void abandon()
   {
     try {
-      o_.dev_->compute.synchronize();
+      o_.store_.device().compute.synchronize();
     } catch (...) {  // the first failure is the one reported
     }
   }

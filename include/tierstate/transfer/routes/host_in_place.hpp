@@ -29,13 +29,13 @@ class host_in_place : public detail::route_base<Optimizer> {
  public:
   using base::base;
 
-  [[nodiscard]] std::size_t chunks() const noexcept { return streaming() ? o_.layout_->chunk_count() : 1; }
+  [[nodiscard]] std::size_t chunks() const noexcept { return streaming() ? o_.store_.layout().chunk_count() : 1; }
 
   void fetch(std::size_t, unsigned) noexcept {}
 
   void compute(std::size_t j, unsigned)
   {
-    auto const& lay = *o_.layout_;
+    auto const& lay = o_.store_.layout();
     if (!streaming()) {
       std::size_t const ce = lay.chunk_elements();
       changed_             = true;
@@ -63,7 +63,7 @@ class host_in_place : public detail::route_base<Optimizer> {
 
   void retire(std::size_t, unsigned) noexcept {}
 
-  void finish() noexcept { stats_.tier_bytes_in_place = o_.layout_->total_bytes(); }
+  void finish() noexcept { stats_.tier_bytes_in_place = o_.store_.layout().total_bytes(); }
 
   /// After a leg threw: nothing is in flight.
   void abandon() noexcept {}
@@ -72,7 +72,7 @@ class host_in_place : public detail::route_base<Optimizer> {
   [[nodiscard]] bool streaming() const noexcept { return o_.streaming_ && o_.streaming_->active; }
   [[nodiscard]] std::byte* chunk(std::size_t k) const noexcept
   {
-    return o_.tier_->data() + k * o_.layout_->chunk_bytes();
+    return o_.store_.tier().data() + k * o_.store_.layout().chunk_bytes();
   }
 };
 

@@ -32,7 +32,7 @@ class host_staged : public detail::route_base<Optimizer> {
   {
   }
 
-  void fetch(std::size_t j, unsigned b) { io_.read(j, o_.staging(b), b); }
+  void fetch(std::size_t j, unsigned b) { io_.read(j, o_.store_.staging(b), b); }
 
   void compute(std::size_t j, unsigned b)
   {
@@ -40,9 +40,9 @@ class host_staged : public detail::route_base<Optimizer> {
     io_.wait_read(j);
     o_.await_chunk(k, stats_);
     changed_ = true;
-    std::byte* const chunk = o_.staging(b);
+    std::byte* const chunk = o_.store_.staging(b);
     auto const t0          = std::chrono::steady_clock::now();
-    o_.pool_.parallel_for(o_.layout_->chunk_size(k), 64 * host::batch_size<typename Optimizer::arch>,
+    o_.pool_.parallel_for(o_.store_.layout().chunk_size(k), 64 * host::batch_size<typename Optimizer::arch>,
                           [&](std::size_t begin, std::size_t end) {
                             o_.update_chunk_range(k, chunk, begin, end, grads_, coefficients_);
                           });
@@ -51,7 +51,7 @@ class host_staged : public detail::route_base<Optimizer> {
 
   void retire(std::size_t j, unsigned b)
   {
-    io_.write(j, o_.staging(b), b);
+    io_.write(j, o_.store_.staging(b), b);
     ++stats_.chunks;
   }
 

@@ -9,23 +9,44 @@
 //   Device            OnDevice   device        device_resident.hpp
 //   host (any)        OnDevice   device        streamed_to_device.hpp
 //
-// route_of<Optimizer> is the route of a composition: the optimizer names no tier, compute or
-// transfer trait of its own to find it.
+// placement<StateTier, Compute, Transfer> is a composition's route and what the route needs
+// made beside the state (staging, an I/O thread, device streams and rings): the optimizer, its
+// state store and its step's checks read it and name no tier, compute or transfer trait of
+// their own.
 #pragma once
 
 #include <tierstate/tiers/tier.hpp>
+#include <tierstate/transfer/concept.hpp>
 #include <tierstate/transfer/routes/device_params_on_host.hpp>
 #include <tierstate/transfer/routes/device_resident.hpp>
 #include <tierstate/transfer/routes/host_in_place.hpp>
 #include <tierstate/transfer/routes/host_staged.hpp>
 #include <tierstate/transfer/routes/streamed_to_device.hpp>
 
+#include <cstddef>
+
 namespace tierstate::inline TIERSTATE_ABI::routes {
 
 /// Where a composition's state lives, for choosing its route.
 enum class state_home { addressable_host, staged_host, device };
 
-template <class Optimizer, state_home Home, bool OnDevice, bool DeviceParams>
+/// Where a route takes the step's gradients (and the params) from.
+enum class grad_home { host, device, either };
+
+/// The host staging a route needs made with the state: none, one chunk (the Device tier's:
+/// making the master, checkpoints, copy_state), or one chunk per staging buffer.
+enum class host_staging { none, one_chunk, per_buffer };
+
+/// The device resources a route needs made with the state (detail/optimizer/device_resources.hpp):
+/// none; streams and pinned PCIe rings for the gradients and params (host compute); streams
+/// and the non-finite flag (device compute), with a device ring for the state when it is
+/// streamed from a host tier.
+enum class device_staging { none, pcie_rings, on_device, on_device_streamed };
+
+/// Each combination's route and what it needs: `route<Optimizer>` is the route class, the
+/// rest says what the state store (state/store.hpp) makes for it and where the step's checks
+/// (step/checks.hpp) find the gradients.
+template <state_home Home, bool OnDevice, bool DeviceParams>
 struct route_for {
   static_assert(Home != Home,  // always false, once instantiated
                 "tierstate::routes::route_for: no route serves this combination of state tier, compute "
@@ -33,27 +54,49 @@ struct route_for {
                 "Device tier needs OnDevice compute, and OnDevice compute needs device params.");
 };
 
-template <class Optimizer>
-struct route_for<Optimizer, state_home::addressable_host, false, false> {
-  using type = host_in_place<Optimizer>;
+template <>
+struct route_for<state_home::addressable_host, false, false> {
+  template <class Optimizer>
+  using route                                 = host_in_place<Optimizer>;
+  static constexpr grad_home grads           = grad_home::host;
+  static constexpr host_staging staging      = host_staging::none;
+  static constexpr device_staging device     = device_staging::none;
 };
-template <class Optimizer>
-struct route_for<Optimizer, state_home::staged_host, false, false> {
-  using type = host_staged<Optimizer>;
+template <>
+struct route_for<state_home::staged_host, false, false> {
+  template <class Optimizer>
+  using route                                 = host_staged<Optimizer>;
+  static constexpr grad_home grads           = grad_home::host;
+  static constexpr host_staging staging      = host_staging::per_buffer;
+  static constexpr device_staging device     = device_staging::none;
 };
-template <class Optimizer, state_home Home>
+template <state_home Home>
   requires(Home != state_home::device)
-struct route_for<Optimizer, Home, false, true> {
-  using type = device_params_on_host<Optimizer>;
+struct route_for<Home, false, true> {
+  template <class Optimizer>
+  using route                             = device_params_on_host<Optimizer>;
+  static constexpr grad_home grads       = grad_home::either;
+  static constexpr host_staging staging  = Home == state_home::staged_host ? host_staging::per_buffer
+                                                                           : host_staging::none;
+  static constexpr device_staging device = device_staging::pcie_rings;
 };
-template <class Optimizer>
-struct route_for<Optimizer, state_home::device, true, true> {
-  using type = device_resident<Optimizer>;
+template <>
+struct route_for<state_home::device, true, true> {
+  template <class Optimizer>
+  using route                             = device_resident<Optimizer>;
+  static constexpr grad_home grads       = grad_home::device;
+  static constexpr host_staging staging  = host_staging::one_chunk;
+  static constexpr device_staging device = device_staging::on_device;
 };
-template <class Optimizer, state_home Home>
+template <state_home Home>
   requires(Home != state_home::device)
-struct route_for<Optimizer, Home, true, true> {
-  using type = streamed_to_device<Optimizer>;
+struct route_for<Home, true, true> {
+  template <class Optimizer>
+  using route                             = streamed_to_device<Optimizer>;
+  static constexpr grad_home grads       = grad_home::device;
+  static constexpr host_staging staging  = Home == state_home::staged_host ? host_staging::per_buffer
+                                                                           : host_staging::none;
+  static constexpr device_staging device = device_staging::on_device_streamed;
 };
 
 /// Where tier T keeps the state.
@@ -62,9 +105,44 @@ inline constexpr state_home home_of = device_tier<T>        ? state_home::device
                                       : addressable_tier<T> ? state_home::addressable_host
                                                             : state_home::staged_host;
 
+/// A composition's placement: its route and what the route needs, in numbers. The only place
+/// where the tier's kind, the compute and the transfer's traits are looked at; the optimizer,
+/// its state store and its step's checks read this.
+template <class StateTier, class Compute, class Transfer>
+struct placement {
+  static_assert(!device_tier<StateTier> || Compute::runs_on_device,
+                "tierstate::OffloadedOptimizer: state in the Device tier is updated where it lives: "
+                "use OnDevice compute (or PinnedHost / NvmeFile state for OnHost compute).");
+  static_assert(!Compute::runs_on_device || device_tier<StateTier> || moves_device_params<Transfer>,
+                "tierstate::OffloadedOptimizer: OnDevice compute with state in a host tier streams "
+                "each chunk's state to the GPU and back: use the CudaOverlapped<Depth> transfer. (A "
+                "transfer of your own streams it when it says params_on_device = true.)");
+  using family = route_for<home_of<StateTier>, Compute::runs_on_device,
+                           Compute::runs_on_device || moves_device_params<Transfer>>;
+  template <class Optimizer>
+  using route = typename family::template route<Optimizer>;
+
+  /// Staging buffers of one chunk each (the transfer's), for every ring below.
+  static constexpr unsigned buffers               = Transfer::staging_buffers;
+  static constexpr grad_home grads                = family::grads;
+  /// Whether params and gradients may be in device memory.
+  static constexpr bool device_params             = family::device != device_staging::none;
+  /// Whether the update runs on the device.
+  static constexpr bool on_device                 = family::device == device_staging::on_device ||
+                                                    family::device == device_staging::on_device_streamed;
+  static constexpr device_staging device          = family::device;
+  /// Chunks of pinned host staging made with the state.
+  static constexpr std::size_t host_staging_chunks = family::staging == host_staging::per_buffer ? buffers
+                                                     : family::staging == host_staging::one_chunk ? 1
+                                                                                                  : 0;
+  /// Whether a step's reads and writes of the tier go through an I/O thread
+  /// (transfer/detail/io_worker.hpp): a tier that is not addressable, under a transfer that
+  /// reads ahead.
+  static constexpr bool io_thread = home_of<StateTier> == state_home::staged_host && Transfer::depth > 0;
+};
+
 /// The route of composition `Optimizer` (an OffloadedOptimizer).
 template <class Optimizer>
-using route_of = typename route_for<Optimizer, home_of<typename Optimizer::tier_type>,
-                                    Optimizer::compute_type::runs_on_device, Optimizer::takes_device_params>::type;
+using route_of = typename Optimizer::placement::template route<Optimizer>;
 
 }  // namespace tierstate::routes

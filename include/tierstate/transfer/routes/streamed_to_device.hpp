@@ -36,8 +36,8 @@ class streamed_to_device : public detail::route_base<Optimizer> {
  public:
   streamed_to_device(Optimizer& o, typename base::grads_type grads, typename base::coefficients const& c,
                      step_stats& stats, bool& changed)
-    : base(o, grads, c, stats, changed), d_(*o.dev_), io_(o, stats), n_(o.layout_->chunk_count()),
-      bytes_(o.layout_->chunk_bytes()), fetched_(n_, 0), uploaded_(n_, 0), unwritten_(n_, 0)
+    : base(o, grads, c, stats, changed), d_(o.store_.device()), io_(o, stats), n_(o.store_.layout().chunk_count()),
+      bytes_(o.store_.layout().chunk_bytes()), fetched_(n_, 0), uploaded_(n_, 0), unwritten_(n_, 0)
   {
   }
 
@@ -112,9 +112,9 @@ class streamed_to_device : public detail::route_base<Optimizer> {
   std::byte* host_chunk(std::size_t j) const
   {
     if constexpr (staged) {
-      return o_.staging(static_cast<unsigned>(j % B));
+      return o_.store_.staging(static_cast<unsigned>(j % B));
     } else {
-      return o_.tier_->data() + o_.chunk_at(j) * bytes_;
+      return o_.store_.tier().data() + o_.chunk_at(j) * bytes_;
     }
   }
 

@@ -25,7 +25,7 @@ class route_base {
   {
   }
 
-  [[nodiscard]] std::size_t chunks() const noexcept { return o_.layout_->chunk_count(); }
+  [[nodiscard]] std::size_t chunks() const noexcept { return o_.store_.layout().chunk_count(); }
 
  protected:
   Optimizer& o_;

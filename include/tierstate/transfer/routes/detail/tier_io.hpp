@@ -19,16 +19,14 @@ namespace tierstate::inline TIERSTATE_ABI::routes::detail {
 template <class Optimizer>
 class tier_io {
  public:
-  /// The reads and writes go through the I/O thread: the optimizer makes one for a tier that
-  /// is not addressable, under a transfer of depth > 0. For any other tier waiting and draining
-  /// do nothing (and the routes read and write nothing).
-  static constexpr bool threaded = !addressable_tier<typename Optimizer::tier_type> &&
-                                   !device_tier<typename Optimizer::tier_type> &&
-                                   Optimizer::transfer_type::depth > 0;
+  /// The reads and writes go through the I/O thread: the state store makes one where the
+  /// placement says so (a tier that is not addressable, under a transfer of depth > 0). For
+  /// any other tier waiting and draining do nothing (and the routes read and write nothing).
+  static constexpr bool threaded = Optimizer::placement::io_thread;
 
-  tier_io(Optimizer& o, step_stats& stats) : o_(o), stats_(stats), bytes_(o.layout_->chunk_bytes())
+  tier_io(Optimizer& o, step_stats& stats) : o_(o), stats_(stats), bytes_(o.store_.layout().chunk_bytes())
   {
-    if constexpr (threaded) { tickets_.resize(o.layout_->chunk_count()); }
+    if constexpr (threaded) { tickets_.resize(o.store_.layout().chunk_count()); }
   }
 
   /// Starts (threaded) or does the read of the j-th chunk into `to`, staging buffer b.
@@ -36,10 +34,10 @@ class tier_io {
   {
     std::size_t const offset = o_.chunk_at(j) * bytes_;
     if constexpr (threaded) {
-      tickets_[j] = o_.io_->enqueue({offset, to, bytes_, false}, b);
+      tickets_[j] = o_.store_.io().enqueue({offset, to, bytes_, false}, b);
     } else {
       auto const t0 = std::chrono::steady_clock::now();
-      o_.tier_->read(offset, std::span<std::byte>(to, bytes_));
+      o_.store_.tier().read(offset, std::span<std::byte>(to, bytes_));
       stats_.wait_seconds += tierstate::detail::seconds_since(t0);
     }
     stats_.tier_bytes_read += bytes_;
@@ -50,7 +48,7 @@ class tier_io {
   {
     if constexpr (threaded) {
       auto const t0 = std::chrono::steady_clock::now();
-      o_.io_->wait(tickets_[j]);
+      o_.store_.io().wait(tickets_[j]);
       stats_.wait_seconds += tierstate::detail::seconds_since(t0);
     }
   }
@@ -60,10 +58,10 @@ class tier_io {
   {
     std::size_t const offset = o_.chunk_at(j) * bytes_;
     if constexpr (threaded) {
-      o_.io_->enqueue({offset, from, bytes_, true}, b);
+      o_.store_.io().enqueue({offset, from, bytes_, true}, b);
     } else {
       auto const t0 = std::chrono::steady_clock::now();
-      o_.tier_->write(offset, std::span<std::byte const>(from, bytes_));
+      o_.store_.tier().write(offset, std::span<std::byte const>(from, bytes_));
       stats_.wait_seconds += tierstate::detail::seconds_since(t0);
     }
     stats_.tier_bytes_written += bytes_;
@@ -72,13 +70,13 @@ class tier_io {
   /// Blocks until every write has landed (they finish out of order). Not timed here.
   void wait_all()
   {
-    if constexpr (threaded) { o_.io_->wait_all(); }
+    if constexpr (threaded) { o_.store_.io().wait_all(); }
   }
 
   /// After a leg threw: no staging buffer is left in the tier's hands.
   void drain()
   {
-    if constexpr (threaded) { o_.io_->drain(); }
+    if constexpr (threaded) { o_.store_.io().drain(); }
   }
 
  private:

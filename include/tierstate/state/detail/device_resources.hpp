@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// OffloadedOptimizer's device resources (optimizer.hpp), for the routes with device params
+// The state store's device resources (state/store.hpp), for the routes with device params
 // (transfer/routes/).
 #pragma once
 

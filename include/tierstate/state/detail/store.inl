@@ -1,0 +1,252 @@
+// SPDX-License-Identifier: Apache-2.0
+// The state store's definitions (state/store.hpp): the layout, making the state, chunk
+// access and the slot reads and writes of copy_state and write_state.
+#pragma once
+
+namespace tierstate::inline TIERSTATE_ABI::detail {
+
+template <class Precision, class Rule, tier StateTier, class Placement>
+tierstate::layout state_store<Precision, Rule, StateTier, Placement>::layout_for(
+  std::span<tensor_entry const> tensors, std::size_t chunk_elements)
+{
+  if (tensors.empty()) { throw logic_error("no tensor is registered: add_tensor first"); }
+  std::vector<tensor_extent> extents;
+  for (auto const& t : tensors) { extents.push_back({t.name, 0, t.count}); }
+  std::vector<slot> slots;
+  std::vector<std::size_t> bytes;
+  if constexpr (Precision::has_master) {
+    slots.push_back(slot::master);
+    bytes.push_back(sizeof(float));
+  }
+  for (slot const s : Rule::slots) {
+    slots.push_back(s);
+    bytes.push_back(sizeof(state_type));
+  }
+  // A model smaller than one chunk gets one chunk of its own size (rounded up to the 4 KiB
+  // granularity), not a mostly empty chunk of the requested size.
+  std::size_t total = 0;
+  for (auto const& t : tensors) { total += t.count; }
+  std::size_t const g     = tierstate::layout::element_granularity;
+  std::size_t const chunk = std::min(chunk_elements, std::max(g, (total + g - 1) / g * g));
+  return tierstate::layout(std::move(extents), chunk, std::move(slots), std::move(bytes));
+}
+
+template <class Precision, class Rule, tier StateTier, class Placement>
+void state_store<Precision, Rule, StateTier, Placement>::make(std::span<tensor_entry const> tensors,
+                                                              typename StateTier::options const& tier_options,
+                                                              std::size_t chunk_elements, bool fill)
+{
+  if (layout_) { return; }
+  tierstate::layout lay = layout_for(tensors, chunk_elements);
+
+  // Each tensor cut at chunk boundaries.
+  std::vector<piece> pieces;
+  std::vector<std::size_t> chunk_pieces(lay.chunk_count() + 1, 0);
+  std::size_t const ce = lay.chunk_elements();
+  for (std::size_t t = 0; t < tensors.size(); ++t) {
+    std::size_t e         = lay.tensors()[t].offset;
+    std::size_t const end = e + tensors[t].count;
+    while (e < end) {
+      std::size_t const k = e / ce;
+      std::size_t const n = std::min(end, (k + 1) * ce) - e;
+      pieces.push_back({t, e - lay.tensors()[t].offset, e % ce, n});
+      ++chunk_pieces[k + 1];
+      e += n;
+    }
+  }
+  for (std::size_t k = 0; k < lay.chunk_count(); ++k) { chunk_pieces[k + 1] += chunk_pieces[k]; }
+
+  StateTier tier(lay.total_bytes(), tier_options);
+  std::optional<PinnedHost> staging;
+  if constexpr (Placement::host_staging_chunks > 0) { staging.emplace(Placement::host_staging_chunks * lay.chunk_bytes()); }
+  std::unique_ptr<device_resources> dev;
+  if constexpr (Placement::device != routes::device_staging::none) {
+    dev = std::make_unique<device_resources>();
+    std::size_t const B = Placement::buffers;
+    if constexpr (Placement::device == routes::device_staging::pcie_rings) {
+      dev->grad_stage  = PinnedHost(B * lay.chunk_elements() * sizeof(typename Precision::grad_type));
+      dev->param_stage = PinnedHost(B * lay.chunk_elements() * sizeof(param_type));
+    } else {
+      dev->nonfinite_flag =
+        static_cast<std::uint32_t*>(device::allocate_async(sizeof(std::uint32_t), dev->compute));
+      if constexpr (Placement::device == routes::device_staging::on_device_streamed) {
+        dev->state_stage_bytes = B * lay.chunk_bytes();
+        dev->state_stage = static_cast<std::byte*>(device::allocate_async(dev->state_stage_bytes, dev->compute));
+      }
+      dev->compute.synchronize();
+    }
+  }
+
+  layout_ = std::move(lay);
+  tier_.emplace(std::move(tier));
+  staging_      = std::move(staging);
+  pieces_       = std::move(pieces);
+  chunk_pieces_ = std::move(chunk_pieces);
+  if constexpr (staging_aware_tier<StateTier>) {
+    if (staging_) { (void)tier_->register_staging({staging_->data(), staging_->size()}); }  // refusal is announced
+  }
+  dev_ = std::move(dev);
+  if constexpr (Placement::io_thread) { io_ = std::make_unique<detail::io_worker<StateTier>>(*tier_); }
+
+  // If the tier fails on the way, the store goes back to having no state, so the next call
+  // starts over instead of stepping on a half-made master.
+  if constexpr (Precision::has_master) {
+    if (!fill) { return; }
+    try {
+      fill_master(tensors);
+    } catch (...) {
+      discard();
+      throw;
+    }
+  }
+}
+
+template <class Precision, class Rule, tier StateTier, class Placement>
+void state_store<Precision, Rule, StateTier, Placement>::fill_master(std::span<tensor_entry const> tensors)
+{
+  step_stats ignored;
+  std::vector<param_type> params;  // device params, copied to the host
+  for (std::size_t k = 0; k < layout_->chunk_count(); ++k) {
+    with_chunk(k, true, ignored, [&](std::byte* chunk) {
+      auto* master = reinterpret_cast<float*>(chunk + layout_->slot_offset(0));
+      for (auto const& pc : pieces(k)) {
+        auto const& t         = tensors[pc.tensor];
+        param_type const* src = t.param + pc.tensor_begin;
+        if (t.where == location::device) {
+          params.resize(pc.count);
+          device::copy(params.data(), src, pc.count * sizeof(param_type));
+          src = params.data();
+        }
+        for (std::size_t i = 0; i < pc.count; ++i) { master[pc.chunk_begin + i] = convert<float>(src[i]); }
+      }
+    });
+  }
+}
+
+template <class Precision, class Rule, tier StateTier, class Placement>
+void state_store<Precision, Rule, StateTier, Placement>::discard() noexcept
+{
+  keep_held_staging();
+  dev_.reset();
+  io_.reset();
+  tier_.reset();
+  layout_.reset();
+  pieces_.clear();
+  chunk_pieces_.clear();
+  staging_.reset();
+}
+
+template <class Precision, class Rule, tier StateTier, class Placement>
+void state_store<Precision, Rule, StateTier, Placement>::keep_held_staging() noexcept
+{
+  if constexpr (requires(StateTier const& t) { { t.engine().usable() } -> std::convertible_to<bool>; }) {
+    if (tier_ && !tier_->engine().usable() && staging_) { staging_->abandon(); }
+  }
+}
+
+template <class Precision, class Rule, tier StateTier, class Placement>
+template <class F>
+void state_store<Precision, Rule, StateTier, Placement>::with_chunk(std::size_t k, bool write_back,
+                                                                    step_stats& stats, F&& f)
+{
+  std::size_t const bytes  = layout_->chunk_bytes();
+  std::size_t const offset = k * bytes;
+  if constexpr (addressable_tier<StateTier>) {
+    f(tier_->data() + offset);
+    stats.tier_bytes_in_place += bytes;
+  } else {
+    auto t0 = std::chrono::steady_clock::now();
+    tier_->read(offset, std::span<std::byte>(staging(0), bytes));
+    stats.tier_bytes_read += bytes;
+    stats.wait_seconds += detail::seconds_since(t0);
+    f(staging(0));
+    if (write_back) {
+      t0 = std::chrono::steady_clock::now();
+      tier_->write(offset, std::span<std::byte const>(staging(0), bytes));
+      stats.tier_bytes_written += bytes;
+      stats.wait_seconds += detail::seconds_since(t0);
+    }
+  }
+}
+
+template <class Precision, class Rule, tier StateTier, class Placement>
+void state_store<Precision, Rule, StateTier, Placement>::read_slot(std::size_t t, std::size_t si,
+                                                                   std::span<float> to)
+{
+  auto const& ext      = layout_->tensors()[t];
+  std::size_t const eb = layout_->slot_element_bytes(si);
+  std::vector<std::byte> buf;
+  std::size_t done = 0;
+  while (done < ext.count) {
+    std::size_t const e = ext.offset + done;
+    std::size_t const n = std::min(ext.count - done, layout_->chunk_elements() - e % layout_->chunk_elements());
+    buf.resize(n * eb);
+    tier_->read(layout_->byte_offset(si, e), buf);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (eb == sizeof(float)) {
+        std::memcpy(&to[done + i], buf.data() + i * eb, sizeof(float));
+      } else {
+        state_type v;
+        std::memcpy(&v, buf.data() + i * eb, sizeof(v));
+        to[done + i] = convert<float>(v);
+      }
+    }
+    done += n;
+  }
+}
+
+template <class Precision, class Rule, tier StateTier, class Placement>
+void state_store<Precision, Rule, StateTier, Placement>::write_slot(std::size_t t, std::size_t si,
+                                                                    std::span<float const> from)
+{
+  auto const& ext      = layout_->tensors()[t];
+  std::size_t const eb = layout_->slot_element_bytes(si);
+  std::vector<std::byte> buf;
+  std::size_t done = 0;
+  while (done < ext.count) {
+    std::size_t const e = ext.offset + done;
+    std::size_t const n = std::min(ext.count - done, layout_->chunk_elements() - e % layout_->chunk_elements());
+    buf.resize(n * eb);
+    for (std::size_t i = 0; i < n; ++i) {
+      if (eb == sizeof(float)) {
+        std::memcpy(buf.data() + i * eb, &from[done + i], sizeof(float));
+      } else {
+        state_type const v = convert<state_type>(from[done + i]);
+        std::memcpy(buf.data() + i * eb, &v, sizeof(v));
+      }
+    }
+    try {
+      tier_->write(layout_->byte_offset(si, e), buf);
+    } catch (std::exception const& x) {
+      lost_ = x.what();  // a failed write may have landed in part
+      throw;
+    }
+    done += n;
+  }
+}
+
+template <class Precision, class Rule, tier StateTier, class Placement>
+void state_store<Precision, Rule, StateTier, Placement>::params_from_master(
+  std::size_t k, std::byte const* chunk, std::span<tensor_entry const> tensors) const
+{
+  if constexpr (Precision::has_master) {
+    auto const* master = reinterpret_cast<float const*>(chunk + layout_->slot_offset(0));
+    std::vector<param_type> staged;  // for params on the device
+    for (auto const& pc : pieces(k)) {
+      auto const& t   = tensors[pc.tensor];
+      param_type* dst = t.param + pc.tensor_begin;
+      if (t.where == location::device) {
+        staged.resize(pc.count);
+        dst = staged.data();
+      }
+      for (std::size_t i = 0; i < pc.count; ++i) { dst[i] = convert<param_type>(master[pc.chunk_begin + i]); }
+      if (t.where == location::device) {
+        device::copy(t.param + pc.tensor_begin, staged.data(), pc.count * sizeof(param_type));
+      }
+    }
+  } else {
+    (void)k, (void)chunk, (void)tensors;
+  }
+}
+
+}  // namespace tierstate::detail

@@ -1,0 +1,138 @@
+// SPDX-License-Identifier: Apache-2.0
+// The state store: one optimizer's state and everything made with it. It owns the layout
+// (the tensors packed into chunks), the tier that holds the bytes, each chunk's pieces (the
+// parts of tensors that fall in it), the pinned staging, the I/O thread, the device streams
+// and rings, and the record of a failure that left the state part updated ("lost").
+//
+// What it makes beside the tier is what the composition's route needs, as its placement
+// says (transfer/routes/route.hpp): the store itself looks at no compute or transfer trait.
+// It reads and writes the tier through the tier concept (tiers/tier.hpp): in place where the
+// tier is addressable, through its staging otherwise.
+//
+// The state is made on first use (make), from the tensors registered by then; until then
+// made() is false and nothing but layout_for may be called. A failure while making it
+// leaves none (discard), so the next call starts over.
+#pragma once
+
+#include <tierstate/core/error.hpp>
+#include <tierstate/core/layout.hpp>
+#include <tierstate/core/numeric.hpp>
+#include <tierstate/core/stats.hpp>
+#include <tierstate/core/tensor.hpp>
+#include <tierstate/detail/optimizer/registry_parts.hpp>
+#include <tierstate/state/detail/device_resources.hpp>
+#include <tierstate/tiers/pinned_host.hpp>
+#include <tierstate/tiers/tier.hpp>
+#include <tierstate/transfer/detail/io_worker.hpp>
+#include <tierstate/transfer/routes/route.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace tierstate::inline TIERSTATE_ABI::detail {
+
+template <class Precision, class Rule, tier StateTier, class Placement>
+class state_store {
+ public:
+  using param_type       = typename Precision::param_type;
+  using state_type       = typename Precision::state_type;
+  using tensor_entry     = detail::tensor_entry<param_type>;
+  using piece            = detail::chunk_piece;
+  using device_resources = detail::device_resources<Placement::buffers>;
+
+  state_store() = default;
+  /// Keeps (leaks) the staging memory when the tier's I/O engine retired with a transfer the
+  /// kernel never answered (io::engine::held()): a late transfer must not land in freed pages.
+  ~state_store() { keep_held_staging(); }
+  state_store(state_store const&)            = delete;
+  state_store& operator=(state_store const&) = delete;
+
+  /// The layout these tensors get (the same as make makes), without making anything. Throws
+  /// logic_error for no tensor.
+  [[nodiscard]] static tierstate::layout layout_for(std::span<tensor_entry const> tensors,
+                                                    std::size_t chunk_elements);
+
+  /// Makes the layout, the tier, the staging and what the route needs; the master from the
+  /// params as they are now (when `fill_master`; load overwrites every chunk), the slots zero
+  /// (the tier's fill). Does nothing when the state is made already.
+  void make(std::span<tensor_entry const> tensors, typename StateTier::options const& tier_options,
+            std::size_t chunk_elements, bool fill_master = true);
+  /// Back to "no state yet".
+  void discard() noexcept;
+  [[nodiscard]] bool made() const noexcept { return layout_.has_value(); }
+
+  // --- what make made (made() only) -----------------------------------------------------
+  [[nodiscard]] tierstate::layout const& layout() const noexcept { return *layout_; }
+  [[nodiscard]] StateTier& tier() noexcept { return *tier_; }
+  /// The pieces of chunk k, in chunk order.
+  [[nodiscard]] std::span<piece const> pieces(std::size_t k) const noexcept
+  {
+    return {pieces_.data() + chunk_pieces_[k], chunk_pieces_[k + 1] - chunk_pieces_[k]};
+  }
+  /// Staging buffer b (one chunk), where the placement has host staging.
+  [[nodiscard]] std::byte* staging(std::size_t b) noexcept { return staging_->data() + b * layout_->chunk_bytes(); }
+  /// The I/O thread, where the placement has one.
+  [[nodiscard]] detail::io_worker<StateTier>& io() noexcept { return *io_; }
+  /// The device streams and rings, where the placement has device params.
+  [[nodiscard]] device_resources& device() noexcept { return *dev_; }
+  /// The same, or null where there are none (or no state yet).
+  [[nodiscard]] device_resources* device_if_any() noexcept { return dev_.get(); }
+  [[nodiscard]] std::size_t staging_bytes() const noexcept
+  {
+    return (staging_ ? staging_->size() : 0) + (dev_ ? dev_->grad_stage.size() + dev_->param_stage.size() : 0);
+  }
+  [[nodiscard]] std::size_t device_staging_bytes() const noexcept { return dev_ ? dev_->state_stage_bytes : 0; }
+
+  /// Calls f(chunk bytes) for chunk k: the tier's own memory, or staging buffer 0 read from
+  /// the tier (and written back after f when `write_back`). Counts the bytes in `stats`.
+  template <class F>
+  void with_chunk(std::size_t k, bool write_back, step_stats& stats, F&& f);
+  /// Reads slot index `si` of the tensor at layout extent t into `to` (as float).
+  void read_slot(std::size_t t, std::size_t si, std::span<float> to);
+  /// Writes `from` into slot index `si` of tensor t, rounded to the slot's type. A failed
+  /// write may have landed in part: the state is lost.
+  void write_slot(std::size_t t, std::size_t si, std::span<float const> from);
+  /// Writes the params of chunk k's tensors from its master (a precision with one).
+  void params_from_master(std::size_t k, std::byte const* chunk, std::span<tensor_entry const> tensors) const;
+
+  // --- lost state ---------------------------------------------------------------------
+  [[nodiscard]] bool lost() const noexcept { return !lost_.empty(); }
+  [[nodiscard]] std::string const& lost_reason() const noexcept { return lost_; }
+  /// Records the failure that left the state part updated (the first one counts where
+  /// `keep_first`).
+  void mark_lost(std::string what, bool keep_first = false)
+  {
+    if (!keep_first || lost_.empty()) { lost_ = std::move(what); }
+  }
+  void clear_lost() noexcept { lost_.clear(); }
+  /// Throws state_lost naming the first failure, when the state is lost.
+  void check_not_lost(char const* call) const
+  {
+    if (!lost_.empty()) { throw tierstate::state_lost(call, lost_); }
+  }
+
+ private:
+  void fill_master(std::span<tensor_entry const> tensors);
+  /// Abandons the staging memory if the tier's engine may still use it (see the destructor).
+  void keep_held_staging() noexcept;
+
+  std::optional<tierstate::layout> layout_;
+  std::optional<StateTier> tier_;
+  std::vector<piece> pieces_;
+  std::vector<std::size_t> chunk_pieces_;  ///< pieces of chunk k: [chunk_pieces_[k], chunk_pieces_[k + 1])
+  std::optional<PinnedHost> staging_;      ///< Placement::host_staging_chunks chunks
+  std::unique_ptr<detail::io_worker<StateTier>> io_;  ///< declared after tier_
+  std::unique_ptr<device_resources> dev_;             ///< declared after tier_ and staging_
+  std::string lost_;  ///< the failure that left the state part updated, or empty
+};
+
+}  // namespace tierstate::detail
+
+#include <tierstate/state/detail/store.inl>

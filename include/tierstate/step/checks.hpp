@@ -1,0 +1,192 @@
+// SPDX-License-Identifier: Apache-2.0
+// A step's checks: the gradients' views against the registered tensors, non-finite values
+// and the gradients' 2-norm. Where the gradients may be, and how device gradients are looked
+// at (on the device with device compute, through the PCIe ring with host compute), is the
+// composition's placement (transfer/routes/route.hpp): these name no compute or transfer trait.
+#pragma once
+
+#include <tierstate/core/error.hpp>
+#include <tierstate/core/device_runtime.hpp>
+#include <tierstate/core/layout.hpp>
+#include <tierstate/core/numeric.hpp>
+#include <tierstate/core/tensor.hpp>
+#include <tierstate/core/thread_pool.hpp>
+#include <tierstate/detail/optimizer/registry_parts.hpp>
+#include <tierstate/kernels/host/finite.hpp>
+#include <tierstate/transfer/routes/route.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace tierstate::inline TIERSTATE_ABI::detail {
+
+/// Sum of v in a fixed pairwise order (the halves of each range, recursively).
+inline double pairwise_sum(double const* v, std::size_t n) noexcept
+{
+  if (n == 0) { return 0.0; }
+  if (n == 1) { return v[0]; }
+  std::size_t const h = n / 2;
+  return pairwise_sum(v, h) + pairwise_sum(v + h, n - h);
+}
+
+template <class Grad, class Compute, class Placement>
+struct step_checks {
+  using grads_type = std::span<grad_view<Grad> const>;
+
+  /// Refuses gradient view `g` of tensor `e`: a size that is not the tensor's, memory where
+  /// this composition does not read gradients, a null pointer. `who` names it.
+  template <class Entry>
+  static void check_view(std::string const& who, grad_view<Grad> const& g, Entry const& e)
+  {
+    if (g.size != e.count) {
+      throw logic_error(who + " has " + std::to_string(g.size) + " elements; the tensor has " +
+                        std::to_string(e.count));
+    }
+    if constexpr (Placement::grads == routes::grad_home::device) {
+      if (g.where != location::device) {
+        throw logic_error(who + " is on the host; OnDevice compute reads gradients on the device");
+      }
+    } else if constexpr (Placement::grads == routes::grad_home::host) {
+      if (g.where != location::host) {
+        throw logic_error(who + " is on the device; this composition reads gradients on the host "
+                                "(use the CudaOverlapped transfer, or OnDevice compute)");
+      }
+    }
+    if (g.data == nullptr && g.size > 0) { throw logic_error(who + " is a null pointer"); }
+  }
+
+  /// step()'s gradients: one view per registered tensor, {nullptr, 0} for none.
+  template <class Entry>
+  static void check_grads(grads_type grads, std::span<Entry const> tensors)
+  {
+    if (tensors.empty()) { throw logic_error("step: no tensor is registered: add_tensor first"); }
+    if (grads.size() != tensors.size()) {
+      throw logic_error("step: " + std::to_string(grads.size()) + " gradient views for " +
+                        std::to_string(tensors.size()) +
+                        " registered tensors (one per tensor, in registration order)");
+    }
+    for (std::size_t t = 0; t < grads.size(); ++t) {
+      if (grads[t].data == nullptr && grads[t].size == 0) { continue; }  // no gradient: left as it is
+      check_view("step: the gradient of tensor " + std::to_string(t) + " ('" + tensors[t].name + "')", grads[t],
+                 tensors[t]);
+    }
+  }
+
+  /// Whether any gradient holds an inf or a NaN.
+  template <class Device>
+  [[nodiscard]] static bool find_nonfinite(grads_type grads, layout const& lay, thread_pool& pool, Device* dev)
+  {
+    // Host gradients: one parallel pass over all of them, as laid out.
+    auto const& ext = lay.tensors();
+    std::atomic<bool> found{false};
+    pool.parallel_for(lay.total_elements(), 16384, [&](std::size_t b, std::size_t e) {
+      auto t = static_cast<std::size_t>(
+        std::upper_bound(ext.begin(), ext.end(), b,
+                         [](std::size_t x, tensor_extent const& te) { return x < te.offset + te.count; }) -
+        ext.begin());
+      for (; t < ext.size() && ext[t].offset < e && !found.load(std::memory_order_relaxed); ++t) {
+        if (grads[t].where != location::host || grads[t].data == nullptr) { continue; }
+        std::size_t const lo = std::max(b, ext[t].offset);
+        std::size_t const hi = std::min(e, ext[t].offset + ext[t].count);
+        if (lo < hi && host::any_nonfinite(grads[t].data + (lo - ext[t].offset), hi - lo)) {
+          found.store(true, std::memory_order_relaxed);
+        }
+      }
+    });
+    // Device gradients: on the device for device compute, every tensor marking one flag,
+    // then one wait for it; else copied, a chunk's worth at a time, into the PCIe ring and
+    // looked at there.
+    if constexpr (Placement::on_device) {
+      if (found.load()) { return true; }
+      device::stream_view const s(dev->compute);
+      device::zero_async(dev->nonfinite_flag, sizeof(std::uint32_t), s);
+      for (auto const& g : grads) {
+        if (g.where == location::device && g.data != nullptr) {
+          Compute::mark_nonfinite_async(s, g.data, g.size, dev->nonfinite_flag);
+        }
+      }
+      std::uint32_t flag = 0;
+      device::copy_async(&flag, dev->nonfinite_flag, sizeof flag, s);
+      s.synchronize();
+      return flag != 0;
+    } else if constexpr (Placement::device_params) {
+      std::size_t const ce = lay.chunk_elements();
+      auto* stage          = reinterpret_cast<Grad*>(dev->grad_stage.data());
+      for (std::size_t t = 0; t < grads.size() && !found.load(); ++t) {
+        auto const& g = grads[t];
+        if (g.where != location::device || g.data == nullptr) { continue; }
+        for (std::size_t i = 0; i < g.size && !found.load(); i += ce) {
+          std::size_t const m = std::min(ce, g.size - i);
+          device::copy_async(stage, g.data + i, m * sizeof(Grad), dev->d2h);
+          dev->d2h.synchronize();
+          if (host::any_nonfinite(pool, stage, m)) { found = true; }
+        }
+      }
+    } else {
+      (void)dev;
+    }
+    return found.load();
+  }
+
+  /// The gradients' 2-norm (scaled as given): sums of squares over blocks of 4096 elements
+  /// of each tensor (in double, in element order), then all blocks combined pairwise in
+  /// (tensor, block) order: nothing depends on the chunking, the threads or the order the
+  /// gradients came in.
+  template <class Device>
+  [[nodiscard]] static double gradient_norm(grads_type grads, thread_pool& pool, Device* dev)
+  {
+    constexpr std::size_t block = 4096;
+    std::vector<std::size_t> first(grads.size() + 1, 0);
+    for (std::size_t t = 0; t < grads.size(); ++t) {
+      std::size_t const n = grads[t].data == nullptr ? 0 : grads[t].size;
+      first[t + 1]        = first[t] + (n + block - 1) / block;
+    }
+    std::vector<double> sums(first.back(), 0.0);
+    auto sum_block = [](Grad const* g, std::size_t n) {
+      double s = 0.0;
+      for (std::size_t i = 0; i < n; ++i) {
+        double const x = static_cast<double>(convert<float>(g[i]));
+        s += x * x;
+      }
+      return s;
+    };
+    for (std::size_t t = 0; t < grads.size(); ++t) {
+      auto const& g = grads[t];
+      if (g.data == nullptr || g.size == 0) { continue; }
+      std::size_t const blocks = first[t + 1] - first[t];
+      if (g.where == location::host) {
+        pool.parallel_for(blocks, 1, [&](std::size_t b, std::size_t e) {
+          for (std::size_t i = b; i < e; ++i) {
+            sums[first[t] + i] = sum_block(g.data + i * block, std::min(block, g.size - i * block));
+          }
+        });
+      } else if constexpr (Placement::device == routes::device_staging::pcie_rings) {
+        // Copied a ring's worth of whole blocks at a time into the PCIe ring.
+        std::size_t const per = std::max<std::size_t>(1, dev->grad_stage.size() / sizeof(Grad) / block);
+        auto* stage           = reinterpret_cast<Grad*>(dev->grad_stage.data());
+        for (std::size_t i = 0; i < blocks; i += per) {
+          std::size_t const m        = std::min(per, blocks - i);
+          std::size_t const elements = std::min(m * block, g.size - i * block);
+          device::copy_async(stage, g.data + i * block, elements * sizeof(Grad), dev->d2h);
+          dev->d2h.synchronize();
+          pool.parallel_for(m, 1, [&](std::size_t b, std::size_t e) {
+            for (std::size_t j = b; j < e; ++j) {
+              sums[first[t] + i + j] = sum_block(stage + j * block, std::min(block, elements - j * block));
+            }
+          });
+        }
+      } else {
+        throw logic_error("max_grad_norm: the norm of device gradients needs OnHost compute");
+      }
+    }
+    return std::sqrt(pairwise_sum(sums.data(), sums.size()));
+  }
+};
+
+}  // namespace tierstate::detail
