@@ -68,9 +68,10 @@
 #include <tierstate/kernels/host/update.hpp>
 #include <tierstate/optimizer_options.hpp>
 #include <tierstate/detail/optimizer/registry_parts.hpp>
-#include <tierstate/detail/optimizer/step_states.hpp>
 #include <tierstate/state/store.hpp>
 #include <tierstate/step/checks.hpp>
+#include <tierstate/step/delayed_update.hpp>
+#include <tierstate/step/streaming_gate.hpp>
 #include <tierstate/tiers/device.hpp>
 #include <tierstate/tiers/pinned_host.hpp>
 #include <tierstate/tiers/tier.hpp>
@@ -211,9 +212,9 @@ class OffloadedOptimizer {
   step_result finish_step();
   /// The chunk order the next streaming step will use (empty before the first): the order
   /// the last one's chunks became ready.
-  [[nodiscard]] std::vector<std::size_t> const& next_chunk_order() const noexcept { return next_order_; }
+  [[nodiscard]] std::vector<std::size_t> const& next_chunk_order() const noexcept { return streaming_.next_order(); }
   /// Whether a streaming step is in progress.
-  [[nodiscard]] bool in_step() const noexcept { return streaming_ && streaming_->active; }
+  [[nodiscard]] bool in_step() const noexcept { return streaming_.open(); }
 
   /// delayed_update: waits for the update in flight (if any), writes its params into the
   /// model and returns its result (rethrowing its failure). Without it, does nothing.
@@ -311,8 +312,6 @@ class OffloadedOptimizer {
   [[nodiscard]] param_type* update_params(std::size_t t) const noexcept;
   [[nodiscard]] bool update_params_on_device(std::size_t t) const noexcept;
   void drive_streaming_step();
-  /// Tensor t's gradient is final (or absent): its chunks may become ready. Under st.m.
-  void mark_final(std::size_t t);
   /// Queues the device update of chunk k, whose state is device memory at `chunk`.
   void launch_chunk(std::size_t k, std::byte* chunk, std::span<grad_view<grad_type> const> grads,
                     std::vector<typename Rule::coefficients> const& coefficients);
@@ -347,12 +346,10 @@ class OffloadedOptimizer {
   /// worker and the streaming step's driver stop first).
   store_type store_;
 
-  using streaming_state = detail::streaming_state<grad_type, typename Rule::coefficients>;
-  using delayed_state   = detail::delayed_state<grad_type, typename Rule::coefficients>;
-  std::unique_ptr<delayed_state> delayed_;  ///< declared after what its worker uses
-
-  std::vector<std::size_t> next_order_;  ///< the chunk order the next streaming step starts with
-  std::unique_ptr<streaming_state> streaming_;  ///< declared last: its driver stops first
+  /// The delayed update (step/delayed_update.hpp), declared after what its worker uses.
+  detail::delayed_update<grad_type, param_type, typename Rule::coefficients, placement::device_params> delayed_;
+  /// The streaming gate (step/streaming_gate.hpp), declared last: its driver stops first.
+  detail::streaming_gate<grad_type, typename Rule::coefficients, placement::device_params> streaming_;
 };
 
 }  // namespace tierstate

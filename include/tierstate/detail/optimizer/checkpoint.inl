@@ -221,7 +221,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
   // The file is good: the state is made (its master is not filled from the params: every
   // chunk is loaded below) and replaced. A failure from here on leaves it part loaded: lost.
   materialize(false);
-  delayed_.reset();  // its param buffer is made afresh from the params load writes
+  delayed_.discard();  // its param buffer is made afresh from the params load writes
   try {
     // Read into load's own buffer, then copied into the tier: a read that hangs never holds
     // the tier's memory, which a later load would then share with a late transfer.

@@ -11,13 +11,6 @@
 #include <cstring>
 
 namespace tierstate::inline TIERSTATE_ABI {
-namespace detail {
-
-/// Thrown inside a streaming step's driver when the checks say skip; never leaves it.
-struct skip_step_signal {};
-
-}  // namespace detail
-
 template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::OffloadedOptimizer(
     hyperparameters const& defaults, options const& opts)

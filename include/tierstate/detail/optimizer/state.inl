@@ -26,14 +26,13 @@ std::size_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::d
 template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_params(std::size_t t) const noexcept -> param_type*
 {
-  return delayed_ ? reinterpret_cast<param_type*>(delayed_->params.data()) + store_.layout().tensors()[t].offset
-                  : tensors_[t].param;
+  return delayed_.made() ? delayed_.params(store_.layout().tensors()[t].offset) : tensors_[t].param;
 }
 
 template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 bool OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_params_on_device(std::size_t t) const noexcept
 {
-  return !delayed_ && tensors_[t].where == location::device;
+  return !delayed_.made() && tensors_[t].where == location::device;
 }
 
 template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>

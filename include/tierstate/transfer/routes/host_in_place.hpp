@@ -69,7 +69,7 @@ class host_in_place : public detail::route_base<Optimizer> {
   void abandon() noexcept {}
 
  private:
-  [[nodiscard]] bool streaming() const noexcept { return o_.streaming_ && o_.streaming_->active; }
+  [[nodiscard]] bool streaming() const noexcept { return o_.in_step(); }
   [[nodiscard]] std::byte* chunk(std::size_t k) const noexcept
   {
     return o_.store_.tier().data() + k * o_.store_.layout().chunk_bytes();

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The legs every staged route shares: a chunk's state read from its tier into a staging
 // buffer, and written back from one. With a transfer of depth > 0 they go through the
-// optimizer's I/O thread (materialize makes it), otherwise they run in the step's thread.
+// state store's I/O thread (state/store.hpp), otherwise they run in the step's thread.
 // The bytes are counted in the step's stats; the time a leg waits, in wait_seconds.
 #pragma once
 

@@ -1,0 +1,262 @@
+// SPDX-License-Identifier: Apache-2.0
+// The streaming gate: which chunk a step updates at each position of its order, and when a
+// chunk may go. Closed (no streaming step), every gradient is ready and the order is the
+// layout's: a plain step() passes it without waiting. Open (begin_step to finish_step),
+// the gradients arrive tensor by tensor from any thread (hand_over), a chunk may go once
+// every tensor in it has its final gradient, and the step runs on the gate's driver thread.
+//
+// The order of an open gate starts as the reverse of registration (backward's order) and
+// then follows the order the previous step's chunks became ready. When the step's checks
+// (non-finite, clipping) need every gradient, the first chunk waits for all of them and the
+// checks run then, once.
+#pragma once
+
+#include <tierstate/core/device_runtime.hpp>
+#include <tierstate/core/error.hpp>
+#include <tierstate/core/layout.hpp>
+#include <tierstate/core/stats.hpp>
+#include <tierstate/core/tensor.hpp>
+#include <tierstate/detail/optimizer/registry_parts.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace tierstate::inline TIERSTATE_ABI::detail {
+
+/// Thrown inside a streaming step's driver when the checks say skip; never leaves it.
+struct skip_step_signal {};
+
+/// `DeviceEvents`: gradients may be device memory, each final after the work queued on the
+/// stream its grad_ready names (an event per tensor).
+template <class Grad, class Coefficients, bool DeviceEvents>
+class streaming_gate {
+ public:
+  streaming_gate() = default;
+  /// Stops a driver still running (the optimizer destroyed mid-step): it leaves with an error.
+  ~streaming_gate()
+  {
+    if (driver_.joinable()) {
+      {
+        std::lock_guard lock(m_);
+        abandoned_ = true;
+      }
+      cv_.notify_all();
+      driver_.join();
+    }
+  }
+  streaming_gate(streaming_gate const&)            = delete;
+  streaming_gate& operator=(streaming_gate const&) = delete;
+
+  /// Whether a streaming step is in progress.
+  [[nodiscard]] bool open() const noexcept { return open_; }
+  /// The chunk at position j of this step's order.
+  [[nodiscard]] std::size_t chunk_at(std::size_t j) const noexcept { return open_ ? order_[j] : j; }
+  /// The order the last streaming step's chunks became ready (empty before the first).
+  [[nodiscard]] std::vector<std::size_t> const& next_order() const noexcept { return next_order_; }
+
+  /// Opens the gate over `lay`'s chunks, chunk k holding `pending[k]` tensor pieces, and
+  /// starts `drive` on the gate's thread. `checks`: the step's checks need every gradient.
+  template <class Drive>
+  void begin(layout const& lay, std::vector<std::size_t> pending, bool checks, unsigned micro_batches,
+             double grad_scale, std::vector<Coefficients> coefficients, Drive&& drive)
+  {
+    std::size_t const n = lay.chunk_count();
+    std::size_t const T = lay.tensors().size();
+    lay_                = &lay;
+    started_            = std::chrono::steady_clock::now();
+    abandoned_          = false;
+    checks_             = checks;
+    checked_            = false;
+    micro_batches_      = micro_batches;
+    grad_scale_         = grad_scale;
+    views_.assign(T, grad_view<Grad>{});
+    arrivals_.assign(T, 0);
+    final_.assign(T, 0);
+    finals_  = 0;
+    pending_ = std::move(pending);
+    ready_.assign(n, 0);
+    arrival_.clear();
+    arrival_.reserve(n);
+    if (next_order_.size() == n) {
+      order_ = next_order_;
+    } else {  // backward's order: the last registered tensors' chunks first
+      order_.resize(n);
+      for (std::size_t j = 0; j < n; ++j) { order_[j] = n - 1 - j; }
+    }
+    if constexpr (DeviceEvents) {
+      while (grad_events_.size() < T) { grad_events_.push_back(std::make_unique<device::event>()); }
+    }
+    coefficients_ = std::move(coefficients);
+    result_       = step_result{};
+    error_        = nullptr;
+    for (std::size_t t = 0; t < T; ++t) {
+      if (lay.tensors()[t].count == 0) {  // an empty tensor is final from the start
+        final_[t] = 1;
+        ++finals_;
+      }
+    }
+    open_ = true;
+    try {
+      driver_ = std::thread(std::forward<Drive>(drive));
+    } catch (...) {
+      open_ = false;
+      throw;
+    }
+  }
+
+  /// grad_ready, after its argument checks: tensor t's gradient `g` (final at its
+  /// micro_batches-th call). `who` names it in a refusal.
+  void hand_over(std::size_t t, grad_view<Grad> g, std::string const& who, device::stream_view ready)
+  {
+    {
+      std::lock_guard lock(m_);
+      if (!open_) { throw logic_error("grad_ready: no streaming step is in progress (call begin_step)"); }
+      if (lay_->tensors()[t].count == 0) { return; }  // nothing to update: final from the start
+      if (final_[t] != 0) {
+        throw logic_error(who + " was already handed over " + std::to_string(arrivals_[t]) +
+                          " time(s), and micro_batches is " + std::to_string(micro_batches_));
+      }
+      views_[t] = g;
+      if constexpr (DeviceEvents) {
+        // The gradient is final after the work queued on `ready` so far.
+        if (g.where == location::device) { grad_events_[t]->record(ready); }
+      } else {
+        (void)ready;
+      }
+      if (++arrivals_[t] == micro_batches_) { mark_final(t); }
+    }
+    cv_.notify_all();
+  }
+
+  /// Blocks until chunk k (whose pieces are `pieces`) may go; the first time, when the checks
+  /// need every gradient, until all are in, and then runs check(views, grad_scale,
+  /// coefficients, result), which says false to skip the step. Before a device gradient is
+  /// read, wait(event) orders the reading streams behind it.
+  template <class Check, class Wait>
+  void await(std::size_t k, std::span<chunk_piece const> pieces, step_stats& stats, Check&& check, Wait&& wait)
+  {
+    if (!open_) { return; }
+    auto const t0 = std::chrono::steady_clock::now();
+    std::unique_lock lock(m_);
+    if (checks_ && !checked_) {
+      cv_.wait(lock, [&] { return abandoned_ || finals_ == views_.size(); });
+      if (abandoned_) { throw logic_error("the optimizer was destroyed during a streaming step"); }
+      checked_ = true;
+      lock.unlock();
+      stats.grad_wait_seconds += seconds_since(t0);
+      if constexpr (DeviceEvents) {  // every gradient's device work first
+        for (std::size_t t = 0; t < views_.size(); ++t) {
+          if (views_[t].where == location::device && views_[t].data != nullptr) { wait(*grad_events_[t]); }
+        }
+      }
+      if (!check(std::span<grad_view<Grad> const>(views_), grad_scale_, coefficients_, result_)) {
+        throw skip_step_signal{};
+      }
+      return;
+    }
+    cv_.wait(lock, [&] { return abandoned_ || ready_[k] != 0; });
+    if (abandoned_) { throw logic_error("the optimizer was destroyed during a streaming step"); }
+    lock.unlock();
+    stats.grad_wait_seconds += seconds_since(t0);
+    if constexpr (DeviceEvents) {  // the device work that made these gradients comes first
+      for (auto const& pc : pieces) {
+        auto const& v = views_[pc.tensor];
+        if (v.where == location::device && v.data != nullptr) { wait(*grad_events_[pc.tensor]); }
+      }
+    } else {
+      (void)pieces, (void)wait;
+    }
+  }
+
+  /// Whether chunk k may go without waiting.
+  [[nodiscard]] bool ready_now(std::size_t k)
+  {
+    std::lock_guard lock(m_);
+    return ready_[k] != 0 && (!checks_ || checked_);
+  }
+
+  // --- the driver's (between begin and finish) -------------------------------------------
+  [[nodiscard]] std::span<grad_view<Grad> const> views() const noexcept { return views_; }
+  [[nodiscard]] std::vector<Coefficients>& coefficients() noexcept { return coefficients_; }
+  [[nodiscard]] step_result& result() noexcept { return result_; }
+  void fail(std::exception_ptr e) noexcept { error_ = std::move(e); }
+
+  /// finish_step: every tensor not handed over has no gradient; waits for the driver, closes
+  /// the gate and returns the step's result, or rethrows the driver's failure.
+  step_result finish()
+  {
+    {
+      std::lock_guard lock(m_);
+      for (std::size_t t = 0; t < views_.size(); ++t) {
+        if (final_[t] != 0) { continue; }
+        views_[t] = grad_view<Grad>{};
+        mark_final(t);
+      }
+    }
+    cv_.notify_all();
+    driver_.join();
+    {
+      std::lock_guard lock(m_);
+      open_ = false;
+    }
+    next_order_ = arrival_;  // the next step follows the order this one's chunks came in
+    if (error_) { std::rethrow_exception(error_); }
+    step_result r         = result_;
+    r.stats.total_seconds = seconds_since(started_);
+    return r;
+  }
+
+ private:
+  /// Tensor t's gradient is final (or absent): its chunks may become ready. Under m_.
+  void mark_final(std::size_t t)
+  {
+    final_[t] = 1;
+    ++finals_;
+    std::size_t const ce    = lay_->chunk_elements();
+    auto const& ext         = lay_->tensors()[t];
+    std::size_t const first = ext.offset / ce;
+    std::size_t const last  = (ext.offset + ext.count - 1) / ce;
+    for (std::size_t k = first; k <= last; ++k) {
+      if (--pending_[k] == 0) {  // its last tensor: the chunk may go
+        ready_[k] = 1;
+        arrival_.push_back(k);
+      }
+    }
+  }
+
+  std::mutex m_;
+  std::condition_variable cv_;
+  layout const* lay_ = nullptr;
+  bool open_         = false;
+  bool abandoned_    = false;  ///< the optimizer is being destroyed mid-step
+  bool checks_       = false;  ///< non-finite check or clipping: wait for every gradient
+  bool checked_      = false;  ///< those ran
+  unsigned micro_batches_ = 1;
+  double grad_scale_      = 1.0;
+  std::chrono::steady_clock::time_point started_;
+  std::vector<grad_view<Grad>> views_;  ///< per tensor; {nullptr, 0}: no gradient
+  std::vector<unsigned> arrivals_;      ///< per tensor: grad_ready calls so far
+  std::vector<char> final_;             ///< per tensor: gradient final (or absent)
+  std::size_t finals_ = 0;
+  std::vector<std::size_t> pending_;     ///< per chunk: its tensors not yet final
+  std::vector<char> ready_;              ///< per chunk
+  std::vector<std::size_t> arrival_;     ///< chunks in the order they became ready
+  std::vector<std::size_t> order_;       ///< this step's chunk order
+  std::vector<std::size_t> next_order_;  ///< the order the next streaming step starts with
+  std::vector<std::unique_ptr<device::event>> grad_events_;  ///< per tensor: its gradient's readiness
+  std::vector<Coefficients> coefficients_;
+  step_result result_;
+  std::exception_ptr error_;
+  std::thread driver_;  ///< declared last
+};
+
+}  // namespace tierstate::detail
