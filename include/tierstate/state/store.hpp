@@ -54,6 +54,12 @@ class state_store {
   state_store(state_store const&)            = delete;
   state_store& operator=(state_store const&) = delete;
 
+  /// Checks the tier's options before anything is made, where the tier can (a missing or
+  /// read-only directory fails at construction, not at the first step).
+  static void preflight(typename StateTier::options const& tier_options)
+  {
+    if constexpr (preflight_tier<StateTier>) { StateTier::preflight(tier_options); }
+  }
   /// The layout these tensors get (the same as make makes), without making anything. Throws
   /// logic_error for no tensor.
   [[nodiscard]] static tierstate::layout layout_for(std::span<tensor_entry const> tensors,

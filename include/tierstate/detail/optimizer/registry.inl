@@ -35,7 +35,7 @@ OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::OffloadedOpti
                          "clipping with OnDevice compute is not supported yet (the norm would need a "
                          "device reduction); clip in the framework, or compute on the host");
   }
-  if constexpr (preflight_tier<StateTier>) { StateTier::preflight(opts.tier); }
+  store_type::preflight(opts.tier);
   groups_.push_back(defaults);
 }
 

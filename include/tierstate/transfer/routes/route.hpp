@@ -54,50 +54,39 @@ struct route_for {
                 "Device tier needs OnDevice compute, and OnDevice compute needs device params.");
 };
 
-template <>
-struct route_for<state_home::addressable_host, false, false> {
+/// One row of the table: the route class template and what it needs.
+template <template <class> class Route, grad_home Grads, host_staging Staging, device_staging Device>
+struct route_entry {
   template <class Optimizer>
-  using route                                 = host_in_place<Optimizer>;
-  static constexpr grad_home grads           = grad_home::host;
-  static constexpr host_staging staging      = host_staging::none;
-  static constexpr device_staging device     = device_staging::none;
+  using route                             = Route<Optimizer>;
+  static constexpr grad_home grads       = Grads;
+  static constexpr host_staging staging  = Staging;
+  static constexpr device_staging device = Device;
 };
+
+/// A host tier's staging for the routes that move chunks out of it: one chunk per staging
+/// buffer where the tier is not addressable, none where the route reads it in place.
+template <state_home Home>
+inline constexpr host_staging staging_of = Home == state_home::staged_host ? host_staging::per_buffer
+                                                                            : host_staging::none;
+
 template <>
-struct route_for<state_home::staged_host, false, false> {
-  template <class Optimizer>
-  using route                                 = host_staged<Optimizer>;
-  static constexpr grad_home grads           = grad_home::host;
-  static constexpr host_staging staging      = host_staging::per_buffer;
-  static constexpr device_staging device     = device_staging::none;
-};
+struct route_for<state_home::addressable_host, false, false>
+  : route_entry<host_in_place, grad_home::host, host_staging::none, device_staging::none> {};
+template <>
+struct route_for<state_home::staged_host, false, false>
+  : route_entry<host_staged, grad_home::host, host_staging::per_buffer, device_staging::none> {};
 template <state_home Home>
   requires(Home != state_home::device)
-struct route_for<Home, false, true> {
-  template <class Optimizer>
-  using route                             = device_params_on_host<Optimizer>;
-  static constexpr grad_home grads       = grad_home::either;
-  static constexpr host_staging staging  = Home == state_home::staged_host ? host_staging::per_buffer
-                                                                           : host_staging::none;
-  static constexpr device_staging device = device_staging::pcie_rings;
-};
+struct route_for<Home, false, true>
+  : route_entry<device_params_on_host, grad_home::either, staging_of<Home>, device_staging::pcie_rings> {};
 template <>
-struct route_for<state_home::device, true, true> {
-  template <class Optimizer>
-  using route                             = device_resident<Optimizer>;
-  static constexpr grad_home grads       = grad_home::device;
-  static constexpr host_staging staging  = host_staging::one_chunk;
-  static constexpr device_staging device = device_staging::on_device;
-};
+struct route_for<state_home::device, true, true>
+  : route_entry<device_resident, grad_home::device, host_staging::one_chunk, device_staging::on_device> {};
 template <state_home Home>
   requires(Home != state_home::device)
-struct route_for<Home, true, true> {
-  template <class Optimizer>
-  using route                             = streamed_to_device<Optimizer>;
-  static constexpr grad_home grads       = grad_home::device;
-  static constexpr host_staging staging  = Home == state_home::staged_host ? host_staging::per_buffer
-                                                                           : host_staging::none;
-  static constexpr device_staging device = device_staging::on_device_streamed;
-};
+struct route_for<Home, true, true>
+  : route_entry<streamed_to_device, grad_home::device, staging_of<Home>, device_staging::on_device_streamed> {};
 
 /// Where tier T keeps the state.
 template <class T>
