@@ -75,8 +75,10 @@ class uring_stream {
 
   [[nodiscard]] std::size_t active() const noexcept { return active_; }
 
-  /// Under stop_at_first_failure: the failure that stopped the stream, as an io_error (null
-  /// while none has). Requests it left unfinished finish without an error of their own.
+  /// Under stop_at_first_failure: whether a failure has stopped the stream, and that failure
+  /// as an io_error (null while none has). Requests it left unfinished finish without an
+  /// error of their own.
+  [[nodiscard]] bool stopped() const noexcept { return stop_.failure.error != 0; }
   [[nodiscard]] std::exception_ptr stop_error() const { return stopped() ? own_error(stop_) : nullptr; }
 
   template <class Done>
@@ -253,7 +255,6 @@ class uring_stream {
     sr.failure.note(error, p, op, std::move(hint));
     if (policy_.stop_at_first_failure && !stopped()) { stop_ = sr; }
   }
-  [[nodiscard]] bool stopped() const noexcept { return stop_.failure.error != 0; }
 
   /// Settles every ring, resets the streaming state and finishes every active request: with
   /// its own failure, or else with failure_for(request) (see progress()).
