@@ -322,6 +322,46 @@ TEST_CASE("an I/O whose cancellation is not confirmed leaves the engine unusable
   CHECK(std::count(buf.get(), buf.get() + n, std::byte{0x5c}) == static_cast<std::ptrdiff_t>(n));
 }
 
+TEST_CASE("a batch over two rings: the ring that breaks the engine says why, whatever else failed first",
+          "[io][timeout]")
+{
+  // The first read piece hangs for good and the second fails at once; each ring's thread
+  // may meet either, or both. Whichever failure is seen first, the batch reports the one that
+  // broke the engine, and the engine keeps the hung piece's buffer.
+  temp_file f("hang_two_rings");
+  std::size_t const block = 64 * 1024, n = 8 * block;
+  aligned_bytes buf(n);  // outlives the engine, as held() asks
+  std::memset(buf.get(), 0x3a, n);
+  auto plan = std::make_shared<io::fault_plan>();
+  {
+    auto e = std::make_unique<io::engine>(timed(io::backend::io_uring, plan, 4, block, 2));
+    io::request const w{f.fd, 0, buf.get(), n, true, &f.path};
+    e->submit({&w, 1});
+    plan->hang(io::op::read, plan->seen(io::op::read) + 1, /*cancellable=*/false);
+    plan->fail(io::op::read, plan->seen(io::op::read) + 2, EIO);
+    io::request const r{f.fd, 0, buf.get(), n, false, &f.path};
+    auto const result = within(bound, [&] { return catch_io([&] { e->submit({&r, 1}); }); });
+    REQUIRE(result);
+    CHECK(result->code == ETIMEDOUT);
+    CHECK(result->operation == "read");
+    CHECK(result->length == block);
+    CHECK_THAT(result->what, Catch::Contains("cancellation was not confirmed") && Catch::Contains("held()"));
+    CHECK_FALSE(e->usable());
+    auto const held = e->held();
+    REQUIRE(held.size() == 1);
+    CHECK(inside(held.front(), buf.get(), n));
+    CHECK(held.front().size() == block);
+    CHECK(catch_io([&] { e->submit({&r, 1}); }).what.find("this engine is unusable") != std::string::npos);
+    auto const gone = within(bound, [&] {
+      e.reset();
+      return true;
+    });
+    REQUIRE(gone);
+  }
+  plan->release_hangs();
+  CHECK(std::count(buf.get(), buf.get() + n, std::byte{0x3a}) == static_cast<std::ptrdiff_t>(n));
+}
+
 TEST_CASE("streaming: an uncancellable hang fails every active request and breaks the engine", "[io][timeout][stream]")
 {
   auto const backend = GENERATE(io::backend::io_uring, io::backend::psync);

@@ -1,29 +1,37 @@
 // SPDX-License-Identifier: Apache-2.0
 // The io_uring backend (see io/engine.hpp for the contract). Each of `rings` rings keeps
-// up to queue_depth pieces in flight. Two ways in:
-//   submit()    a batch, run to completion; with several rings each is driven by its own
-//               thread, the pieces dealt out round-robin;
+// up to queue_depth pieces in flight. Two ways in, one state machine behind both:
 //   start() / progress() / active()
 //               streaming: requests are started one at a time and finish one at a time, as
 //               their last piece completes, while the rings stay full (the pipelined
-//               transfer's I/O thread lives here, so the disk never idles between chunks).
+//               transfer's I/O thread lives here, so the disk never idles between chunks);
+//   submit()    a batch: that machine run to completion. The pieces are dealt out
+//               round-robin to the rings; each ring's share is a stream of its own, one
+//               request per piece, driven by a thread of its own, which starts no new piece
+//               once one has failed and submits and waits in one call
+//               (io_uring_submit_and_wait).
 // Inside the rings results are -errno values; a failure leaves as an io_error, from submit()
-// after every ring has drained, or handed to progress()'s callback for its request.
-// Streaming and submit() are not mixed: submit() needs active() == 0.
+// after every ring has drained (naming the failed piece), or handed to progress()'s callback
+// for its request. Streaming and submit() are not mixed: submit() needs active() == 0.
 //
-// The parts, under io/detail/: uring_state.hpp (a ring's slots, a piece's outcome, the
-// messages), uring_core.hpp (the rings: fill, submit, wait, reap), uring_cancel.hpp
-// (timeouts, withdrawal, settling after a failure), uring_batch.hpp and uring_stream.hpp
-// (the two ways of driving them, over the same ring operations and the same outcomes).
+// The parts, under io/detail/: uring_state.hpp (a ring's slots, a piece's outcome, what
+// broke the engine and what it holds, the messages), uring_core.hpp (the rings: fill,
+// submit, wait, reap), uring_cancel.hpp (timeouts, withdrawal, settling after a failure),
+// uring_stream.hpp (the state machine: filling, reaping, timeouts, ring failures, giving up,
+// and the policy a batch runs it under), uring_batch.hpp (a batch: dealing the pieces out,
+// a thread per ring, and merging what each ring's stream ended with).
 //
 // When a ring itself fails (io_uring_submit, io_uring_submit_and_wait, or the wait for a
 // completion, returns an error other than EINTR, EAGAIN or EBUSY), the pieces the kernel has
 // not taken are withdrawn from the ring, never to be submitted (their requests are reported
 // failed, so they must not run behind the caller's back), and every piece the kernel has
-// taken is waited out and its result dropped. submit() then throws an io_error naming that
-// call, its errno and the first unfinished piece; while streaming, every active request
-// finishes through its callback with such an error, and the streaming state is reset. The
-// engine goes on. A ring that cannot even be waited on leaves the engine broken (below).
+// taken is waited out and its result dropped. The stream that drives the ring then fails
+// every request it has active with an io_error naming that call, its errno and the request.
+// While streaming (one stream over every ring) each finishes so through its callback, and
+// the streaming state is reset; in a batch (a stream per ring, a request per piece) submit()
+// throws the ring's first failure, such an error naming an unfinished piece unless a piece
+// had failed before, once the other rings have run their shares to the end. The engine goes
+// on. A ring that cannot even be waited on leaves the engine broken (below).
 //
 // Timeouts (engine_options::timeout, see io/engine.hpp): a piece the kernel has held longer
 // than the timeout is cancelled (IORING_OP_ASYNC_CANCEL). Its completion then arrives
@@ -108,7 +116,7 @@ class uring_engine {
  private:
   detail::uring_core core_;  ///< the rings, what broke the engine, what it holds
   thread_pool pool_;         ///< a batch's ring threads
-  detail::uring_stream stream_;
+  detail::uring_stream stream_;  ///< over every ring: the streamed requests
 };
 
 }  // namespace tierstate::io

@@ -23,15 +23,25 @@ struct piece {
   std::size_t length;
 };
 
+/// The piece of at most `block` bytes of `r` (request `index`) that starts `done` bytes in.
+inline piece piece_at(request const& r, std::size_t index, std::size_t done, std::size_t block) noexcept
+{
+  return {index, r.offset + done, r.data + done, std::min(block, r.length - done)};
+}
+
+/// Calls f(piece) for each piece of at most `block` bytes of `r` (request `index`), in order.
+template <class F>
+void for_each_piece(request const& r, std::size_t index, std::size_t block, F&& f)
+{
+  for (std::size_t done = 0; done < r.length; done += block) { f(piece_at(r, index, done, block)); }
+}
+
 /// The requests cut into pieces of at most `block` bytes, in order.
 inline std::vector<piece> cut(std::span<request const> requests, std::size_t block)
 {
   std::vector<piece> out;
   for (std::size_t i = 0; i < requests.size(); ++i) {
-    auto const& r = requests[i];
-    for (std::size_t done = 0; done < r.length; done += block) {
-      out.push_back({i, r.offset + done, r.data + done, std::min(block, r.length - done)});
-    }
+    for_each_piece(requests[i], i, block, [&](piece const& p) { out.push_back(p); });
   }
   return out;
 }

@@ -1,143 +1,103 @@
 // SPDX-License-Identifier: Apache-2.0
-// The io_uring backend's batches (see io/uring_engine.hpp): the pieces dealt out round-robin
-// to the rings, each ring driven to completion by a thread of its own, and the first failure
-// thrown once every ring has drained.
+// The io_uring backend's batches (see io/uring_engine.hpp): the stream (uring_stream.hpp) run
+// to completion. The pieces are dealt out round-robin to the rings, and each ring's share is
+// a stream of its own, one request per piece (so an error names its piece), fed as it drains
+// and driven by a thread of its own under batch_policy. A ring that fails ends only its own
+// share; the others run theirs to the end. What each stream gave up on is merged into the
+// engine's, and the first failure is thrown, once every ring has drained.
 #pragma once
 
 #include <tierstate/core/thread_pool.hpp>
 #include <tierstate/io/detail/pieces.hpp>
-#include <tierstate/io/detail/uring_cancel.hpp>
 #include <tierstate/io/detail/uring_core.hpp>
 #include <tierstate/io/detail/uring_state.hpp>
+#include <tierstate/io/detail/uring_stream.hpp>
 #include <tierstate/io/request.hpp>
 
 #include <algorithm>
 #include <cstddef>
-#include <deque>
+#include <cstdint>
+#include <exception>
 #include <mutex>
 #include <span>
 #include <utility>
-#include <vector>
 
 namespace tierstate::inline TIERSTATE_ABI::io::detail {
 
-/// What one ring's part of a batch ended with.
-struct ring_outcome {
-  first_failure failure;
-  broken_state broken;  ///< error != 0: the engine is broken
-  std::vector<held_piece> held;
-};
+/// One ring's share of a batch: of the pieces of `requests`, in order, every `used`-th,
+/// starting at the `ring`-th.
+class batch_share {
+ public:
+  batch_share(std::span<request const> requests, std::size_t block, std::size_t ring, std::size_t used) noexcept
+    : requests_(requests), block_(block), used_(used)
+  {
+    skip(ring);
+  }
 
-/// Runs `todo` through ring `h`; returns its first failure, with every piece the kernel
-/// took completed, cancelled or given up on (see io/uring_engine.hpp).
-inline ring_outcome drive(uring_core& c, ring_holder& h, std::span<request const> requests, std::deque<piece> todo)
-{
-  ring_outcome out;
-  auto& failure  = out.failure;
-  auto const timeout = c.opts_.timeout;
-  auto describe  = [&](piece const& p) { return hung_state(timeout, requests[p.request], p); };
-  // A ring call failed: name the first piece it leaves unfinished, then settle.
-  auto ring_failed = [&](int error, char const* op) {
-    piece first{};
-    bool named = false;
-    retract(h, [&](slot_state const& st) {
-      first = st.p;  // withdrawn last to first: the last one seen is the first
-      named = true;
-    });
-    for (auto const& st : h.slots) {
-      if (!named && st.busy) {
-        first = st.p;
-        named = true;
+  [[nodiscard]] bool done() const noexcept { return at_ == requests_.size(); }
+
+  /// The next piece of the share, as a request of its own.
+  request next() noexcept
+  {
+    auto const& r = requests_[at_];
+    piece const p = piece_at(r, at_, done_, block_);
+    skip(used_);
+    return {r.fd, p.offset, p.data, p.length, r.write, r.path};
+  }
+
+ private:
+  void skip(std::size_t pieces) noexcept
+  {
+    for (;;) {
+      while (at_ < requests_.size() && done_ >= requests_[at_].length) {
+        ++at_;
+        done_ = 0;
       }
-    }
-    if (!named && !todo.empty()) { first = todo.front(); }
-    failure.note(error, first, op, unfinished_hint(requests[first.request]));
-    settle(c, h, out.broken, out.held, false, describe);
-    return std::move(out);
-  };
-
-  for (;;) {
-    // Fill the ring (no new work once something failed).
-    while (failure.error == 0 && !todo.empty() && !h.free.empty()) {
-      piece const p          = todo.front();
-      auto const& r          = requests[p.request];
-      fault_plan::decision d = c.decide(r, p);
-      if (d.error != 0) {
-        todo.pop_front();
-        failure.note(d.error, p);
-        break;
-      }
-      if (!c.prep_piece(h, r, p, std::move(d))) { break; }
-      todo.pop_front();
-    }
-    if (h.in_flight == 0 && h.cancels == 0) { break; }
-
-    // Wait no longer than the soonest timeout, counting what this call submits.
-    uring_clock::time_point until = uring_core::next_deadline(h);
-    if (timeout.count() > 0 && !h.untaken.empty()) { until = std::min(until, uring_clock::now() + timeout); }
-    char const* op = "";
-    int const w    = c.submit_and_wait(h, until, op);
-    if (w < 0 && w != -ETIME && w != -EINTR && w != -EAGAIN && w != -EBUSY) { return ring_failed(-w, op); }
-    ring_failure rf;
-    c.reap(h, [&](slot_state const& st, int res) {
-      piece_result const got = outcome_of(st, res, requests[st.p.request].write);
-      if (got.what == piece_outcome::failed) {
-        failure.note(got.error, st.p);
-      } else if (got.what == piece_outcome::partial) {
-        todo.push_front(got.rest);  // the remainder, first
-      }
-    }, rf);
-    if (rf.error != 0) { return ring_failed(rf.error, rf.operation); }
-
-    auto const now = uring_clock::now();
-    rf = expire(c, h, now, false, [&](slot_state const& st) {
-      failure.note(ETIMEDOUT, st.p, nullptr, timed_out_hint(timeout));
-    });
-    if (rf.error != 0) { return ring_failed(rf.error, rf.operation); }
-    if (slot_state const* st = uring_core::first_hung(h, now)) {
-      // Its cancellation went unconfirmed: give up on everything in flight.
-      auto const& r = requests[st->p.request];
-      out.broken    = hung_state(timeout, r, st->p);
-      failure       = {};
-      failure.note(ETIMEDOUT, st->p, nullptr, hung_hint(timeout, r.write));
-      settle(c, h, out.broken, out.held, true, describe);
-      return out;
+      if (pieces == 0 || done()) { return; }
+      done_ += block_;
+      --pieces;
     }
   }
-  return out;
-}
+
+  std::span<request const> requests_;
+  std::size_t block_;
+  std::size_t used_;
+  std::size_t at_   = 0;  ///< the request the next piece is of
+  std::size_t done_ = 0;  ///< where in it the next piece starts
+};
 
 /// Runs `requests` to completion over every ring of `c` (see io/uring_engine.hpp); throws
 /// the first failure, once every ring has drained.
 inline void run_batch(uring_core& c, thread_pool& pool, std::span<request const> requests)
 {
   c.throw_if_broken();
-  std::vector<piece> const pieces = cut(requests, c.opts_.block_size);
-  if (pieces.empty()) { return; }
+  std::size_t const block = c.opts_.block_size;
+  std::size_t pieces      = 0;
+  for (auto const& r : requests) { pieces += (r.length + block - 1) / block; }
+  if (pieces == 0) { return; }
+  std::size_t const used = std::min<std::size_t>(c.rings_.size(), pieces);
+  // Pieces started ahead of the ring: enough to refill every slot as it frees, few enough
+  // that the stream's bookkeeping stays small and warm, whatever the batch's size.
+  std::size_t const ahead = 2 * std::size_t{c.opts_.queue_depth};
   std::mutex m;
-  first_failure failure;
-  broken_state broke;
-  std::vector<held_piece> gave_up;
-  std::size_t const used = std::min<std::size_t>(c.rings_.size(), pieces.size());
+  std::exception_ptr failure;  // the first; but a ring that broke the engine says why
   pool.parallel_for(used, 1, [&](std::size_t b, std::size_t e) {
     for (std::size_t i = b; i < e; ++i) {
-      std::deque<piece> todo;
-      for (std::size_t p = i; p < pieces.size(); p += used) { todo.push_back(pieces[p]); }
-      ring_outcome out = drive(c, c.rings_[i], requests, std::move(todo));
-      std::scoped_lock lock(m);
-      if (out.broken.error != 0 && broke.error == 0) {
-        broke = out.broken;
-        // A broken engine says why, whatever else failed first.
-        failure = out.failure;
-      } else if (out.failure.error != 0) {
-        failure.note(out.failure.error, out.failure.where, out.failure.operation, out.failure.hint);
+      ring_damage damage;
+      uring_stream s(c, {&c.rings_[i], 1}, damage, batch_policy);
+      batch_share todo(requests, block, i, used);
+      for (;;) {
+        while (!todo.done() && !s.stopped() && s.active() < ahead) { s.start(todo.next(), 0); }
+        if (s.active() == 0) { break; }
+        s.progress(true, [](std::uint64_t, std::exception_ptr const&) {});  // stop_error() says it
       }
-      for (auto& h : out.held) { gave_up.push_back(std::move(h)); }
+      std::scoped_lock lock(m);
+      bool const broke = damage.broken.error != 0 && c.usable();
+      if (auto error = s.stop_error(); error && (broke || !failure)) { failure = std::move(error); }
+      c.damage_.take(std::move(damage));
     }
   });
-  if (broke.error != 0) { c.broken_ = broke; }
-  c.keep(gave_up);
-  failure.rethrow(requests);
+  if (failure) { std::rethrow_exception(failure); }
 }
 
 }  // namespace tierstate::io::detail

@@ -1,7 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // The io_uring backend's cancellations (see io/uring_engine.hpp): cancelling a piece at its
-// timeout, withdrawing what the kernel has not taken, and settling a ring after a failure,
-// the same for a batch and for the stream.
+// timeout, withdrawing what the kernel has not taken, and settling a ring after a failure.
 #pragma once
 
 #include <tierstate/io/detail/uring_core.hpp>
@@ -9,7 +8,6 @@
 
 #include <cerrno>
 #include <cstdint>
-#include <vector>
 
 #include <liburing.h>
 
@@ -77,12 +75,11 @@ void retract(ring_holder& h, OnDropped&& on_dropped)
 /// Settles `h` after a failure: withdraws what the kernel has not taken, then waits out
 /// what it has (cancelling each piece at its timeout, or at once with `cancel_all`), and
 /// dropping every result. Whatever does not come back, because its cancellation went
-/// unconfirmed or because the ring cannot be waited on, goes to `held`, and the engine is
-/// broken (`broken`, unless already set; describe(piece) names a piece given up on, as
-/// hung_state does).
+/// unconfirmed or because the ring cannot be waited on, goes to `damage.held`, and the engine
+/// is broken (`damage.broken`, unless already set; describe(piece) names a piece given up on,
+/// as hung_state does).
 template <class Describe>
-void settle(uring_core& c, ring_holder& h, broken_state& broken, std::vector<held_piece>& held, bool cancel_all,
-            Describe&& describe)
+void settle(uring_core& c, ring_holder& h, ring_damage& damage, bool cancel_all, Describe&& describe)
 {
   auto ignore = [](slot_state const&, int = 0) {};
   retract(h, ignore);
@@ -111,8 +108,9 @@ void settle(uring_core& c, ring_holder& h, broken_state& broken, std::vector<hel
   for (auto& st : h.slots) {
     if (!st.busy) { continue; }
     if (first == nullptr) { first = &st; }
-    held.push_back({{st.p.data, st.p.length}, st.hold});
+    damage.held.push_back({{st.p.data, st.p.length}, st.hold});
   }
+  auto& broken = damage.broken;
   if (broken.error == 0) {
     if (stuck.error != 0) {
       broken = stuck_state(stuck);

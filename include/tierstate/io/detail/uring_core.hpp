@@ -2,8 +2,8 @@
 // The io_uring backend's rings (see io/uring_engine.hpp): opening them, filling a ring's
 // slots, submitting, waiting with a deadline, reaping completions, cancelling at a piece's
 // timeout, withdrawing what the kernel has not taken, and settling a ring after a failure.
-// The batch (uring_batch.hpp) and the stream (uring_stream.hpp) are two ways of driving
-// these; the engine owns them, what broke it, and what it holds.
+// The stream (uring_stream.hpp) drives them; the engine owns them, what broke it, and what
+// it holds.
 #pragma once
 
 #include <tierstate/io/detail/pieces.hpp>
@@ -90,27 +90,17 @@ class uring_core {
   [[nodiscard]] std::span<std::byte> registered() const noexcept { return registered_; }
 
   /// Whether the engine can still transfer (see the file comment).
-  [[nodiscard]] bool usable() const noexcept { return broken_.error == 0; }
+  [[nodiscard]] bool usable() const noexcept { return damage_.broken.error == 0; }
   /// The buffers of the I/O a broken engine gave up on: the kernel may still use them, now
   /// or after the engine is gone. Empty while the engine is usable.
   [[nodiscard]] std::vector<std::span<std::byte>> held() const
   {
     std::vector<std::span<std::byte>> out;
-    for (auto const& h : held_) { out.push_back(h.bytes); }
+    for (auto const& h : damage_.held) { out.push_back(h.bytes); }
     return out;
   }
 
-  void throw_if_broken() const
-  {
-    if (broken_.error == 0) { return; }
-    throw io_error(broken_.error, broken_.path, broken_.operation, broken_.offset, broken_.length, broken_.hint);
-  }
-
-  /// Keeps what a settled ring gave up on (see held()).
-  void keep(std::vector<held_piece>& gave_up)
-  {
-    for (auto& h : gave_up) { held_.push_back(std::move(h)); }
-  }
+  void throw_if_broken() const { damage_.throw_if_broken(); }
 
   // --- one ring -------------------------------------------------------------------------
 
@@ -369,8 +359,7 @@ class uring_core {
   std::chrono::milliseconds grace_;
   std::vector<ring_holder> rings_;
   std::span<std::byte> registered_;
-  broken_state broken_;           ///< what made the engine unusable, if anything
-  std::vector<held_piece> held_;  ///< see held()
+  ring_damage damage_;  ///< what made the engine unusable, if anything, and what it holds (held())
 };
 
 }  // namespace tierstate::io::detail

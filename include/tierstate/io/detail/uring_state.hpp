@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The io_uring backend's vocabulary (see io/uring_engine.hpp): a ring and its slots, what a
-// completed piece came to, what broke the engine, and the messages that say so.
+// completed piece came to, what broke the engine and what it holds, and the messages that
+// say so.
 #pragma once
 
 #include <tierstate/io/detail/pieces.hpp>
@@ -13,6 +14,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <liburing.h>
@@ -46,6 +48,26 @@ struct broken_state {
 struct held_piece {
   std::span<std::byte> bytes;
   std::shared_ptr<void const> hold;
+};
+
+/// What giving up on I/O leaves behind: what broke the engine (error 0: nothing), and the
+/// buffers the kernel may still use. The engine keeps one; a batch's ring thread keeps its
+/// own, merged into the engine's once every ring has drained.
+struct ring_damage {
+  broken_state broken;
+  std::vector<held_piece> held;
+
+  void throw_if_broken() const
+  {
+    if (broken.error == 0) { return; }
+    throw io_error(broken.error, broken.path, broken.operation, broken.offset, broken.length, broken.hint);
+  }
+  /// Adds `other`'s: what broke the engine first stays what broke it.
+  void take(ring_damage&& other)
+  {
+    if (broken.error == 0) { broken = std::move(other.broken); }
+    for (auto& h : other.held) { held.push_back(std::move(h)); }
+  }
 };
 
 struct slot_state {
