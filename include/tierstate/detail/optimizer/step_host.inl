@@ -12,30 +12,34 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
                                              std::vector<typename Rule::coefficients> const& coefficients,
                                              grad_type const* grad_stage, param_type* param_stage)
 {
-  using arrays_t = update_arrays<Precision, Rule::slot_count>;
-  constexpr std::size_t first_rule_slot = Precision::has_master ? 1 : 0;
-  float* master = nullptr;
-  if constexpr (Precision::has_master) {
-    master = reinterpret_cast<float*>(chunk + store_.layout().slot_offset(0));
-  }
-  std::array<state_type*, Rule::slot_count> state{};
-  for (std::size_t j = 0; j < Rule::slot_count; ++j) {
-    state[j] = reinterpret_cast<state_type*>(chunk + store_.layout().slot_offset(first_rule_slot + j));
-  }
-  // The pieces (tensor parts) of chunk k that overlap [b, e), each with its tensor's group.
-  for (auto const& pc : store_.pieces(k)) {
-    std::size_t const lo = std::max(b, pc.chunk_begin);
-    std::size_t const hi = std::min(e, pc.chunk_begin + pc.count);
-    if (lo >= hi) { continue; }
-    if (grads[pc.tensor].data == nullptr) { continue; }  // no gradient
-    std::size_t const tofs = pc.tensor_begin + (lo - pc.chunk_begin);
-    auto const& tensor     = tensors_[pc.tensor];
-    arrays_t a;
-    a.param  = update_params_on_device(pc.tensor) ? param_stage + lo : update_params(pc.tensor) + tofs;
-    a.grad   = grads[pc.tensor].where == location::device ? grad_stage + lo : grads[pc.tensor].data + tofs;
-    a.master = master != nullptr ? master + lo : nullptr;
-    for (std::size_t j = 0; j < Rule::slot_count; ++j) { a.state[j] = state[j] + lo; }
-    host::update_range<Rule, Precision, arch>(coefficients[tensor.group], a, 0, hi - lo);
+  if constexpr (placement::on_device) {  // the device routes launch kernels instead (step_device.inl)
+    (void)k, (void)chunk, (void)b, (void)e, (void)grads, (void)coefficients, (void)grad_stage, (void)param_stage;
+  } else {
+    using arrays_t = update_arrays<Precision, Rule::slot_count>;
+    constexpr std::size_t first_rule_slot = Precision::has_master ? 1 : 0;
+    float* master = nullptr;
+    if constexpr (Precision::has_master) {
+      master = reinterpret_cast<float*>(chunk + store_.layout().slot_offset(0));
+    }
+    std::array<state_type*, Rule::slot_count> state{};
+    for (std::size_t j = 0; j < Rule::slot_count; ++j) {
+      state[j] = reinterpret_cast<state_type*>(chunk + store_.layout().slot_offset(first_rule_slot + j));
+    }
+    // The pieces (tensor parts) of chunk k that overlap [b, e), each with its tensor's group.
+    for (auto const& pc : store_.pieces(k)) {
+      std::size_t const lo = std::max(b, pc.chunk_begin);
+      std::size_t const hi = std::min(e, pc.chunk_begin + pc.count);
+      if (lo >= hi) { continue; }
+      if (grads[pc.tensor].data == nullptr) { continue; }  // no gradient
+      std::size_t const tofs = pc.tensor_begin + (lo - pc.chunk_begin);
+      auto const& tensor     = tensors_[pc.tensor];
+      arrays_t a;
+      a.param  = update_params_on_device(pc.tensor) ? param_stage + lo : update_params(pc.tensor) + tofs;
+      a.grad   = grads[pc.tensor].where == location::device ? grad_stage + lo : grads[pc.tensor].data + tofs;
+      a.master = master != nullptr ? master + lo : nullptr;
+      for (std::size_t j = 0; j < Rule::slot_count; ++j) { a.state[j] = state[j] + lo; }
+      Compute::template update_range<Rule, Precision>(coefficients[tensor.group], a, 0, hi - lo);
+    }
   }
 }
 
