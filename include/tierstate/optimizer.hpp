@@ -147,10 +147,11 @@ class OffloadedOptimizer {
 
   /// Group 0 holds every tensor not placed in another group, with `defaults`.
   explicit OffloadedOptimizer(hyperparameters const& defaults = {}, options const& opts = {});
-  /// The state store keeps (leaks) the staging memory when the tier's I/O engine retired with
-  /// a transfer the kernel never answered (io::engine::held()): a late transfer must not land
-  /// in freed pages.
-  ~OffloadedOptimizer() = default;
+  /// Waits for a delayed update in flight (its worker uses every member) and stops a streaming
+  /// step's driver. The state store keeps (leaks) the staging memory when the tier's I/O
+  /// engine retired with a transfer the kernel never answered (io::engine::held()): a late
+  /// transfer must not land in freed pages.
+  ~OffloadedOptimizer() { delayed_.wait(); }
   OffloadedOptimizer(OffloadedOptimizer const&)            = delete;
   OffloadedOptimizer& operator=(OffloadedOptimizer const&) = delete;
 
@@ -346,7 +347,7 @@ class OffloadedOptimizer {
   /// worker and the streaming step's driver stop first).
   store_type store_;
 
-  /// The delayed update (step/delayed_update.hpp), declared after what its worker uses.
+  /// The delayed update (step/delayed_update.hpp); the destructor waits for its worker first.
   detail::delayed_update<grad_type, param_type, typename Rule::coefficients, placement::device_params> delayed_;
   /// The streaming gate (step/streaming_gate.hpp), declared last: its driver stops first.
   detail::streaming_gate<grad_type, typename Rule::coefficients, placement::device_params> streaming_;

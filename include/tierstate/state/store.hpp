@@ -4,10 +4,12 @@
 // parts of tensors that fall in it), the pinned staging, the I/O thread, the device streams
 // and rings, and the record of a failure that left the state part updated ("lost").
 //
-// What it makes beside the tier is what the composition's route needs, as its placement
-// says (transfer/routes/route.hpp): the store itself looks at no compute or transfer trait.
-// It reads and writes the tier through the tier concept (tiers/tier.hpp): in place where the
-// tier is addressable, through its staging otherwise.
+// What it makes beside the tier is what the composition's route needs, and what it asks of
+// the tier beyond the `tier` concept (addressable memory, staging registration, preflight, an
+// engine that may hold buffers), as the composition's placement says
+// (transfer/routes/route.hpp): the store itself tests no tier, compute or transfer trait. It
+// reads and writes the tier in place where the tier is host memory, through its staging
+// otherwise.
 //
 // The state is made on first use (make), from the tensors registered by then; until then
 // made() is false and nothing but layout_for may be called. A failure while making it
@@ -58,7 +60,7 @@ class state_store {
   /// read-only directory fails at construction, not at the first step).
   static void preflight(typename StateTier::options const& tier_options)
   {
-    if constexpr (preflight_tier<StateTier>) { StateTier::preflight(tier_options); }
+    if constexpr (Placement::tier_preflights) { StateTier::preflight(tier_options); }
   }
   /// The layout these tensors get (the same as make makes), without making anything. Throws
   /// logic_error for no tensor.

@@ -30,12 +30,15 @@ template <class Grad, class Param, class Coefficients, bool DeviceParams>
 class delayed_update {
  public:
   delayed_update() = default;
-  ~delayed_update()
+  ~delayed_update() { wait(); }
+  delayed_update(delayed_update const&)            = delete;
+  delayed_update& operator=(delayed_update const&) = delete;
+
+  /// Waits for an update in flight, if any, leaving its outcome for flush.
+  void wait() noexcept
   {
     if (worker_.joinable()) { worker_.join(); }
   }
-  delayed_update(delayed_update const&)            = delete;
-  delayed_update& operator=(delayed_update const&) = delete;
 
   /// Whether the buffers exist: from the first delayed step until discard.
   [[nodiscard]] bool made() const noexcept { return made_; }

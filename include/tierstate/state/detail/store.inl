@@ -82,22 +82,23 @@ void state_store<Precision, Rule, StateTier, Placement>::make(std::span<tensor_e
   staging_      = std::move(staging);
   pieces_       = std::move(pieces);
   chunk_pieces_ = std::move(chunk_pieces);
-  if constexpr (staging_aware_tier<StateTier>) {
-    if (staging_) { (void)tier_->register_staging({staging_->data(), staging_->size()}); }  // refusal is announced
-  }
-  dev_ = std::move(dev);
-  if constexpr (Placement::io_thread) { io_ = std::make_unique<detail::io_worker<StateTier>>(*tier_); }
-
-  // If the tier fails on the way, the store goes back to having no state, so the next call
-  // starts over instead of stepping on a half-made master.
-  if constexpr (Precision::has_master) {
-    if (!fill) { return; }
-    try {
-      fill_master(tensors);
-    } catch (...) {
-      discard();
-      throw;
+  dev_          = std::move(dev);
+  // If anything fails from here on (the I/O thread, the tier on the way through the master),
+  // the store goes back to having no state, so the next call starts over instead of stepping
+  // on a half-made one.
+  try {
+    if constexpr (Placement::tier_takes_staging) {
+      if (staging_) { (void)tier_->register_staging({staging_->data(), staging_->size()}); }  // refusal is announced
     }
+    if constexpr (Placement::io_thread) { io_ = std::make_unique<detail::io_worker<StateTier>>(*tier_); }
+    if constexpr (Precision::has_master) {
+      if (fill) { fill_master(tensors); }
+    } else {
+      (void)fill;
+    }
+  } catch (...) {
+    discard();
+    throw;
   }
 }
 
@@ -139,7 +140,7 @@ void state_store<Precision, Rule, StateTier, Placement>::discard() noexcept
 template <class Precision, class Rule, tier StateTier, class Placement>
 void state_store<Precision, Rule, StateTier, Placement>::keep_held_staging() noexcept
 {
-  if constexpr (requires(StateTier const& t) { { t.engine().usable() } -> std::convertible_to<bool>; }) {
+  if constexpr (Placement::tier_engine_may_hold) {
     if (tier_ && !tier_->engine().usable() && staging_) { staging_->abandon(); }
   }
 }
@@ -151,7 +152,7 @@ void state_store<Precision, Rule, StateTier, Placement>::with_chunk(std::size_t 
 {
   std::size_t const bytes  = layout_->chunk_bytes();
   std::size_t const offset = k * bytes;
-  if constexpr (addressable_tier<StateTier>) {
+  if constexpr (Placement::tier_in_host_memory) {
     f(tier_->data() + offset);
     stats.tier_bytes_in_place += bytes;
   } else {

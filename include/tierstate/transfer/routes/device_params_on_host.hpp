@@ -34,9 +34,9 @@ class device_params_on_host : public detail::route_base<Optimizer> {
   using base::o_, base::grads_, base::coefficients_, base::stats_, base::changed_;
   using grad_type                  = typename base::grad_type;
   using param_type                 = typename Optimizer::param_type;
-  static constexpr unsigned B      = Optimizer::transfer_type::staging_buffers;
-  static constexpr unsigned depth  = Optimizer::transfer_type::depth;
-  static constexpr bool staged     = !addressable_tier<typename Optimizer::tier_type>;
+  static constexpr unsigned B      = Optimizer::placement::buffers;
+  static constexpr unsigned depth  = Optimizer::placement::depth;
+  static constexpr bool staged     = Optimizer::placement::host_staging_chunks > 0;
   static constexpr bool has_master = Optimizer::precision_type::has_master;
 
  public:

@@ -23,7 +23,9 @@
 #include <tierstate/transfer/routes/host_staged.hpp>
 #include <tierstate/transfer/routes/streamed_to_device.hpp>
 
+#include <concepts>
 #include <cstddef>
+#include <type_traits>
 
 namespace tierstate::inline TIERSTATE_ABI::routes {
 
@@ -37,7 +39,7 @@ enum class grad_home { host, device, either };
 /// making the master, checkpoints, copy_state), or one chunk per staging buffer.
 enum class host_staging { none, one_chunk, per_buffer };
 
-/// The device resources a route needs made with the state (detail/optimizer/device_resources.hpp):
+/// The device resources a route needs made with the state (state/detail/device_resources.hpp):
 /// none; streams and pinned PCIe rings for the gradients and params (host compute); streams
 /// and the non-finite flag (device compute), with a device ring for the state when it is
 /// streamed from a host tier.
@@ -106,13 +108,21 @@ struct placement {
                 "tierstate::OffloadedOptimizer: OnDevice compute with state in a host tier streams "
                 "each chunk's state to the GPU and back: use the CudaOverlapped<Depth> transfer. (A "
                 "transfer of your own streams it when it says params_on_device = true.)");
-  using family = route_for<home_of<StateTier>, Compute::runs_on_device,
-                           Compute::runs_on_device || moves_device_params<Transfer>>;
+  /// A refused combination gets a stand-in row, so that the sentence above is all it says.
+  using family = std::conditional_t<(!device_tier<StateTier> || Compute::runs_on_device) &&
+                                      (!Compute::runs_on_device || device_tier<StateTier> ||
+                                       moves_device_params<Transfer>),
+                                    route_for<home_of<StateTier>, Compute::runs_on_device,
+                                              Compute::runs_on_device || moves_device_params<Transfer>>,
+                                    route_entry<host_in_place, grad_home::host, host_staging::none,
+                                                device_staging::none>>;
   template <class Optimizer>
   using route = typename family::template route<Optimizer>;
 
   /// Staging buffers of one chunk each (the transfer's), for every ring below.
   static constexpr unsigned buffers               = Transfer::staging_buffers;
+  /// Chunks the transfer reads ahead.
+  static constexpr unsigned depth                 = Transfer::depth;
   static constexpr grad_home grads                = family::grads;
   /// Whether params and gradients may be in device memory.
   static constexpr bool device_params             = family::device != device_staging::none;
@@ -128,6 +138,18 @@ struct placement {
   /// (transfer/detail/io_worker.hpp): a tier that is not addressable, under a transfer that
   /// reads ahead.
   static constexpr bool io_thread = home_of<StateTier> == state_home::staged_host && Transfer::depth > 0;
+
+  // What the state store asks of the tier beyond the `tier` concept (tiers/tier.hpp):
+  /// its bytes are host memory, reached through data();
+  static constexpr bool tier_in_host_memory = home_of<StateTier> == state_home::addressable_host;
+  /// it takes the staging for registration (register_staging: NvmeFile's fixed buffers);
+  static constexpr bool tier_takes_staging = staging_aware_tier<StateTier>;
+  /// it checks its options before anything is made (preflight);
+  static constexpr bool tier_preflights = preflight_tier<StateTier>;
+  /// its I/O engine may retire holding buffers the kernel never gave back (engine().usable()).
+  static constexpr bool tier_engine_may_hold = requires(StateTier const& t) {
+    { t.engine().usable() } -> std::convertible_to<bool>;
+  };
 };
 
 /// The route of composition `Optimizer` (an OffloadedOptimizer).

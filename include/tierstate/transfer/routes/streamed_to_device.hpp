@@ -30,8 +30,8 @@ template <class Optimizer>
 class streamed_to_device : public detail::route_base<Optimizer> {
   using base = detail::route_base<Optimizer>;
   using base::o_, base::grads_, base::coefficients_, base::stats_, base::changed_;
-  static constexpr unsigned B  = Optimizer::transfer_type::staging_buffers;
-  static constexpr bool staged = !addressable_tier<typename Optimizer::tier_type>;
+  static constexpr unsigned B  = Optimizer::placement::buffers;
+  static constexpr bool staged = Optimizer::placement::host_staging_chunks > 0;
 
  public:
   streamed_to_device(Optimizer& o, typename base::grads_type grads, typename base::coefficients const& c,
