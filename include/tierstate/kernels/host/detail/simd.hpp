@@ -13,6 +13,7 @@
 #include <tierstate/core/config.hpp>
 #include <tierstate/core/math.hpp>
 #include <tierstate/core/numeric.hpp>
+#include <tierstate/kernels/host/detail/xsimd_compat.hpp>
 
 #include <xsimd/xsimd.hpp>
 
@@ -131,7 +132,7 @@ TIERSTATE_ALWAYS_INLINE void store_u16(std::uint16_t* p, int_batch<A> const& x) 
 template <class A>
 TIERSTATE_ALWAYS_INLINE float_batch<A> bf16_to_float(int_batch<A> const& h) noexcept
 {
-  return xsimd::bitwise_cast<float_batch<A>>(h << 16);
+  return bit_cast<float>(h << 16);
 }
 
 template <class A>
@@ -142,12 +143,12 @@ TIERSTATE_ALWAYS_INLINE int_batch<A> float_to_bf16(float_batch<A> const& x) noex
   // and top payload kept). Unsigned lanes make every shift logical.
   using U         = xsimd::batch<std::uint32_t, A>;
   using F         = float_batch<A>;
-  U const u       = xsimd::bitwise_cast<U>(x);
+  U const u       = bit_cast<std::uint32_t>(x);
   U const top     = u >> 16;
   U const rounded = (u + U(0x7fffu) + (top & U(1u))) >> 16;
-  F const r       = xsimd::select(x == x, xsimd::bitwise_cast<F>(rounded),
-                                  xsimd::bitwise_cast<F>(top | U(0x0040u)));
-  return xsimd::bitwise_cast<int_batch<A>>(r);
+  F const r       = xsimd::select(x == x, bit_cast<float>(rounded),
+                                  bit_cast<float>(top | U(0x0040u)));
+  return bit_cast<std::int32_t>(r);
 }
 
 template <class A>
@@ -158,23 +159,23 @@ TIERSTATE_ALWAYS_INLINE float_batch<A> fp16_to_float_portable(int_batch<A> const
   I const em   = h & I(0x7fff);
   I const normal = (em << 13) + I(0x38000000);
   I const special = (em << 13) | I(0x7f800000) | xsimd::select(em > I(0x7c00), I(0x00400000), I(0));
-  I const small = xsimd::bitwise_cast<I>(xsimd::batch_cast<float>(em) * float_batch<A>(0x1p-24f));
+  I const small = bit_cast<std::int32_t>(xsimd::batch_cast<float>(em) * float_batch<A>(0x1p-24f));
   I const r = xsimd::select(em >= I(0x7c00), special, xsimd::select(em < I(0x0400), small, normal));
-  return xsimd::bitwise_cast<float_batch<A>>(r | sign);
+  return bit_cast<float>(r | sign);
 }
 
 template <class A>
 TIERSTATE_ALWAYS_INLINE int_batch<A> float_to_fp16_portable(float_batch<A> const& x) noexcept
 {
   using I      = int_batch<A>;
-  I const i    = xsimd::bitwise_cast<I>(x);
+  I const i    = bit_cast<std::int32_t>(x);
   I const sign = (i >> 16) & I(0x8000);
   I const a    = i & I(0x7fffffff);
   // Normal halves: rebias the exponent and round to nearest even in the integer domain.
   I const normal = (a + I(static_cast<std::int32_t>(0xc8000fffu)) + ((a >> 13) & I(1))) >> 13;
   // Subnormal halves (|x| < 2^-14): adding 0.5 leaves an ulp of 2^-24, the half subnormal
   // unit, and the FPU's round-to-nearest-even does the rounding.
-  I const small = xsimd::bitwise_cast<I>(xsimd::bitwise_cast<float_batch<A>>(a) + float_batch<A>(0.5f)) -
+  I const small = bit_cast<std::int32_t>(bit_cast<float>(a) + float_batch<A>(0.5f)) -
                   I(0x3f000000);
   I const nan = I(0x7e00) | ((a >> 13) & I(0x3ff));
   I r = xsimd::select(a < I(0x38800000), small, normal);
