@@ -6,9 +6,9 @@
 // per list, chosen so that every code path of the full list is still reached once: the
 // mixed-precision path (a master beside bf16 params) covers the fp32 one's loads and
 // stores, and one pipelined NvmeFile composition covers the synchronous one's I/O.
-// tests/run-all.sh uses the reduced matrix where a build repeats what the native stages
-// already ran with the full one (the baseline and sanitizer stages): those builds are there
-// for another -march or for a sanitizer, not for more compositions.
+// tests/run-all.sh uses the reduced matrix in every build but gcc-native's, which runs the
+// full one: the others are there for another compiler, -march or sanitizer, not for more
+// compositions.
 //
 // The device compositions need Thrust: they are in device_matrix.hpp.
 #pragma once

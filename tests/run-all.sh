@@ -6,7 +6,7 @@
 #
 #   bash tests/run-all.sh            all stages
 #   bash tests/run-all.sh gcc-native clang-tsan    only those stages
-#   bash tests/run-all.sh clang-baseline           a stage CI no longer runs (see below)
+#   bash tests/run-all.sh gcc-baseline             a stage CI does not run (see below)
 #
 # What each build stage builds (-Dtest_matrix, -Ddisk_tests: tests/meson.build, tests/matrix.hpp):
 #   gcc-native      everything: the full composition matrix, the "disk" suite (NvmeFile, checkpoints,
@@ -15,31 +15,32 @@
 #                   benchmarks' smoke tests, the per-header "compiles alone" checks, install_consumers,
 #                   the compile-fail tests (tests/compile_fail/: each wrong use and its sentence) and
 #                   the examples
-#   clang-native    the same with clang, less the disk suite (its time is the kernel's and the disk's,
-#                   which the compiler does not change), the CUDA targets and the per-header checks
-#                   (gcc-native's; both compilers use libstdc++), the large kernel test at 65539
-#   gcc-baseline    -march=x86-64 (SSE2), no CUDA toolkit: the unit suite over the reduced matrix;
-#                   no disk suite, examples, benchmarks, header checks, install_consumers or
-#                   compile-fail tests (they depend on the compiler, not on -march: the native
-#                   stages run them)
-#   gcc-asan-ubsan  ASan+UBSan at -O1 (-Doptimization=1, the level ASan's authors recommend: its
-#                   translation units compile in less than half the CPU time of -O3; its tests run
-#                   about a quarter slower): the unit and disk suites over the reduced
-#                   matrix, with libstdc++'s assertions (_GLIBCXX_ASSERTIONS); no examples,
-#                   benchmarks, header checks, install_consumers or compile-fail tests
-#   clang-tsan      TSan, -march=x86-64, no CUDA toolkit (clang on the SSE2 path): the unit suite
-#                   over the reduced matrix, whose thread tests (thread pool, streaming gate, call
-#                   gate, engines, emulated device streams) are what TSan is for
-# The reduced matrix keeps one or two compositions per list (tests/matrix.hpp says which): these
-# stages exist for another -march or a sanitizer, and the native stages run the full matrix.
-# clang-baseline (clang, -march=x86-64, no CUDA, everything) is no longer in the default list:
-# clang-tsan and clang-native cover it. It still runs when named. So does bench-long: the
-# benchmarks at the sizes whose JSON lines go into issue notes (minutes; see below).
+#   clang-native    clang at -O3 over the reduced matrix, less the disk suite (its time is the
+#                   kernel's and the disk's, which the compiler does not change), the CUDA targets and
+#                   the per-header checks (gcc-native's; both compilers use libstdc++), the large
+#                   kernel test at 65539
+#   clang-asan-ubsan  ASan+UBSan at -O1 (-Doptimization=1, the level ASan's authors recommend),
+#                   with clang: the unit and disk suites over the reduced matrix, with libstdc++'s
+#                   assertions (_GLIBCXX_ASSERTIONS); no examples, benchmarks, header checks,
+#                   install_consumers or compile-fail tests. clang, not GCC: GCC 12 took four times
+#                   clang 14's CPU to compile a test under ASan+UBSan at -O1 (test_streaming: 78 s
+#                   against 20 s), and the stage's tests took a quarter of its time
+#   clang-tsan      TSan, -march=x86-64, no CUDA toolkit (clang on the SSE2 path, which also proves
+#                   that nothing needs the toolkit): the unit suite over the reduced matrix, whose
+#                   thread tests (thread pool, streaming gate, call gate, engines, emulated device
+#                   streams) are what TSan is for
+# The reduced matrix keeps one or two compositions per list (tests/matrix.hpp says which): every
+# code path of the full matrix is still reached once, and gcc-native runs the full matrix.
+# Named only, not in CI's list (each mostly repeats stages that are): gcc-baseline (GCC at
+# -march=x86-64, the reduced matrix; clang-tsan covers the SSE2 path and gcc-native GCC),
+# clang-baseline (clang at -march=x86-64, everything), gcc-asan-ubsan (the sanitizer stage with
+# GCC) and bench-long, the benchmarks at the sizes whose JSON lines go into issue notes (minutes;
+# see below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-all_stages=(gcc-native clang-native gcc-baseline gcc-asan-ubsan clang-tsan pytorch fuzz bench)
-extra_stages=(clang-baseline bench-long)
+all_stages=(gcc-native clang-native clang-asan-ubsan clang-tsan pytorch fuzz bench)
+extra_stages=(gcc-baseline clang-baseline gcc-asan-ubsan bench-long)
 # Where the native stages already cover them: the benchmarks' smoke tests, the per-header
 # compile checks and install_consumers (see above).
 covered_elsewhere=(-Dbenchmarks=false -Dheader_checks=false -Dinstall_check=false -Dcompile_fail_tests=false)
@@ -61,11 +62,35 @@ configure() {
   CXX=$cxx meson setup "build-$name" --werror "$@"
 }
 
+# xsimd14_args: prints the meson option that builds against xsimd 14 (vcpkg's version; Debian
+# has 8.1), installed with its own CMake into build-xsimd14/ from the release archive vcpkg's
+# port builds from: TIERSTATE_XSIMD14_ARCHIVE, or the newest xtensor-stack-xsimd-14.*.tar.gz in
+# ../shared/vcpkg/downloads/. Without the archive it says so and prints nothing: the stage
+# then builds against the system's xsimd.
+xsimd14_args() {
+  local archive=${TIERSTATE_XSIMD14_ARCHIVE:-}
+  if [ -z "$archive" ]; then
+    archive=$(ls ../shared/vcpkg/downloads/xtensor-stack-xsimd-14.*.tar.gz 2>/dev/null | sort -V | tail -1)
+  fi
+  if [ -z "$archive" ] || [ ! -f "$archive" ]; then
+    echo "no xsimd 14 archive (TIERSTATE_XSIMD14_ARCHIVE, or ../shared/vcpkg/downloads/xtensor-stack-xsimd-14.*.tar.gz):" \
+      "this stage builds against the system's xsimd" >&2
+    return 0
+  fi
+  rm -rf build-xsimd14 && mkdir -p build-xsimd14/src &&
+    tar -xzf "$archive" -C build-xsimd14/src --strip-components=1 &&
+    cmake -S build-xsimd14/src -B build-xsimd14/build -DCMAKE_INSTALL_PREFIX="$PWD/build-xsimd14/prefix" >/dev/null &&
+    cmake --install build-xsimd14/build >/dev/null || { echo "installing xsimd from $archive failed" >&2; return 1; }
+  echo "xsimd from $archive" >&2
+  echo "-Dpkg_config_path=$PWD/build-xsimd14/prefix/share/pkgconfig"
+}
+
 # test_build NAME [ENV=VALUE...]: build, run the tests, and count them.
 test_build() {
   local name=$1
   shift
   meson compile -C "build-$name" || return 1
+  settle_prefetch
   env "$@" meson test -C "build-$name" --print-errorlogs --num-processes 1 || true
   local log="build-$name/meson-logs/testlog.json"
   [ -f "$log" ] || return 1
@@ -99,13 +124,29 @@ PY
   [ "$bad" -eq 0 ]
 }
 
+# settle_prefetch: waits for the PyTorch environment being made in the background (see the
+# end of this file), then for its files to reach the disk. The tests run only after it. One
+# CI run on a fresh machine saw a checkpoint's 4 KiB O_DIRECT write go unanswered for the
+# engine's whole 120 s timeout (test_checkpoint, 5 s on a quiet disk, took 249 s and
+# failed); the likely cause is ext4's ordered mode, whose journal commits wait for the
+# writeback of gigabytes of freshly unpacked wheels.
+settle_prefetch() {
+  [ -n "${torch_prefetch_pid:-}" ] || return 0
+  local t0
+  t0=$(date +%s)
+  wait "$torch_prefetch_pid"
+  torch_prefetch_pid=
+  sync
+  echo "waited $(($(date +%s) - t0))s for the PyTorch environment (made in the background) and its writeback"
+  torch_prefetch_log=build-pytorch/venv.log
+}
+
 # torch_venv: sets venv_path to a virtual environment with torch 2.11.0 and numpy, made when missing.
 torch_venv() {
-  if [ -n "${torch_prefetch_pid:-}" ]; then
-    # Made in the background since the run began (see below): wait for it, show its log.
-    wait "$torch_prefetch_pid"
-    torch_prefetch_pid=
-    cat build-pytorch/venv.log
+  settle_prefetch
+  if [ -n "${torch_prefetch_log:-}" ]; then
+    cat "$torch_prefetch_log"
+    torch_prefetch_log=
   fi
   local own=$HOME/.cache/tierstate/torch-2.11.0
   local venv=${TIERSTATE_TORCH_VENV:-$own}
@@ -119,7 +160,7 @@ torch_venv() {
     echo "making $venv: torch==2.11.0 from PyPI"
     rm -rf "$venv"
     python3 -m venv "$venv" || { echo "python3 -m venv failed: install python3-venv"; return 1; }
-    "$venv/bin/pip" install -q --disable-pip-version-check torch==2.11.0 numpy || return 1
+    "$venv/bin/pip" install -q --disable-pip-version-check --no-cache-dir torch==2.11.0 numpy || return 1
     "$venv/bin/python" -c "$check" || return 1
   fi
   "$venv/bin/python" -c "import torch; print('torch', torch.__version__, 'from', torch.__file__)"
@@ -173,10 +214,17 @@ run_stage() {
     gcc-native) configure "$name" g++ -Darch=native -Dcuda=enabled -Dthrust=enabled -Dnvcc_targets=true \
         -Dnvcc_test_matrix=reduced && test_build "$name" ;;
     # clang-native leaves the per-header "compiles alone" checks to gcc-native (both compile
-    # against libstdc++, so a missing include fails in both) and runs the large-size kernel
-    # test at 65539 elements (gcc-native runs it at 2^20 + 3; both reach the same code).
-    clang-native) configure "$name" clang++ -Darch=native -Dthrust=enabled -Ddisk_tests=false -Dheader_checks=false &&
-        test_build "$name" TIERSTATE_TEST_LARGE_SIZE=65539 ;;
+    # against libstdc++, so a missing include fails in both), runs the reduced matrix (every
+    # code path once; the full matrix adds type combinations, which gcc-native runs) and the
+    # large-size kernel test at 65539 elements (gcc-native runs it at 2^20 + 3; both reach the
+    # same code).
+    # It builds against xsimd 14 (xsimd14_args), the others against Debian's 8.1: the headers
+    # support both (kernels/host/detail/xsimd_compat.hpp).
+    clang-native)
+      local xsimd
+      xsimd=$(xsimd14_args) || return 1
+      configure "$name" clang++ -Darch=native -Dthrust=enabled -Ddisk_tests=false -Dheader_checks=false \
+          "${reduced[@]}" $xsimd && test_build "$name" TIERSTATE_TEST_LARGE_SIZE=65539 ;;
     # The baseline x86-64 builds also prove that nothing needs the CUDA toolkit.
     gcc-baseline)
       configure "$name" g++ -Darch=x86-64 -Dcuda=disabled -Dthrust=enabled "${covered_elsewhere[@]}" \
@@ -187,14 +235,20 @@ run_stage() {
     # The large-size kernel test shrinks to 65539 elements in the baseline and sanitizer
     # stages (a larger array reaches no further code; at 2^20 + 3 it took 189 s of the
     # baseline stage, where fp16 converts without F16C, and each element costs 15-50x more
-    # under the sanitizers). Under the sanitizers GCC 12's -Wmaybe-uninitialized reports false
-    # positives inside libstdc++'s <regex> (reached from Catch2's header, in
+    # under the sanitizers). _GLIBCXX_ASSERTIONS bounds-checks libstdc++'s operator[] and
+    # friends: ASan cannot see an index past a vector's size that stays within its capacity
+    # (such an index, into the io_uring engine's requests, leaked the hint string an LSan
+    # suppression hid until 2026-12-01).
+    clang-asan-ubsan)
+      configure "$name" clang++ -Darch=native -Db_sanitize=address,undefined -Db_lundef=false \
+          -Doptimization=1 "-Dcpp_args=['-D_GLIBCXX_ASSERTIONS']" \
+          "${covered_elsewhere[@]}" "${reduced[@]}" -Dexamples=false &&
+        test_build "$name" TIERSTATE_TEST_LARGE_SIZE=65539 \
+          UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 ;;
+    # The same with GCC (named only). Under the sanitizers GCC 12's -Wmaybe-uninitialized
+    # reports false positives inside libstdc++'s <regex> (reached from Catch2's header, in
     # tests/catch_main.cpp; at -O1 and at -O3 alike). meson.build's GCC 12 AVX-512 quirk
-    # already turns it off where -march=native has AVX-512; this stage turns it off on any
-    # CPU. The other g++ stages keep it as an error. _GLIBCXX_ASSERTIONS bounds-checks
-    # libstdc++'s operator[] and friends: ASan cannot see an index past a vector's size that
-    # stays within its capacity (such an index, into the io_uring engine's requests, leaked
-    # the hint string an LSan suppression hid until 2026-12-01).
+    # already turns it off where -march=native has AVX-512; this stage turns it off on any CPU.
     gcc-asan-ubsan)
       configure "$name" g++ -Darch=native -Db_sanitize=address,undefined -Db_lundef=false \
           -Doptimization=1 "-Dcpp_args=['-Wno-maybe-uninitialized','-D_GLIBCXX_ASSERTIONS']" \
@@ -237,7 +291,7 @@ run_stage() {
       [ -x build-gcc-native/bench/host_step ] && [ -x build-gcc-native/bench/nvme_step ] ||
         { configure gcc-native g++ -Darch=native && meson compile -C build-gcc-native; } || return 1
       build-gcc-native/bench/host_step --rule adamw &&
-        build-gcc-native/bench/nvme_step ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} ;;
+        build-gcc-native/bench/nvme_step --elements 20971520 ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} ;;
     # Opt-in (named only): the benchmarks at the sizes and repetitions whose JSON lines go into
     # issue notes. host_step at 2^27 elements, 15 reps; nvme_step's two sizes over 20 steps;
     # torch_step at 2^26 elements, 11 reps (the pytorch stage's environment, made if missing;
