@@ -98,7 +98,7 @@ void settle(uring_core& c, ring_holder& h, ring_damage& damage, bool cancel_all,
     }
     if (!waiting) { break; }
     char const* op = "";
-    int const w    = c.wait_until(h, uring_core::next_deadline(h), op);
+    int const w    = c.wait_until(h, uring_core::next_deadline(h, true), op);
     if (w < 0 && w != -ETIME && w != -EAGAIN && w != -EBUSY) {
       stuck = {-w, op};
       break;

@@ -1,11 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // The io_uring backend's rings (see io/uring_engine.hpp): opening them, filling a ring's
-// slots, submitting, waiting with a deadline, reaping completions, cancelling at a piece's
-// timeout, withdrawing what the kernel has not taken, and settling a ring after a failure.
-// The stream (uring_stream.hpp) drives them; the engine owns them, what broke it, and what
-// it holds.
+// slots, submitting, waiting with a deadline and reaping completions. Cancelling at a
+// piece's timeout, withdrawing what the kernel has not taken and settling a ring after a
+// failure are in uring_cancel.hpp. The stream (uring_stream.hpp) drives them; the engine
+// owns them, what broke it, and what it holds.
 #pragma once
 
+#include <tierstate/core/error.hpp>
 #include <tierstate/io/detail/pieces.hpp>
 #include <tierstate/io/detail/uring_state.hpp>
 #include <tierstate/io/fault.hpp>
@@ -129,12 +130,15 @@ class uring_core {
   }
 
   /// The soonest moment something in `h` must be looked at: a piece's timeout, or the end of
-  /// a cancellation's grace. `never` when nothing is timed.
-  [[nodiscard]] static clock::time_point next_deadline(ring_holder const& h) noexcept
+  /// the grace of a cancelled piece the kernel still holds; with `cancellations`, also the
+  /// end of the grace of a cancellation whose piece has already answered (settle() stops
+  /// waiting for it then; a stream has nothing to do at that moment, and waiting on a
+  /// deadline already past would only spin). `never` when nothing is timed.
+  [[nodiscard]] static clock::time_point next_deadline(ring_holder const& h, bool cancellations = false) noexcept
   {
     clock::time_point t = never;
     for (auto const& st : h.slots) {
-      if (st.cancelled && (st.busy || st.cancel_out)) {
+      if (st.cancelled && (st.busy || (cancellations && st.cancel_out))) {
         t = std::min(t, st.give_up);
       } else if (st.busy && st.taken) {
         t = std::min(t, st.deadline);
@@ -152,13 +156,18 @@ class uring_core {
     return nullptr;
   }
 
-  /// Prepares piece `p` of request `r` in a free slot, as the fault plan's decision `d` says
-  /// (a hang reads from the plan's pipe instead). Returns false when no slot or entry is free.
-  bool prep_piece(ring_holder& h, request const& r, piece const& p, fault_plan::decision&& d)
+  /// Whether `h` has a free slot and a free submission entry: room for prep_piece().
+  [[nodiscard]] static bool has_room(ring_holder& h) noexcept
   {
-    if (h.free.empty()) { return false; }
+    return !h.free.empty() && io_uring_sq_space_left(&h.ring) > 0;
+  }
+
+  /// Prepares piece `p` of request `r` in a free slot, as the fault plan's decision `d` says
+  /// (a hang reads from the plan's pipe instead). Needs has_room(h).
+  void prep_piece(ring_holder& h, request const& r, piece const& p, fault_plan::decision&& d)
+  {
+    TIERSTATE_EXPECTS(has_room(h), "uring_core::prep_piece: no free slot or entry (has_room first)");
     io_uring_sqe* sqe = io_uring_get_sqe(&h.ring);
-    if (sqe == nullptr) { return false; }
     unsigned const s = h.free.back();
     h.free.pop_back();
     auto& st       = h.slots[s];
@@ -175,7 +184,6 @@ class uring_core {
     io_uring_sqe_set_data64(sqe, s);
     ++h.in_flight;
     h.untaken.push_back(s);
-    return true;
   }
 
   void prep(io_uring_sqe* sqe, request const& r, piece const& p, std::size_t n) const noexcept

@@ -138,24 +138,25 @@ class uring_stream {
       placed = false;
       for (auto& h : rings_) {
         if (waiting_.empty()) { break; }
-        if (h.free.empty()) { continue; }
         piece const p = waiting_.front();
-        auto& sr              = requests_[p.request];
-        fault_plan::decision d = fault_plan::decision::as_is(p.length);
-        if (sr.failure.error == 0 && !stopped()) {
-          d = c_.decide(sr.r, p);
-          if (d.error != 0) { note(sr, d.error, p); }
+        auto& sr      = requests_[p.request];
+        // A piece whose request has failed (or, under stop_at_first_failure, any piece once
+        // another has failed) is not submitted: it leaves at once, with no slot needed. Any
+        // other waits for a free slot and entry, and only then asks the fault plan, so that
+        // every decision taken is a piece submitted (the plan counts pieces).
+        bool drop = sr.failure.error != 0 || stopped();
+        if (!drop) {
+          if (!uring_core::has_room(h)) { continue; }
+          fault_plan::decision d = c_.decide(sr.r, p);
+          if (d.error != 0) {
+            note(sr, d.error, p);
+            drop = true;
+          } else {
+            c_.prep_piece(h, sr.r, p, std::move(d));
+          }
         }
-        if (sr.failure.error != 0 || stopped()) {
-          // The request has failed (or, under stop_at_first_failure, another has): its
-          // remaining pieces are not submitted.
-          waiting_.pop_front();
-          if (--sr.pieces_left == 0) { finished_now_.push_back(p.request); }
-          placed = true;
-          continue;
-        }
-        if (!c_.prep_piece(h, sr.r, p, std::move(d))) { continue; }
         waiting_.pop_front();
+        if (drop && --sr.pieces_left == 0) { finished_now_.push_back(p.request); }
         placed = true;
       }
     }
