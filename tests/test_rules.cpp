@@ -5,7 +5,11 @@
 
 #include <catch2/catch.hpp>
 
+#include <array>
 #include <limits>
+#include <span>
+#include <string>
+#include <vector>
 
 using namespace tierstate;
 using namespace tierstate::test;
@@ -106,6 +110,52 @@ TEST_CASE("slots are fixed at compile time", "[rules]")
   STATIC_REQUIRE(slot_name(slot::exp_avg_sq) == "exp_avg_sq");
   STATIC_REQUIRE(Adam::name == "adam");
   STATIC_REQUIRE(AdamWAmsgrad::name == "adamw_amsgrad");
+}
+
+TEMPLATE_TEST_CASE("the hyper-parameter table: the checkpoint's values in v1's order, and back", "[rules]",
+                   Adam, AdamW, AdamAmsgrad, AdamWAmsgrad)
+{
+  using R = TestType;
+  std::string const n(R::name);
+  STATIC_REQUIRE(R::hyperparameter_table.size() == 6);
+  typename R::hyperparameters h;
+  h.lr           = 0.25;
+  h.betas        = {0.5, 0.75};
+  h.eps          = 1e-6;
+  h.weight_decay = 0.125;
+  h.maximize     = true;
+  // v1 checkpoints record lr, beta1, beta2, eps, weight_decay, maximize: the table's order.
+  auto const v = hyperparameter_values<R>(h);
+  CHECK(v == std::array<double, 6>{0.25, 0.5, 0.75, 1e-6, 0.125, 1.0});
+  auto const back = hyperparameters_from_values<R>(v);
+  CHECK(hyperparameter_values<R>(back) == v);
+  CHECK(back.maximize);
+  CHECK(back.betas[1] == 0.75);
+
+  std::vector<std::string> names;
+  for (auto const& row : R::hyperparameter_table) { names.emplace_back(row.name); }
+  CHECK(names == std::vector<std::string>{"lr", "betas[0]", "betas[1]", "eps", "weight_decay", "maximize"});
+
+  // Values a corrupt checkpoint may hold are refused with the row's name and reason.
+  auto refused = [&](std::array<double, 6> bad, std::string const& option, std::string const& value) {
+    try {
+      (void)hyperparameters_from_values<R>(bad);
+      FAIL("accepted " << option << " = " << value);
+    } catch (invalid_option const& e) {
+      CHECK(e.option() == option);
+      CHECK(e.value() == value);
+    }
+  };
+  auto bad = v;
+  bad[5]   = 2.0;
+  refused(bad, n + ".maximize", "2");
+  bad    = v;
+  bad[2] = 1.0;
+  refused(bad, n + ".betas[1]", "1");
+  bad    = v;
+  bad[0] = std::numeric_limits<double>::quiet_NaN();
+  refused(bad, n + ".lr", "nan");
+  CHECK_THROWS_AS(hyperparameters_from_values<R>(std::span<double const>(v).first(5)), invalid_option);
 }
 
 TEST_CASE("coefficients are torch's scalars, computed in double", "[rules]")

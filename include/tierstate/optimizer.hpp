@@ -61,13 +61,14 @@
 #include <tierstate/core/precision.hpp>
 #include <tierstate/core/stats.hpp>
 #include <tierstate/core/tensor.hpp>
+#include <tierstate/core/thread_pool.hpp>
+#include <tierstate/detail/optimizer/registry_parts.hpp>
 #include <tierstate/io/engine.hpp>
 #include <tierstate/kernels/host/finite.hpp>
 #include <tierstate/kernels/host/on_host.hpp>
-#include <tierstate/core/thread_pool.hpp>
 #include <tierstate/kernels/host/update.hpp>
 #include <tierstate/optimizer_options.hpp>
-#include <tierstate/detail/optimizer/registry_parts.hpp>
+#include <tierstate/rules/rule.hpp>
 #include <tierstate/state/store.hpp>
 #include <tierstate/step/checks.hpp>
 #include <tierstate/step/delayed_update.hpp>
@@ -103,9 +104,15 @@
 
 namespace tierstate::inline TIERSTATE_ABI {
 
-template <rule Rule, precision Precision = Bf16Mixed, tier StateTier = PinnedHost,
+template <class Rule, precision Precision = Bf16Mixed, tier StateTier = PinnedHost,
           class Transfer = Synchronous, class Compute = OnHost<>>
 class OffloadedOptimizer {
+ public:
+  /// `Rule`, once it models tierstate::rule (rules/rule.hpp); a type that does not is refused
+  /// here with one sentence naming the first thing it misses.
+  using rule_type = typename detail::checked_rule<Rule>::type;
+
+ private:
   static_assert(transfer<Transfer>,
                 "tierstate::OffloadedOptimizer: Transfer must model tierstate::transfer "
                 "(transfer/concept.hpp): static constexpr unsigned depth and staging_buffers (more than "
@@ -121,14 +128,13 @@ class OffloadedOptimizer {
   /// combination that has no route.
   using placement = routes::placement<StateTier, Compute, Transfer>;
 
-  using rule_type       = Rule;
   using precision_type  = Precision;
   using tier_type       = StateTier;
   using transfer_type   = Transfer;
   using param_type      = typename Precision::param_type;
   using grad_type       = typename Precision::grad_type;
   using state_type      = typename Precision::state_type;
-  using hyperparameters = typename Rule::hyperparameters;
+  using hyperparameters = typename rule_type::hyperparameters;
   using compute_type    = Compute;
   /// The xsimd architecture of the host work (OnHost's Arch).
   using arch            = typename detail::compute_arch<Compute>::type;
@@ -137,7 +143,7 @@ class OffloadedOptimizer {
 
   /// The slots this composition keeps, in layout order: the master (when the precision has
   /// one), then the rule's.
-  static constexpr std::size_t slot_count = Rule::slot_count + (Precision::has_master ? 1 : 0);
+  static constexpr std::size_t slot_count = rule_type::slots.size() + (Precision::has_master ? 1 : 0);
   /// Whether params and gradients may be in device memory: OnDevice compute, or a transfer
   /// that moves them (CudaOverlapped, or one of yours with params_on_device = true).
   static constexpr bool takes_device_params = placement::device_params;
@@ -274,7 +280,8 @@ class OffloadedOptimizer {
   [[nodiscard]] thread_pool& pool() noexcept { return pool_; }
 
  private:
-  using store_type   = detail::state_store<Precision, Rule, StateTier, placement>;
+  using store_type   = detail::state_store<Precision, rule_type, StateTier, placement>;
+  using coefficients_type = typename rule_type::coefficients;
   using checks       = detail::step_checks<grad_type, Compute, placement>;
   using device_resources = typename store_type::device_resources;
   using tensor_entry = detail::tensor_entry<param_type>;
@@ -291,13 +298,13 @@ class OffloadedOptimizer {
   template <class> friend class routes::streamed_to_device;
   template <class> friend class routes::detail::tier_io;
   template <class> friend class routes::detail::route_base;
-  [[nodiscard]] std::vector<typename Rule::coefficients> coefficients_for(double grad_scale) const;
+  [[nodiscard]] std::vector<coefficients_type> coefficients_for(double grad_scale) const;
   /// Non-finite detection and clipping; false when the step must be skipped.
   bool check_and_clip(std::span<grad_view<grad_type> const> grads, double grad_scale,
-                      std::vector<typename Rule::coefficients>& coefficients, step_result& result);
+                      std::vector<coefficients_type>& coefficients, step_result& result);
   /// The step after its checks: chunks updated in chunk_at() order, each after await_chunk().
   void run_step(std::span<grad_view<grad_type> const> grads,
-                std::vector<typename Rule::coefficients>& coefficients, step_result& result);
+                std::vector<coefficients_type>& coefficients, step_result& result);
   /// The chunk the j-th position of this step's order updates.
   [[nodiscard]] std::size_t chunk_at(std::size_t j) const noexcept;
   /// A streaming step: blocks until chunk k's gradients are all in (and, when the checks
@@ -315,7 +322,7 @@ class OffloadedOptimizer {
   void drive_streaming_step();
   /// Queues the device update of chunk k, whose state is device memory at `chunk`.
   void launch_chunk(std::size_t k, std::byte* chunk, std::span<grad_view<grad_type> const> grads,
-                    std::vector<typename Rule::coefficients> const& coefficients);
+                    std::vector<coefficients_type> const& coefficients);
   /// Refuses a slot this composition does not keep, naming it.
   void check_slot(slot s, char const* call) const;
   [[nodiscard]] checkpoint::header make_header() const;
@@ -331,7 +338,7 @@ class OffloadedOptimizer {
   /// staging (`grad_stage`, `param_stage`: chunk_elements each) instead.
   void update_chunk_range(std::size_t k, std::byte* chunk, std::size_t b, std::size_t e,
                           std::span<grad_view<grad_type> const> grads,
-                          std::vector<typename Rule::coefficients> const& coefficients,
+                          std::vector<coefficients_type> const& coefficients,
                           grad_type const* grad_stage = nullptr, param_type* param_stage = nullptr);
 
   options opts_;
@@ -348,9 +355,9 @@ class OffloadedOptimizer {
   store_type store_;
 
   /// The delayed update (step/delayed_update.hpp); the destructor waits for its worker first.
-  detail::delayed_update<grad_type, param_type, typename Rule::coefficients, placement::device_params> delayed_;
+  detail::delayed_update<grad_type, param_type, coefficients_type, placement::device_params> delayed_;
   /// The streaming gate (step/streaming_gate.hpp), declared last: its driver stops first.
-  detail::streaming_gate<grad_type, typename Rule::coefficients, placement::device_params> streaming_;
+  detail::streaming_gate<grad_type, coefficients_type, placement::device_params> streaming_;
 };
 
 }  // namespace tierstate

@@ -1,12 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// Slots and the concepts that policies model.
+// Slots: the per-element arrays of optimizer state. (What a rule is: rules/rule.hpp.)
 #pragma once
 
 #include <tierstate/core/config.hpp>
 
-#include <array>
-#include <concepts>
-#include <cstddef>
 #include <cstdint>
 #include <string_view>
 
@@ -30,25 +27,5 @@ enum class slot : std::uint8_t {
   }
   return "unknown";
 }
-
-/// What an optimizer rule provides. A rule is a small struct:
-///   - `name`: a short identifier ("adamw");
-///   - `slots`: a std::array<slot, N> of the state arrays it keeps besides the master,
-///     fixed at compile time;
-///   - `hyperparameters`: a struct with defaults, checked by `validate` (which throws
-///     tierstate::invalid_option naming the field and the value);
-///   - `coefficients`: everything an update needs for one step, made once per step (in
-///     double, then rounded) by `coefficients_for(hyperparameters, step, grad_scale)`;
-///   - `update(coefficients, weight, grad, state)`: the per-element math, a template over
-///     the value type so the same text runs on float, on SIMD batches and on the device.
-template <class R>
-concept rule = requires(typename R::hyperparameters const& h, typename R::coefficients& k,
-                        float& w, float g, float (&s)[R::slots.size()]) {
-  { R::name } -> std::convertible_to<std::string_view>;
-  { R::slots.size() } -> std::convertible_to<std::size_t>;
-  { R::validate(h) };
-  { R::coefficients_for(h, std::int64_t{1}, 1.0) } -> std::same_as<typename R::coefficients>;
-  { R::update(k, w, g, s) };
-};
 
 }  // namespace tierstate

@@ -23,6 +23,7 @@
 #include <tierstate/core/concepts.hpp>
 #include <tierstate/core/error.hpp>
 #include <tierstate/core/math.hpp>
+#include <tierstate/rules/rule.hpp>
 
 #include <array>
 #include <span>
@@ -69,24 +70,29 @@ struct AdamRule {
     bool maximize               = false;
   };
 
-  /// The hyper-parameters as numbers, in a fixed order (for checkpoints): lr, beta1, beta2,
-  /// eps, weight_decay, maximize (0 or 1).
-  static constexpr std::size_t hyperparameter_count = 6;
-  [[nodiscard]] static std::array<double, hyperparameter_count> to_values(hyperparameters const& h) noexcept
-  {
-    return {h.lr, h.betas[0], h.betas[1], h.eps, h.weight_decay, h.maximize ? 1.0 : 0.0};
-  }
-  /// The inverse of to_values; validates (throws tierstate::invalid_option).
-  [[nodiscard]] static hyperparameters from_values(std::span<double const> v)
-  {
-    TIERSTATE_EXPECTS(v.size() == hyperparameter_count, "AdamRule::from_values: 6 values expected");
-    if (v[5] != 0.0 && v[5] != 1.0) {
-      throw invalid_option(std::string(name) + ".maximize", detail::to_text(v[5]), "must be 0 or 1");
-    }
-    hyperparameters h{v[0], {v[1], v[2]}, v[3], v[4], v[5] == 1.0};
-    validate(h);
-    return h;
-  }
+  /// The table (rules/rule.hpp): validation, and the values a checkpoint records in this
+  /// order (lr, beta1, beta2, eps, weight_decay, maximize), come from it. The reasons are
+  /// torch.optim's.
+  static constexpr std::array<hyperparameter<hyperparameters>, 6> hyperparameter_table{{
+    {"lr", [](hyperparameters const& h) noexcept { return h.lr; },
+     [](hyperparameters& h, double v) noexcept { h.lr = v; }, value_range::at_least(0.0),
+     "the learning rate must be >= 0"},
+    {"betas[0]", [](hyperparameters const& h) noexcept { return h.betas[0]; },
+     [](hyperparameters& h, double v) noexcept { h.betas[0] = v; }, value_range::half_open(0.0, 1.0),
+     "beta1 must be in [0, 1)"},
+    {"betas[1]", [](hyperparameters const& h) noexcept { return h.betas[1]; },
+     [](hyperparameters& h, double v) noexcept { h.betas[1] = v; }, value_range::half_open(0.0, 1.0),
+     "beta2 must be in [0, 1)"},
+    {"eps", [](hyperparameters const& h) noexcept { return h.eps; },
+     [](hyperparameters& h, double v) noexcept { h.eps = v; }, value_range::at_least(0.0),
+     "epsilon must be >= 0"},
+    {"weight_decay", [](hyperparameters const& h) noexcept { return h.weight_decay; },
+     [](hyperparameters& h, double v) noexcept { h.weight_decay = v; }, value_range::at_least(0.0),
+     "weight decay must be >= 0"},
+    {"maximize", [](hyperparameters const& h) noexcept { return h.maximize ? 1.0 : 0.0; },
+     [](hyperparameters& h, double v) noexcept { h.maximize = v != 0.0; }, value_range::boolean(),
+     "must be 0 or 1"},
+  }};
 
   /// Everything one element's update needs for one step, in float.
   struct coefficients {
@@ -103,25 +109,8 @@ struct AdamRule {
   };
 
   /// Throws tierstate::invalid_option, naming the field and the value, for exactly the
-  /// values torch.optim.AdamW refuses (a NaN is refused everywhere).
-  static void validate(hyperparameters const& h)
-  {
-    auto const refuse = [](std::string_view field, double value, char const* why) {
-      throw invalid_option(std::string(name) + "." + std::string(field), detail::to_text(value),
-                           why);
-    };
-    if (!(0.0 <= h.lr)) { refuse("lr", h.lr, "the learning rate must be >= 0"); }
-    if (!(0.0 <= h.eps)) { refuse("eps", h.eps, "epsilon must be >= 0"); }
-    if (!(0.0 <= h.betas[0] && h.betas[0] < 1.0)) {
-      refuse("betas[0]", h.betas[0], "beta1 must be in [0, 1)");
-    }
-    if (!(0.0 <= h.betas[1] && h.betas[1] < 1.0)) {
-      refuse("betas[1]", h.betas[1], "beta2 must be in [0, 1)");
-    }
-    if (!(0.0 <= h.weight_decay)) {
-      refuse("weight_decay", h.weight_decay, "weight decay must be >= 0");
-    }
-  }
+  /// values torch.optim.AdamW refuses (a NaN is refused everywhere): the table's ranges.
+  static void validate(hyperparameters const& h) { validate_hyperparameters<AdamRule>(h); }
 
   /// The coefficients of step `step` (1 for the first step, as torch counts), for gradients
   /// multiplied by `grad_scale` (GradScaler's scale; 1 when unscaled). Validates `h`.

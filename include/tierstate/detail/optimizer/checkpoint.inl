@@ -5,7 +5,7 @@
 
 namespace tierstate::inline TIERSTATE_ABI {
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save(
     std::filesystem::path const& path, checkpoint_options const& o)
 {
@@ -124,7 +124,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save(
   observe(save_event::done);
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
     std::filesystem::path const& path, checkpoint_options const& o)
 {
@@ -185,7 +185,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
   std::uint64_t const own_payload = checkpoint::encode(make_header(lay)).size();
   std::uint64_t const max_header  = std::max<std::uint64_t>(
     std::uint64_t{8} << 20,
-    own_payload + (tensors_.size() + 1) * (8 * Rule::hyperparameter_count + 8) + checkpoint::block);
+    own_payload + (tensors_.size() + 1) * (8 * rule_type::hyperparameter_table.size() + 8) + checkpoint::block);
   std::uint64_t const H = checkpoint::header_bytes({first.data(), first.size()}, file_bytes, file, max_header);
   region = PinnedHost(H);
   std::memcpy(region.data(), first.data(), checkpoint::block);
@@ -238,7 +238,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
   }
   step_ = h.step;
   groups_.clear();
-  for (auto const& g : h.groups) { groups_.push_back(Rule::from_values(g)); }
+  for (auto const& g : h.groups) { groups_.push_back(hyperparameters_from_values<rule_type>(g)); }
   for (std::size_t t = 0; t < tensors_.size(); ++t) { tensors_[t].group = h.tensors[t].group; }
   store_.clear_lost();
 }

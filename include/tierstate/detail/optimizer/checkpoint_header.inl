@@ -5,18 +5,18 @@
 
 namespace tierstate::inline TIERSTATE_ABI {
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 checkpoint::header OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::make_header() const
 {
   return make_header(store_.layout());
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 checkpoint::header OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::make_header(
     layout const& lay) const
 {
   checkpoint::header h;
-  h.rule           = std::string(Rule::name);
+  h.rule           = std::string(rule_type::name);
   h.precision      = Precision::name();
   h.step           = step_;
   h.chunk_elements = lay.chunk_elements();
@@ -30,15 +30,15 @@ checkpoint::header OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Comp
   for (std::size_t t = 0; t < tensors_.size(); ++t) {
     h.tensors.push_back({tensors_[t].name, lay.tensors()[t].offset, tensors_[t].count, tensors_[t].group});
   }
-  h.values_per_group = static_cast<std::uint32_t>(Rule::hyperparameter_count);
+  h.values_per_group = static_cast<std::uint32_t>(rule_type::hyperparameter_table.size());
   for (auto const& g : groups_) {
-    auto const v = Rule::to_values(g);
+    auto const v = hyperparameter_values<rule_type>(g);
     h.groups.emplace_back(v.begin(), v.end());
   }
   return h;
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_header(
     checkpoint::header const& h, layout const& lay, std::string const& path) const
 {
@@ -46,7 +46,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_he
   auto differ = [&](std::string const& what, std::string const& there, std::string const& here) {
     throw checkpoint_error(path, "was saved with " + what + " " + there + ", and this optimizer has " + here);
   };
-  if (h.rule != Rule::name) { differ("rule", quoted(h.rule), quoted(std::string(Rule::name))); }
+  if (h.rule != rule_type::name) { differ("rule", quoted(h.rule), quoted(std::string(rule_type::name))); }
   if (h.precision != Precision::name()) { differ("precision", detail::clipped(h.precision), Precision::name()); }
   auto const mine = make_header(lay);
   if (h.slots.size() != mine.slots.size()) {
@@ -79,10 +79,10 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_he
            std::to_string(mine.chunk_count) + " chunks of " + std::to_string(mine.chunk_bytes) + " bytes");
   }
   if (h.step < 0) { throw checkpoint_error(path, "step count " + std::to_string(h.step) + " is negative (corrupt)"); }
-  if (h.values_per_group != Rule::hyperparameter_count || h.groups.empty()) {
+  if (h.values_per_group != rule_type::hyperparameter_table.size() || h.groups.empty()) {
     throw checkpoint_error(path, std::to_string(h.groups.size()) + " groups of " + std::to_string(h.values_per_group) +
-                                   " hyper-parameters; " + std::string(Rule::name) + " has " +
-                                   std::to_string(Rule::hyperparameter_count) + " (corrupt)");
+                                   " hyper-parameters; " + std::string(rule_type::name) + " has " +
+                                   std::to_string(rule_type::hyperparameter_table.size()) + " (corrupt)");
   }
   for (std::size_t t = 0; t < h.tensors.size(); ++t) {
     if (h.tensors[t].group >= h.groups.size()) {
@@ -93,14 +93,14 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_he
   }
   for (std::size_t g = 0; g < h.groups.size(); ++g) {
     try {
-      (void)Rule::from_values(h.groups[g]);
+      (void)hyperparameters_from_values<rule_type>(h.groups[g]);
     } catch (invalid_option const& e) {
       throw checkpoint_error(path, "group " + std::to_string(g) + ": " + e.what());
     }
   }
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 io::engine_options OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::checkpoint_io(
     checkpoint_options const& o) const
 {
@@ -119,7 +119,7 @@ io::engine_options OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Comp
   return eo;
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 io::engine OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::checkpoint_engine(
     io::engine_options const& eo, checkpoint_options const& o,
                                                   std::string const& path) const

@@ -6,10 +6,10 @@
 
 namespace tierstate::inline TIERSTATE_ABI {
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 bool OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_and_clip(
     std::span<grad_view<grad_type> const> grads, double grad_scale,
-                                         std::vector<typename Rule::coefficients>& coefficients,
+                                         std::vector<coefficients_type>& coefficients,
                                          step_result& result)
 {
   auto const t0 = std::chrono::steady_clock::now();

@@ -5,7 +5,7 @@
 
 namespace tierstate::inline TIERSTATE_ABI {
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step_delayed(std::span<grad_view<grad_type> const> grads, double grad_scale,
                                               device::stream_view ready)
 {
@@ -39,12 +39,12 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
   r.step = ++step_;  // counted when started: a failure loses the state anyway
   delayed_.start(std::move(coefficients), step_,
                  [this](std::span<grad_view<grad_type> const> views,
-                        std::vector<typename Rule::coefficients>& coefficients,
+                        std::vector<coefficients_type>& coefficients,
                         step_result& result) { run_step(views, coefficients, result); });
   return r;
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::flush()
 {
   detail::gate_entry const gate(gate_, "flush");

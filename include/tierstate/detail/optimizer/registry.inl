@@ -11,12 +11,12 @@
 #include <cstring>
 
 namespace tierstate::inline TIERSTATE_ABI {
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::OffloadedOptimizer(
     hyperparameters const& defaults, options const& opts)
   : opts_(opts), pool_(opts.threads)
 {
-  Rule::validate(defaults);
+  validate_hyperparameters<rule_type>(defaults);
   if (opts.chunk_elements == 0 || opts.chunk_elements % layout::element_granularity != 0) {
     throw invalid_option("chunk_elements", detail::to_text(opts.chunk_elements),
                          "must be a positive multiple of 2048, so every slot array of a chunk "
@@ -39,7 +39,7 @@ OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::OffloadedOpti
   groups_.push_back(defaults);
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tensor(std::string name,
     param_type* param, std::size_t count,
                                      location where) -> tensor_id
@@ -87,12 +87,12 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tens
   return id;
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_group(hyperparameters const& h,
                                     std::vector<std::string> const& tensor_names) -> group_id
 {
   detail::gate_entry const gate(gate_, "add_group");
-  Rule::validate(h);
+  validate_hyperparameters<rule_type>(h);
   if (tensor_names.empty()) { throw logic_error("add_group: the group names no tensor"); }
   std::vector<std::size_t> members;
   members.reserve(tensor_names.size());
@@ -117,7 +117,7 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_grou
   return groups_.size() - 1;
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::set_hyperparameters(group_id g,
     hyperparameters const& h)
 {
@@ -127,11 +127,11 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::set_hype
     throw logic_error("set_hyperparameters: there is no group " + std::to_string(g) + " (" +
                       std::to_string(groups_.size()) + " groups)");
   }
-  Rule::validate(h);
+  validate_hyperparameters<rule_type>(h);
   groups_[g] = h;
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::get_hyperparameters(
     group_id g) const -> hyperparameters const&
 {
@@ -141,14 +141,14 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::get_hype
   return groups_[g];
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::group_of(
     std::string_view tensor) const -> group_id
 {
   return tensors_[find_tensor(tensor, "group_of")].group;
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 std::size_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::find_tensor(
     std::string_view name, char const* caller) const
 {

@@ -5,37 +5,37 @@
 
 namespace tierstate::inline TIERSTATE_ABI {
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::materialize(bool fill_master)
 {
   store_.make(tensors_, opts_.tier, opts_.chunk_elements, fill_master);
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 std::size_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::staging_bytes() const noexcept
 {
   return store_.staging_bytes();
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 std::size_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::device_staging_bytes() const noexcept
 {
   return store_.device_staging_bytes();
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_params(std::size_t t) const noexcept -> param_type*
 {
   return delayed_.made() ? delayed_.params(store_.layout().tensors()[t].offset) : tensors_[t].param;
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 bool OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_params_on_device(std::size_t t) const noexcept
 {
   return !delayed_.made() && tensors_[t].where == location::device;
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::copy_state(std::string_view tensor,
     slot s, std::span<float> to)
 {
@@ -53,19 +53,19 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::copy_sta
   store_.read_slot(t, store_.layout().slot_index(s), to);
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_slot(slot s,
     char const* call) const
 {
   bool const kept = (Precision::has_master && s == slot::master) ||
-                    std::find(Rule::slots.begin(), Rule::slots.end(), s) != Rule::slots.end();
+                    std::find(rule_type::slots.begin(), rule_type::slots.end(), s) != rule_type::slots.end();
   if (!kept) {
     throw logic_error(std::string(call) + ": this optimizer keeps no slot " + std::string(slot_name(s)) +
                       (s == slot::master ? " (fp32 params are their own master)" : ""));
   }
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::set_step_count(std::int64_t n)
 {
   detail::gate_entry const gate(gate_, "set_step_count");
@@ -75,7 +75,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::set_step
   step_ = n;
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::write_state(std::string_view tensor,
     slot s, std::span<float const> from)
 {
@@ -93,7 +93,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::write_st
   store_.write_slot(t, store_.layout().slot_index(s), from);
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 layout const& OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::state_layout()
 {
   detail::gate_entry const gate(gate_, "state_layout");
@@ -101,7 +101,7 @@ layout const& OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>:
   return store_.layout();
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 StateTier& OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::state_tier()
 {
   detail::gate_entry const gate(gate_, "state_tier");

@@ -5,14 +5,14 @@
 
 namespace tierstate::inline TIERSTATE_ABI {
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::launch_chunk(std::size_t k,
     std::byte* chunk,
                                        std::span<grad_view<grad_type> const> grads,
-                                       std::vector<typename Rule::coefficients> const& coefficients)
+                                       std::vector<coefficients_type> const& coefficients)
 {
   if constexpr (placement::on_device) {
-    using arrays_t = update_arrays<Precision, Rule::slot_count>;
+    using arrays_t = update_arrays<Precision, rule_type::slots.size()>;
     constexpr std::size_t first_rule_slot = Precision::has_master ? 1 : 0;
     for (auto const& pc : store_.pieces(k)) {
       auto const& tensor = tensors_[pc.tensor];
@@ -23,11 +23,11 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::launch_c
       if constexpr (Precision::has_master) {
         a.master = reinterpret_cast<float*>(chunk + store_.layout().slot_offset(0)) + pc.chunk_begin;
       }
-      for (std::size_t j = 0; j < Rule::slot_count; ++j) {
+      for (std::size_t j = 0; j < rule_type::slots.size(); ++j) {
         a.state[j] = reinterpret_cast<state_type*>(chunk + store_.layout().slot_offset(first_rule_slot + j)) +
                      pc.chunk_begin;
       }
-      Compute::template update_async<Rule, Precision>(store_.device().compute, coefficients[tensor.group], a,
+      Compute::template update_async<rule_type, Precision>(store_.device().compute, coefficients[tensor.group], a,
                                                       pc.count);
     }
   } else {

@@ -5,24 +5,24 @@
 
 namespace tierstate::inline TIERSTATE_ABI {
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_chunk_range(std::size_t k,
     std::byte* chunk, std::size_t b, std::size_t e,
                                              std::span<grad_view<grad_type> const> grads,
-                                             std::vector<typename Rule::coefficients> const& coefficients,
+                                             std::vector<coefficients_type> const& coefficients,
                                              grad_type const* grad_stage, param_type* param_stage)
 {
   if constexpr (placement::on_device) {  // the device routes launch kernels instead (step_device.inl)
     (void)k, (void)chunk, (void)b, (void)e, (void)grads, (void)coefficients, (void)grad_stage, (void)param_stage;
   } else {
-    using arrays_t = update_arrays<Precision, Rule::slot_count>;
+    using arrays_t = update_arrays<Precision, rule_type::slots.size()>;
     constexpr std::size_t first_rule_slot = Precision::has_master ? 1 : 0;
     float* master = nullptr;
     if constexpr (Precision::has_master) {
       master = reinterpret_cast<float*>(chunk + store_.layout().slot_offset(0));
     }
-    std::array<state_type*, Rule::slot_count> state{};
-    for (std::size_t j = 0; j < Rule::slot_count; ++j) {
+    std::array<state_type*, rule_type::slots.size()> state{};
+    for (std::size_t j = 0; j < rule_type::slots.size(); ++j) {
       state[j] = reinterpret_cast<state_type*>(chunk + store_.layout().slot_offset(first_rule_slot + j));
     }
     // The pieces (tensor parts) of chunk k that overlap [b, e), each with its tensor's group.
@@ -37,13 +37,13 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
       a.param  = update_params_on_device(pc.tensor) ? param_stage + lo : update_params(pc.tensor) + tofs;
       a.grad   = grads[pc.tensor].where == location::device ? grad_stage + lo : grads[pc.tensor].data + tofs;
       a.master = master != nullptr ? master + lo : nullptr;
-      for (std::size_t j = 0; j < Rule::slot_count; ++j) { a.state[j] = state[j] + lo; }
-      Compute::template update_range<Rule, Precision>(coefficients[tensor.group], a, 0, hi - lo);
+      for (std::size_t j = 0; j < rule_type::slots.size(); ++j) { a.state[j] = state[j] + lo; }
+      Compute::template update_range<rule_type, Precision>(coefficients[tensor.group], a, 0, hi - lo);
     }
   }
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step(
     std::span<grad_view<grad_type> const> grads, double grad_scale,
                                      device::stream_view ready)
@@ -79,21 +79,21 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
   return result;
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::coefficients_for(
     double grad_scale) const
-  -> std::vector<typename Rule::coefficients>
+  -> std::vector<coefficients_type>
 {
-  std::vector<typename Rule::coefficients> coefficients;
+  std::vector<coefficients_type> coefficients;
   coefficients.reserve(groups_.size());
-  for (auto const& h : groups_) { coefficients.push_back(Rule::coefficients_for(h, step_ + 1, grad_scale)); }
+  for (auto const& h : groups_) { coefficients.push_back(rule_type::coefficients_for(h, step_ + 1, grad_scale)); }
   return coefficients;
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::run_step(
     std::span<grad_view<grad_type> const> grads,
-                                   std::vector<typename Rule::coefficients>& coefficients,
+                                   std::vector<coefficients_type>& coefficients,
                                    step_result& result)
 {
   bool changed = false;  // whether a chunk's params and state began to change

@@ -6,19 +6,19 @@
 
 namespace tierstate::inline TIERSTATE_ABI {
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 std::size_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::chunk_at(std::size_t j) const noexcept
 {
   return streaming_.chunk_at(j);
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::await_chunk(std::size_t k, step_stats& stats)
 {
   streaming_.await(
     k, store_.pieces(k), stats,
     [this](std::span<grad_view<grad_type> const> views, double grad_scale,
-           std::vector<typename Rule::coefficients>& coefficients,
+           std::vector<coefficients_type>& coefficients,
            step_result& result) { return check_and_clip(views, grad_scale, coefficients, result); },
     [dev = store_.device_if_any()](device::event& e) {  // the streams that read a device gradient wait for it
       if constexpr (placement::device_params) {
@@ -30,13 +30,13 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::await_ch
     });
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 bool OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::chunk_is_ready(std::size_t k)
 {
   return streaming_.ready_now(k);
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_not_streaming(char const* call) const
 {
   if (in_step()) {
@@ -44,7 +44,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_no
   }
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::begin_step(double grad_scale, unsigned micro_batches)
 {
   detail::gate_entry const gate(gate_, "begin_step");
@@ -65,7 +65,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::begin_st
                    [this] { drive_streaming_step(); });
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::grad_ready(tensor_id t, grad_view<grad_type> g, device::stream_view ready)
 {
   if (t >= tensors_.size()) {
@@ -78,7 +78,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::grad_rea
   streaming_.hand_over(t, g, who, ready);
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::finish_step()
 {
   detail::gate_entry const gate(gate_, "finish_step");
@@ -86,7 +86,7 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::f
   return streaming_.finish();
 }
 
-template <rule Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::drive_streaming_step()
 {
   auto& result = streaming_.result();

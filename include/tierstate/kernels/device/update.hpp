@@ -46,6 +46,7 @@
 #include <tierstate/core/numeric.hpp>
 #include <tierstate/core/precision.hpp>
 #include <tierstate/kernels/host/update.hpp>  // update_arrays, check_arrays
+#include <tierstate/rules/rule.hpp>
 
 #include <cstddef>
 

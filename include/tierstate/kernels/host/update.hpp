@@ -15,8 +15,9 @@
 #include <tierstate/core/concepts.hpp>
 #include <tierstate/core/error.hpp>
 #include <tierstate/core/precision.hpp>
-#include <tierstate/kernels/host/detail/simd.hpp>
 #include <tierstate/core/thread_pool.hpp>
+#include <tierstate/kernels/host/detail/simd.hpp>
+#include <tierstate/rules/rule.hpp>
 
 #include <array>
 #include <cstddef>

@@ -81,7 +81,7 @@ TIERSTATE_HOST_DEVICE T from_float(float x) noexcept
 /// One element: the tuple holds (param, grad, [master,] slot 0, slot 1, ...) references.
 template <class R, class P>
 struct update_element {
-  static constexpr std::size_t slots = R::slot_count;
+  static constexpr std::size_t slots = R::slots.size();
   static constexpr std::size_t first = P::has_master ? 3 : 2;  ///< tuple index of slot 0
   using param_t = native_t<typename P::param_type>;
   using state_t = native_t<typename P::state_type>;
@@ -169,7 +169,7 @@ void update_async(stream_view s, typename R::coefficients const& k,
 {
   host::check_arrays(a, n);
   if (n == 0) { return; }
-  auto const begin = detail::zip_begin(a, std::make_index_sequence<R::slot_count>{});
+  auto const begin = detail::zip_begin(a, std::make_index_sequence<R::slots.size()>{});
   auto const end   = begin + static_cast<std::ptrdiff_t>(n);
   detail::update_element<R, P> const f{k};
 #if defined(TIERSTATE_ENABLE_CUDA)

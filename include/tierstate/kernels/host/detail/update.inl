@@ -87,20 +87,35 @@ void update_tail(typename R::coefficients const& k, update_arrays<P, Slots> cons
   for (std::size_t j = 0; j < Slots; ++j) { std::memcpy(a.state[j] + i, state[j], m * sizeof(state_t)); }
 }
 
+/// Whether R::update takes xsimd batches of Arch, as it takes floats (a rule whose update is
+/// written for float alone does not).
+template <class R, class Arch>
+concept updates_batches = requires(typename R::coefficients const& k, xsimd::batch<float, Arch>& w,
+                                   xsimd::batch<float, Arch> g, xsimd::batch<float, Arch> (&s)[R::slots.size()]) {
+  R::update(k, w, g, s);
+};
+
 }  // namespace detail
 
 template <rule R, precision P, class Arch>
 void update_range(typename R::coefficients const& k, update_arrays<P, R::slots.size()> const& a,
                   std::size_t begin, std::size_t end) noexcept
 {
-  constexpr std::size_t n = xsimd::batch<float, Arch>::size;
-  // Local copies: the stores below cannot alias them, so the compiler keeps the pointers
-  // and the broadcast coefficients in registers across the loop.
-  auto const kl = k;
-  auto const al = a;
-  std::size_t i = begin;
-  for (; i + n <= end; i += n) { detail::update_batch<R, P, Arch>(kl, al, i); }
-  if (i < end) { detail::update_tail<R, P, Arch>(kl, al, i, end - i); }
+  static_assert(detail::updates_batches<R, Arch>,
+                "tierstate: the rule's update must also take xsimd::batch<float, Arch>, the host kernels' "
+                "value type: make it `template <class V> static void update(coefficients const&, V& weight, "
+                "V grad, V (&state)[slots.size()])` and write its math with tierstate::math (math::fma, "
+                "math::sqrt, math::maximum) and V(...) constants (rules/rule.hpp)");
+  if constexpr (detail::updates_batches<R, Arch>) {  // (else: the sentence above is the only error)
+    constexpr std::size_t n = xsimd::batch<float, Arch>::size;
+    // Local copies: the stores below cannot alias them, so the compiler keeps the pointers
+    // and the broadcast coefficients in registers across the loop.
+    auto const kl = k;
+    auto const al = a;
+    std::size_t i = begin;
+    for (; i + n <= end; i += n) { detail::update_batch<R, P, Arch>(kl, al, i); }
+    if (i < end) { detail::update_tail<R, P, Arch>(kl, al, i, end - i); }
+  }
 }
 
 template <rule R, precision P, class Arch>

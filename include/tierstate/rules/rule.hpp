@@ -1,0 +1,215 @@
+// SPDX-License-Identifier: Apache-2.0
+// What a rule is: the `rule` concept, the hyper-parameter table every rule writes once, and
+// what the library derives from that table (validation, the values a checkpoint records).
+//
+// A rule is a small struct (rules/adam.hpp is one):
+//   - `name`: a short identifier ("adamw"), which checkpoints record;
+//   - `slots`: a std::array<slot, N> (N >= 1) of the state arrays it keeps besides the
+//     master, in the order `update` receives them;
+//   - `hyperparameters`: a struct with torch.optim's defaults;
+//   - `hyperparameter_table`: a std::array<hyperparameter<hyperparameters>, M>, one row per
+//     number: its name as torch.optim spells it ("lr", "betas[0]"), how to read and set it,
+//     the values it may take and, in torch's words, why others are refused. Validation, the
+//     values a checkpoint records (in table order) and the PyTorch bindings come from it;
+//   - `coefficients`: everything an update needs for one step (trivially copyable: it goes
+//     to the device as it is), made once per step by `coefficients_for(hyperparameters,
+//     step, grad_scale)`;
+//   - `update(coefficients, weight, grad, state)`: the per-element math, a template over the
+//     value type, so that the same text runs on float, on xsimd batches and on the device.
+//
+// A type that misses one of these is refused where the optimizer is instantiated, with one
+// sentence that names the first thing missing (detail::checked_rule).
+#pragma once
+
+#include <tierstate/core/concepts.hpp>
+#include <tierstate/core/config.hpp>
+#include <tierstate/core/error.hpp>
+
+#include <array>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+
+namespace tierstate::inline TIERSTATE_ABI {
+
+/// The values one hyper-parameter may take: [lo, hi] (hi itself excluded when hi_open), or,
+/// for a flag, exactly 0 and 1. NaN is never one of them.
+struct value_range {
+  double lo     = -std::numeric_limits<double>::infinity();
+  double hi     = std::numeric_limits<double>::infinity();
+  bool hi_open  = false;
+  bool flag     = false;
+
+  [[nodiscard]] constexpr bool admits(double v) const noexcept
+  {
+    if (flag) { return v == 0.0 || v == 1.0; }
+    return lo <= v && (hi_open ? v < hi : v <= hi);
+  }
+
+  /// [lo, +inf]
+  [[nodiscard]] static constexpr value_range at_least(double lo) noexcept { return {lo}; }
+  /// [lo, hi)
+  [[nodiscard]] static constexpr value_range half_open(double lo, double hi) noexcept { return {lo, hi, true}; }
+  /// 0 or 1 (a bool)
+  [[nodiscard]] static constexpr value_range boolean() noexcept { return {0.0, 1.0, false, true}; }
+};
+
+/// One row of a rule's hyper-parameter table (see the file comment).
+template <class H>
+struct hyperparameter {
+  std::string_view name;             ///< torch.optim's spelling: "lr", "betas[0]", "maximize"
+  double (*get)(H const&) noexcept;  ///< the value, as a double (a flag: 0 or 1)
+  void (*set)(H&, double) noexcept;  ///< sets it from a double the range admits
+  value_range range;
+  std::string_view why;  ///< why a value outside the range is refused, in torch's words
+};
+
+namespace detail {
+
+template <class T, class H>
+struct is_hyperparameter_table : std::false_type {};
+template <class H, std::size_t N>
+struct is_hyperparameter_table<std::array<hyperparameter<H>, N>, H> : std::true_type {};
+
+template <class T>
+struct is_slot_array : std::false_type {};
+template <std::size_t N>
+struct is_slot_array<std::array<slot, N>> : std::bool_constant<(N > 0)> {};
+
+// The parts of the `rule` concept, each named for the sentence detail::checked_rule says
+// when it is missing.
+template <class R>
+concept rule_has_name = requires {
+  { R::name } -> std::convertible_to<std::string_view>;
+};
+template <class R>
+concept rule_has_slots = requires { R::slots; } && is_slot_array<std::remove_cvref_t<decltype(R::slots)>>::value;
+template <class R>
+concept rule_has_hyperparameters = requires { typename R::hyperparameters; } &&
+                                   std::semiregular<typename R::hyperparameters>;
+template <class R>
+concept rule_has_table = requires { R::hyperparameter_table; } &&
+                         is_hyperparameter_table<std::remove_cvref_t<decltype(R::hyperparameter_table)>,
+                                                 typename R::hyperparameters>::value;
+template <class R>
+concept rule_has_coefficients =
+  requires(typename R::hyperparameters const& h) {
+    typename R::coefficients;
+    { R::coefficients_for(h, std::int64_t{1}, 1.0) } -> std::same_as<typename R::coefficients>;
+  } && std::is_trivially_copyable_v<typename R::coefficients>;
+template <class R>
+concept rule_updates_float = requires(typename R::coefficients const& k, float& w, float g,
+                                      float (&s)[R::slots.size()]) { R::update(k, w, g, s); };
+
+}  // namespace detail
+
+/// See the file comment.
+template <class R>
+concept rule = detail::rule_has_name<R> && detail::rule_has_slots<R> && detail::rule_has_hyperparameters<R> &&
+               detail::rule_has_table<R> && detail::rule_has_coefficients<R> && detail::rule_updates_float<R>;
+
+/// Throws tierstate::invalid_option ("<rule>.<name> = <value>: <why>") for the first number
+/// of `h`, in table order, that its row's range does not admit.
+template <rule R>
+void validate_hyperparameters(typename R::hyperparameters const& h)
+{
+  for (auto const& row : R::hyperparameter_table) {
+    double const v = row.get(h);
+    if (!row.range.admits(v)) {
+      throw invalid_option(std::string(R::name) + "." + std::string(row.name), detail::to_text(v),
+                           std::string(row.why));
+    }
+  }
+}
+
+/// The numbers of `h`, in table order: what a checkpoint records per group.
+template <rule R>
+[[nodiscard]] std::array<double, R::hyperparameter_table.size()> hyperparameter_values(
+    typename R::hyperparameters const& h) noexcept
+{
+  std::array<double, R::hyperparameter_table.size()> out{};
+  for (std::size_t i = 0; i < out.size(); ++i) { out[i] = R::hyperparameter_table[i].get(h); }
+  return out;
+}
+
+/// The inverse of hyperparameter_values: throws tierstate::invalid_option for a count that
+/// is not the table's, or a value its row does not admit (a corrupt checkpoint).
+template <rule R>
+[[nodiscard]] typename R::hyperparameters hyperparameters_from_values(std::span<double const> v)
+{
+  constexpr std::size_t n = R::hyperparameter_table.size();
+  if (v.size() != n) {
+    throw invalid_option(std::string(R::name) + " hyper-parameters", std::to_string(v.size()) + " values",
+                         "the rule has " + std::to_string(n));
+  }
+  typename R::hyperparameters h{};
+  for (std::size_t i = 0; i < n; ++i) {
+    auto const& row = R::hyperparameter_table[i];
+    if (!row.range.admits(v[i])) {
+      throw invalid_option(std::string(R::name) + "." + std::string(row.name), detail::to_text(v[i]),
+                           std::string(row.why));
+    }
+    row.set(h, v[i]);
+  }
+  return h;
+}
+
+namespace detail {
+
+/// What a refused rule is replaced with, so that its one sentence is the only error.
+struct stand_in_rule {
+  static constexpr std::string_view name = "stand_in";
+  static constexpr std::array<slot, 1> slots{slot::exp_avg};
+  struct hyperparameters {
+    friend bool operator==(hyperparameters const&, hyperparameters const&) = default;
+  };
+  static constexpr std::array<hyperparameter<hyperparameters>, 0> hyperparameter_table{};
+  struct coefficients {
+    float unused;
+  };
+  static coefficients coefficients_for(hyperparameters const&, std::int64_t, double) { return {}; }
+  template <class V>
+  TIERSTATE_HOST_DEVICE static void update(coefficients const&, V&, V, V (&)[1]) noexcept
+  {
+  }
+};
+
+/// `R`, checked: each part of the rule concept in turn, the first one missing refused with
+/// a sentence; `type` is R, or a stand-in once one is refused.
+template <class R>
+struct checked_rule {
+  static constexpr bool named = rule_has_name<R>;
+  static_assert(named, "tierstate: a rule needs `static constexpr std::string_view name`: a short identifier, "
+                       "which checkpoints record (rules/rule.hpp)");
+  static constexpr bool slotted = !named || rule_has_slots<R>;
+  static_assert(slotted, "tierstate: a rule needs `static constexpr std::array<tierstate::slot, N> slots` "
+                         "(N >= 1): the state arrays it keeps besides the master, in the order `update` "
+                         "receives them (rules/rule.hpp)");
+  static constexpr bool with_hyperparameters = !(named && slotted) || rule_has_hyperparameters<R>;
+  static_assert(with_hyperparameters,
+                "tierstate: a rule needs `struct hyperparameters`, default-constructible and copyable, "
+                "with torch.optim's defaults (rules/rule.hpp)");
+  static constexpr bool tabled = !(named && slotted && with_hyperparameters) || rule_has_table<R>;
+  static_assert(tabled, "tierstate: a rule needs `static constexpr std::array<tierstate::hyperparameter<"
+                        "hyperparameters>, M> hyperparameter_table`: each number's name, how to read and set "
+                        "it, and the values it may take (rules/rule.hpp)");
+  static constexpr bool with_coefficients =
+    !(named && slotted && with_hyperparameters && tabled) || rule_has_coefficients<R>;
+  static_assert(with_coefficients,
+                "tierstate: a rule needs a trivially copyable `struct coefficients` and `static coefficients "
+                "coefficients_for(hyperparameters const&, std::int64_t step, double grad_scale)` (rules/rule.hpp)");
+  static constexpr bool updates =
+    !(named && slotted && with_hyperparameters && tabled && with_coefficients) || rule_updates_float<R>;
+  static_assert(updates, "tierstate: a rule needs `template <class V> static void update(coefficients const&, "
+                         "V& weight, V grad, V (&state)[slots.size()])`, callable with V = float (rules/rule.hpp)");
+
+  using type = std::conditional_t<rule<R>, R, stand_in_rule>;
+};
+
+}  // namespace detail
+}  // namespace tierstate

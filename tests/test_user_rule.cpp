@@ -1,0 +1,202 @@
+// SPDX-License-Identifier: Apache-2.0
+// A user's own rule, written in this file against rules/rule.hpp alone (nothing Adam has
+// beyond what the concept asks: no slot_count, no validate, no to_values): heavy-ball
+// momentum, with Nesterov's variant as a flag. It runs in place on PinnedHost and staged
+// through NvmeFile with Pipelined<2>, bit for bit as a plain loop over floats; its
+// hyper-parameters are validated from its table; its checkpoint round-trips.
+#include "nvme_support.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+using namespace tierstate;
+using namespace tierstate::test;
+
+struct Momentum {
+  static constexpr std::string_view name = "test_momentum";
+  static constexpr std::array<slot, 1> slots{slot::exp_avg};
+  struct hyperparameters {
+    double lr       = 0.01;
+    double momentum = 0.9;
+    bool nesterov   = false;
+  };
+  static constexpr std::array<hyperparameter<hyperparameters>, 3> hyperparameter_table{{
+    {"lr", [](hyperparameters const& h) noexcept { return h.lr; },
+     [](hyperparameters& h, double v) noexcept { h.lr = v; }, value_range::at_least(0.0),
+     "the learning rate must be >= 0"},
+    {"momentum", [](hyperparameters const& h) noexcept { return h.momentum; },
+     [](hyperparameters& h, double v) noexcept { h.momentum = v; }, value_range::half_open(0.0, 1.0),
+     "momentum must be in [0, 1)"},
+    {"nesterov", [](hyperparameters const& h) noexcept { return h.nesterov ? 1.0 : 0.0; },
+     [](hyperparameters& h, double v) noexcept { h.nesterov = v != 0.0; }, value_range::boolean(),
+     "must be 0 or 1"},
+  }};
+  struct coefficients {
+    float grad_mul;
+    float neg_lr;
+    float momentum;
+    bool nesterov;
+  };
+  static coefficients coefficients_for(hyperparameters const& h, std::int64_t, double grad_scale)
+  {
+    validate_hyperparameters<Momentum>(h);
+    return {static_cast<float>(1.0 / grad_scale), static_cast<float>(-h.lr), static_cast<float>(h.momentum),
+            h.nesterov};
+  }
+  template <class V>
+  TIERSTATE_HOST_DEVICE static void update(coefficients const& k, V& w, V g, V (&s)[1]) noexcept
+  {
+    g           = math::fma(g, V(k.grad_mul), V(0.0f));
+    V& m        = s[0];
+    m           = math::fma(V(k.momentum), m, g);
+    V const dir = k.nesterov ? math::fma(V(k.momentum), m, g) : m;
+    w           = math::fma(V(k.neg_lr), dir, w);
+  }
+};
+static_assert(rule<Momentum>);
+
+constexpr std::array<std::size_t, 3> sizes = {3001, 1, 5000};  // 9002 elements in 5 chunks  // awkward: tails, a lone element, chunk spans
+
+float grad_at(int step, std::size_t t, std::size_t i)
+{
+  return std::sin(0.37f * static_cast<float>(step) + 0.011f * static_cast<float>(i) + static_cast<float>(t));
+}
+
+/// What the optimizer must compute: the rule's own text on floats, element by element.
+std::vector<std::vector<float>> plain(int steps, Momentum::hyperparameters const& h, double scale)
+{
+  std::vector<std::vector<float>> w, m;
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    w.emplace_back(sizes[t]);
+    m.emplace_back(sizes[t], 0.0f);
+    for (std::size_t i = 0; i < sizes[t]; ++i) { w[t][i] = 0.001f * static_cast<float>(i % 97) - 0.05f; }
+  }
+  for (int s = 1; s <= steps; ++s) {
+    auto const k = Momentum::coefficients_for(h, s, scale);
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      for (std::size_t i = 0; i < sizes[t]; ++i) {
+        float st[1] = {m[t][i]};
+        Momentum::update(k, w[t][i], grad_at(s, t, i) * static_cast<float>(scale), st);
+        m[t][i] = st[0];
+      }
+    }
+  }
+  return w;
+}
+
+template <class Opt>
+struct model {
+  std::vector<std::vector<float>> w, g;
+
+  explicit model(Opt& opt)
+  {
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      w.emplace_back(sizes[t]);
+      g.emplace_back(sizes[t]);
+      for (std::size_t i = 0; i < sizes[t]; ++i) { w[t][i] = 0.001f * static_cast<float>(i % 97) - 0.05f; }
+      opt.add_tensor("t" + std::to_string(t), w[t].data(), sizes[t]);
+    }
+  }
+  void steps(Opt& opt, int from, int to, double scale)
+  {
+    for (int s = from; s <= to; ++s) {
+      std::vector<grad_view<float>> views;
+      for (std::size_t t = 0; t < sizes.size(); ++t) {
+        for (std::size_t i = 0; i < sizes[t]; ++i) { g[t][i] = grad_at(s, t, i) * static_cast<float>(scale); }
+        views.push_back({g[t].data(), g[t].size()});
+      }
+      opt.step(views, scale);
+    }
+  }
+};
+
+template <class Opt>
+typename Opt::options small_chunks(typename Opt::options o = {})
+{
+  o.chunk_elements = 2048;  // several chunks per tensor (5000 elements), and chunks spanning tensors
+  o.threads        = 2;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("a user's rule validates from its table", "[rules][user_rule]")
+{
+  Momentum::hyperparameters h;
+  h.momentum = 1.0;
+  try {
+    validate_hyperparameters<Momentum>(h);
+    FAIL("momentum 1 accepted");
+  } catch (invalid_option const& e) {
+    CHECK(e.option() == "test_momentum.momentum");
+    CHECK(e.value() == "1");
+    CHECK_THAT(e.what(), Catch::Contains("momentum must be in [0, 1)"));
+  }
+  using Opt = OffloadedOptimizer<Momentum, Fp32>;
+  CHECK_THROWS_AS(Opt(h), invalid_option);
+}
+
+TEST_CASE("a user's rule runs in place and staged through NvmeFile, bit for bit as a plain loop", "[rules][user_rule][nvme]")
+{
+  Momentum::hyperparameters h;
+  h.lr       = 0.05;
+  h.nesterov = GENERATE(false, true);
+  INFO("nesterov " << h.nesterov);
+  auto const want = plain(7, h, 4.0);
+
+  using HostOpt = OffloadedOptimizer<Momentum, Fp32, PinnedHost, Synchronous>;
+  HostOpt host(h, small_chunks<HostOpt>());
+  model<HostOpt> a(host);
+  a.steps(host, 1, 7, 4.0);
+  CHECK(a.w == want);
+
+  scratch_dir d;
+  using DiskOpt = OffloadedOptimizer<Momentum, Fp32, NvmeFile, Pipelined<2>>;
+  typename DiskOpt::options o;
+  o.tier = in(d);
+  DiskOpt disk(h, small_chunks<DiskOpt>(o));
+  model<DiskOpt> b(disk);
+  b.steps(disk, 1, 7, 4.0);
+  CHECK(b.w == want);
+
+  std::vector<float> m_host(sizes[2]), m_disk(sizes[2]);
+  host.copy_state("t2", slot::exp_avg, m_host);
+  disk.copy_state("t2", slot::exp_avg, m_disk);
+  CHECK(m_host == m_disk);
+}
+
+TEST_CASE("a user's rule checkpoints: saved on one tier, loaded on another, resumed exactly", "[rules][user_rule][checkpoint]")
+{
+  scratch_dir d;
+  Momentum::hyperparameters h;
+  h.momentum = 0.5;
+  using HostOpt = OffloadedOptimizer<Momentum, Fp32, PinnedHost, Synchronous>;
+  HostOpt a(h, small_chunks<HostOpt>());
+  model<HostOpt> ma(a);
+  ma.steps(a, 1, 3, 1.0);
+  a.save(d.path / "ckpt");
+  auto const params_at_3 = ma.w;  // Fp32 keeps no master: the params are the caller's, not the checkpoint's
+  ma.steps(a, 4, 6, 1.0);
+
+  using DiskOpt = OffloadedOptimizer<Momentum, Fp32, NvmeFile, Pipelined<2>>;
+  typename DiskOpt::options o;
+  o.tier = in(d);
+  DiskOpt b(Momentum::hyperparameters{}, small_chunks<DiskOpt>(o));
+  model<DiskOpt> mb(b);
+  for (std::size_t t = 0; t < sizes.size(); ++t) { std::copy(params_at_3[t].begin(), params_at_3[t].end(), mb.w[t].begin()); }
+  b.load(d.path / "ckpt");
+  CHECK(b.get_hyperparameters(0).momentum == 0.5);
+  mb.steps(b, 4, 6, 1.0);
+  CHECK(mb.w == ma.w);
+  CHECK(mb.w == plain(6, h, 1.0));
+}
