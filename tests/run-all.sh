@@ -209,6 +209,15 @@ run_pytorch() {
   [ "$rc" -eq 0 ]
 }
 
+# asan_ubsan_stage NAME CXX CPP_ARGS: the sanitizer stage (see run_stage) with compiler CXX and
+# CPP_ARGS, a Meson array's quoted items.
+asan_ubsan_stage() {
+  configure "$1" "$2" -Darch=native -Db_sanitize=address,undefined -Db_lundef=false -Doptimization=1 \
+      "-Dcpp_args=[$3]" "${covered_elsewhere[@]}" "${reduced[@]}" -Dexamples=false &&
+    test_build "$1" TIERSTATE_TEST_LARGE_SIZE=65539 \
+      UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1
+}
+
 run_stage() {
   local name=$1
   case $name in
@@ -248,22 +257,12 @@ run_stage() {
     # friends: ASan cannot see an index past a vector's size that stays within its capacity
     # (such an index, into the io_uring engine's requests, leaked the hint string an LSan
     # suppression hid until 2026-12-01).
-    clang-asan-ubsan)
-      configure "$name" clang++ -Darch=native -Db_sanitize=address,undefined -Db_lundef=false \
-          -Doptimization=1 "-Dcpp_args=['-D_GLIBCXX_ASSERTIONS']" \
-          "${covered_elsewhere[@]}" "${reduced[@]}" -Dexamples=false &&
-        test_build "$name" TIERSTATE_TEST_LARGE_SIZE=65539 \
-          UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 ;;
+    clang-asan-ubsan) asan_ubsan_stage "$name" clang++ "'-D_GLIBCXX_ASSERTIONS'" ;;
     # The same with GCC (named only). Under the sanitizers GCC 12's -Wmaybe-uninitialized
     # reports false positives inside libstdc++'s <regex> (reached from Catch2's header, in
     # tests/catch_main.cpp; at -O1 and at -O3 alike). meson.build's GCC 12 AVX-512 quirk
     # already turns it off where -march=native has AVX-512; this stage turns it off on any CPU.
-    gcc-asan-ubsan)
-      configure "$name" g++ -Darch=native -Db_sanitize=address,undefined -Db_lundef=false \
-          -Doptimization=1 "-Dcpp_args=['-Wno-maybe-uninitialized','-D_GLIBCXX_ASSERTIONS']" \
-          "${covered_elsewhere[@]}" "${reduced[@]}" -Dexamples=false &&
-        test_build "$name" TIERSTATE_TEST_LARGE_SIZE=65539 \
-          UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 ASAN_OPTIONS=detect_leaks=1 ;;
+    gcc-asan-ubsan) asan_ubsan_stage "$name" g++ "'-Wno-maybe-uninitialized','-D_GLIBCXX_ASSERTIONS'" ;;
     # ThreadSanitizer with clang. tierstate's threads are std::threads; nothing here uses
     # OpenMP (GCC's OpenMP runtime is invisible to TSan and gives false reports). Baseline
     # x86-64 without the CUDA toolkit, in place of the clang-baseline stage.

@@ -165,9 +165,7 @@ namespace detail {
 struct stand_in_rule {
   static constexpr std::string_view name = "stand_in";
   static constexpr std::array<slot, 1> slots{slot::exp_avg};
-  struct hyperparameters {
-    friend bool operator==(hyperparameters const&, hyperparameters const&) = default;
-  };
+  struct hyperparameters {};
   static constexpr std::array<hyperparameter<hyperparameters>, 0> hyperparameter_table{};
   struct coefficients {
     float unused;
