@@ -60,6 +60,16 @@ struct run_result {
   bool operator==(run_result const&) const = default;
 };
 
+/// Options with `chunk` elements per chunk and `threads` threads (0: the default).
+template <class Opt>
+typename Opt::options chunked(std::size_t chunk, std::size_t threads = 0)
+{
+  typename Opt::options o;
+  o.chunk_elements = chunk;
+  o.threads        = threads;
+  return o;
+}
+
 template <class P>
 struct nvme_model : test_model<P> {
   nvme_model() : test_model<P>(nvme_sizes) {}

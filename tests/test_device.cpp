@@ -6,6 +6,7 @@
 // OMP, set by the build) over the emulated device of core/device_runtime.hpp, whose streams
 // are threads. And by nvcc with TIERSTATE_ENABLE_CUDA (test_device_cuda.cu), on the GPU,
 // where it runs only when there is a device.
+#include "block_codec.hpp"
 #include "device_matrix.hpp"
 #include "nvme_support.hpp"
 #include "throttled.hpp"
@@ -321,15 +322,6 @@ run_result train_on_device(int steps, typename Opt::options const& o,
   return snapshot(opt, m);
 }
 
-template <class Opt>
-typename Opt::options chunked(std::size_t chunk, std::size_t threads = 0)
-{
-  typename Opt::options o;
-  o.chunk_elements = chunk;
-  o.threads        = threads;
-  return o;
-}
-
 }  // namespace
 
 TEMPLATE_LIST_TEST_CASE("the four device compositions give PinnedHost + Synchronous's bits over 50 steps",
@@ -519,6 +511,34 @@ TEMPLATE_LIST_TEST_CASE("a user's transfer over every device route gives CudaOve
   CHECK(throttled_computes > 12);  // the user's schedule drove the chunks
   CHECK(train_on_device<T3>(12, chunked_in<T3>(d)) == expected);
   CHECK(train_on_device_streaming<T1>(12, chunked_in<T1>(d)) == reference<P>(12, 2048));
+}
+
+/// The test's block codecs (tests/block_codec.hpp) over the device routes: all five with 8-bit
+/// m in blocks of 256, two with blocks of 64 (smaller than some chunks' pieces, larger than
+/// others); reduced: one OnHost and one OnDevice route.
+using codec_device_routes =
+  pick<std::tuple<overlapped_on_device<Bf16MixedInt8M, Device, OnDevice>,
+                  overlapped_on_device<Bf16MixedInt8M, PinnedHost, OnDevice>,
+                  overlapped_on_device<Bf16MixedInt8M, NvmeFile, OnDevice>,
+                  overlapped_on_device<Bf16MixedInt8M, PinnedHost, OnHost<>>,
+                  overlapped_on_device<Bf16MixedInt8M, NvmeFile, OnHost<>>,
+                  overlapped_on_device<Fp32Int8M, Device, OnDevice>, overlapped_on_device<Fp32Int8M, NvmeFile, OnHost<>>>,
+       std::tuple<overlapped_on_device<Bf16MixedInt8M, NvmeFile, OnDevice>,
+                  overlapped_on_device<Fp32Int8M, PinnedHost, OnHost<>>>>;
+
+TEMPLATE_LIST_TEST_CASE("a block codec through every device route gives PinnedHost's bits, plain and streaming",
+                        "[device][codec]", codec_device_routes)
+{
+  using P = typename TestType::precision_type;
+  scratch_dir d;
+  for (std::size_t const chunk : {std::size_t{2048}, std::size_t{16384}}) {
+    INFO("chunk_elements " << chunk);
+    auto o = chunked<TestType>(chunk);
+    if constexpr (requires { o.tier.directory; }) { o.tier.directory = d.path; }
+    auto const want = reference<P>(12, chunk);  // test_codec.cpp: a plain loop's bits
+    CHECK(train_on_device<TestType>(12, o) == want);
+    CHECK(train_on_device_streaming<TestType>(12, o) == want);
+  }
 }
 
 TEST_CASE("with OnHost and CudaOverlapped, host and device tensors mix in one model", "[device][compositions]")

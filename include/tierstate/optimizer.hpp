@@ -121,6 +121,9 @@ class OffloadedOptimizer {
   static_assert(requires { Compute::runs_on_device; },
                 "tierstate::OffloadedOptimizer: the computes available are OnHost<Arch> "
                 "(kernels/host/on_host.hpp) and OnDevice (kernels/device/on_device.hpp).");
+  static_assert(Precision::state_codec_count == 0 || Precision::state_codec_count == rule_type::slots.size(),
+                "tierstate::OffloadedOptimizer: the precision's slot_codecs<...> names one codec per slot of the "
+                "rule, in the order of the rule's `slots`; their numbers differ.");
 
  public:
   /// The composition's route and what it needs (transfer/routes/route.hpp): the one place
@@ -138,6 +141,12 @@ class OffloadedOptimizer {
   using compute_type    = Compute;
   /// The xsimd architecture of the host work (OnHost's Arch).
   using arch            = typename detail::compute_arch<Compute>::type;
+  /// The largest codec block of the rule's slots (1 with element codecs only): tensors start,
+  /// and the host threads' parts of a chunk begin, on multiples of it.
+  static constexpr std::size_t state_block =
+    Precision::state_codec_count == 0 || Precision::state_codec_count == rule_type::slots.size()
+      ? detail::state_block_v<Precision, rule_type::slots.size()>
+      : 1;
   using tensor_id       = std::size_t;
   using group_id        = std::size_t;
 
@@ -333,6 +342,14 @@ class OffloadedOptimizer {
   /// The engine, or an io_error that says which options choose it.
   [[nodiscard]] io::engine checkpoint_engine(io::engine_options const& eo, checkpoint_options const& o,
                                              std::string const& path) const;
+  /// Where element e of a chunk's rule slots is, for slot arrays that start at `base`.
+  static void state_arrays_at(std::array<std::byte*, rule_type::slots.size()> const& base, std::size_t e,
+                              std::array<void*, rule_type::slots.size()>& out) noexcept
+  {
+    [&]<std::size_t... J>(std::index_sequence<J...>) {
+      ((out[J] = detail::codec_address<typename Precision::template state_codec<J>>(base[J], e)), ...);
+    }(std::make_index_sequence<rule_type::slots.size()>{});
+  }
   /// Updates elements [b, e) of chunk k (whose bytes start at `chunk`) on this thread. The
   /// gradients and params of device tensors are read from, and written to, the chunk's PCIe
   /// staging (`grad_stage`, `param_stage`: chunk_elements each) instead.

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <tierstate/checkpoint/format.hpp>
+#include <tierstate/codecs/codec.hpp>
 #include <tierstate/core/concepts.hpp>
 #include <tierstate/core/config.hpp>
 #include <tierstate/core/device_runtime.hpp>

@@ -2,10 +2,14 @@
 // The precision policy: which storage type each array of a step uses.
 #pragma once
 
+#include <tierstate/codecs/codec.hpp>
 #include <tierstate/core/numeric.hpp>
 
+#include <algorithm>
+#include <cstddef>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 namespace tierstate::inline TIERSTATE_ABI {
 
@@ -15,10 +19,11 @@ namespace tierstate::inline TIERSTATE_ABI {
 ///   Grad    what backward produces: float, bf16, fp16
 ///   Master  the fp32 master copy, which exists only when Param is not float (with fp32
 ///           params the param is its own master and is updated in place)
-///   State   the rule's slots (Adam's m and v): float or bf16
+///   State   how the rule's slots (Adam's m and v) are stored: float, bf16, a codec
+///           (codecs/codec.hpp: every slot with it), or slot_codecs<C...> (one per slot)
 ///
 /// Arithmetic is always float; narrower storage is converted on load and rounded to nearest
-/// even on store.
+/// even on store (a block codec encodes and decodes whole blocks).
 template <class Param, class Grad = Param, class Master = float, class State = float>
 struct Precision {
   static_assert(storage_type<Param>,
@@ -27,13 +32,21 @@ struct Precision {
                 "tierstate::Precision: Grad must be float, tierstate::bf16 or tierstate::fp16.");
   static_assert(std::is_same_v<Master, float>,
                 "tierstate::Precision: the master copy is fp32; Master must be float.");
-  static_assert(std::is_same_v<State, float> || std::is_same_v<State, bf16>,
-                "tierstate::Precision: State must be float or tierstate::bf16.");
+  static_assert(detail::state_format_traits<State>::valid,
+                "tierstate::Precision: State must be float, tierstate::bf16, a codec or tierstate::slot_codecs<C...> "
+                "of codecs (codecs/codec.hpp: a block codec has name, block (a power of two up to 2048), "
+                "block_bytes, decode and encode).");
 
   using param_type  = Param;
   using grad_type   = Grad;
   using master_type = Master;
-  using state_type  = State;
+  using state_type  = State;  ///< as given: a storage type, a codec or slot_codecs
+
+  /// The codec of the rule's slot J.
+  template <std::size_t J>
+  using state_codec = typename detail::state_format_traits<State>::template codec_at<J>;
+  /// The number of slots State names (slot_codecs), or 0 where it suits any rule.
+  static constexpr std::size_t state_codec_count = detail::state_format_traits<State>::count;
 
   /// Whether a separate fp32 master slot is kept (only when the param is not fp32).
   static constexpr bool has_master = !std::is_same_v<Param, float>;
@@ -47,10 +60,23 @@ struct Precision {
     n += '/';
     n += type_name_v<Master>;
     n += '/';
-    n += type_name_v<State>;
+    n += detail::state_format_traits<State>::name();
     return n;
   }
 };
+
+namespace detail {
+
+/// The largest codec block among the first N slots of P's state (1: element codecs only).
+/// Blocks are powers of two, so this is also their least common multiple.
+template <class P, std::size_t N>
+inline constexpr std::size_t state_block_v = []<std::size_t... J>(std::index_sequence<J...>) {
+  std::size_t b = 1;
+  ((b = std::max<std::size_t>(b, P::template state_codec<J>::block)), ...);
+  return b;
+}(std::make_index_sequence<N>{});
+
+}  // namespace detail
 
 /// fp32 params, grads and state: the param is its own master.
 using Fp32 = Precision<float, float, float, float>;

@@ -44,7 +44,6 @@ template <class Precision, class Rule, tier StateTier, class Placement>
 class state_store {
  public:
   using param_type       = typename Precision::param_type;
-  using state_type       = typename Precision::state_type;
   using tensor_entry     = detail::tensor_entry<param_type>;
   using piece            = detail::chunk_piece;
   using device_resources = detail::device_resources<Placement::buffers>;
@@ -128,6 +127,9 @@ class state_store {
 
  private:
   void fill_master(std::span<tensor_entry const> tensors);
+  /// Calls f(std::type_identity<C>{}) with the codec C of slot index si (the master: fp32).
+  template <class F>
+  static void visit_codec(std::size_t si, F&& f);
   /// Abandons the staging memory if the tier's engine may still use it (see the destructor).
   void keep_held_staging() noexcept;
 

@@ -25,7 +25,7 @@ checkpoint::header OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Comp
   h.total_elements = lay.total_elements();
   for (std::size_t i = 0; i < lay.slots().size(); ++i) {
     h.slots.push_back({static_cast<std::uint32_t>(lay.slots()[i]),
-                       static_cast<std::uint32_t>(lay.slot_element_bytes(i))});
+                       static_cast<std::uint32_t>(lay.slot_block_bytes(i))});
   }
   for (std::size_t t = 0; t < tensors_.size(); ++t) {
     h.tensors.push_back({tensors_[t].name, lay.tensors()[t].offset, tensors_[t].count, tensors_[t].group});

@@ -23,10 +23,11 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::launch_c
       if constexpr (Precision::has_master) {
         a.master = reinterpret_cast<float*>(chunk + store_.layout().slot_offset(0)) + pc.chunk_begin;
       }
+      std::array<std::byte*, rule_type::slots.size()> state{};
       for (std::size_t j = 0; j < rule_type::slots.size(); ++j) {
-        a.state[j] = reinterpret_cast<state_type*>(chunk + store_.layout().slot_offset(first_rule_slot + j)) +
-                     pc.chunk_begin;
+        state[j] = chunk + store_.layout().slot_offset(first_rule_slot + j);
       }
+      state_arrays_at(state, pc.chunk_begin, a.state);
       Compute::template update_async<rule_type, Precision>(store_.device().compute, coefficients[tensor.group], a,
                                                       pc.count);
     }

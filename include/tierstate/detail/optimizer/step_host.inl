@@ -21,9 +21,9 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
     if constexpr (Precision::has_master) {
       master = reinterpret_cast<float*>(chunk + store_.layout().slot_offset(0));
     }
-    std::array<state_type*, rule_type::slots.size()> state{};
+    std::array<std::byte*, rule_type::slots.size()> state{};
     for (std::size_t j = 0; j < rule_type::slots.size(); ++j) {
-      state[j] = reinterpret_cast<state_type*>(chunk + store_.layout().slot_offset(first_rule_slot + j));
+      state[j] = chunk + store_.layout().slot_offset(first_rule_slot + j);
     }
     // The pieces (tensor parts) of chunk k that overlap [b, e), each with its tensor's group.
     for (auto const& pc : store_.pieces(k)) {
@@ -37,7 +37,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
       a.param  = update_params_on_device(pc.tensor) ? param_stage + lo : update_params(pc.tensor) + tofs;
       a.grad   = grads[pc.tensor].where == location::device ? grad_stage + lo : grads[pc.tensor].data + tofs;
       a.master = master != nullptr ? master + lo : nullptr;
-      for (std::size_t j = 0; j < rule_type::slots.size(); ++j) { a.state[j] = state[j] + lo; }
+      state_arrays_at(state, lo, a.state);
       Compute::template update_range<rule_type, Precision>(coefficients[tensor.group], a, 0, hi - lo);
     }
   }

@@ -30,13 +30,15 @@ namespace tierstate::inline TIERSTATE_ABI {
 ///
 /// `param` is read when the precision has no master (fp32 params are their own master) and
 /// always written; `master` is used only when Precision::has_master (else it may be null);
-/// `state[i]` is the rule's slot `Rule::slots[i]`.
+/// `state[j]` is the rule's slot `Rule::slots[j]`, stored with `P::state_codec<j>`
+/// (codecs/codec.hpp): an array of its element type for an element codec, the bytes of its
+/// first block for a block codec (element 0 then starts a block).
 template <precision P, std::size_t Slots>
 struct update_arrays {
   typename P::param_type* param = nullptr;
   typename P::grad_type const* grad = nullptr;
   float* master = nullptr;
-  std::array<typename P::state_type*, Slots> state{};
+  std::array<void*, Slots> state{};
 };
 
 namespace host {
@@ -58,7 +60,9 @@ inline constexpr std::size_t batch_size = xsimd::batch<float, Arch>::size;
 template <precision P, std::size_t Slots>
 void check_arrays(update_arrays<P, Slots> const& a, std::size_t n);
 
-/// Updates elements [begin, end) on the calling thread.
+/// Updates elements [begin, end) on the calling thread. Where a slot has a block codec,
+/// `begin` is a multiple of the largest block (detail::state_block_v), and so is every split
+/// a caller makes of a range.
 template <rule R, precision P, class Arch = xsimd::default_arch>
 void update_range(typename R::coefficients const& k,
                   update_arrays<P, R::slots.size()> const& a, std::size_t begin,

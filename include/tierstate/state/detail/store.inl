@@ -13,22 +13,24 @@ tierstate::layout state_store<Precision, Rule, StateTier, Placement>::layout_for
   std::vector<tensor_extent> extents;
   for (auto const& t : tensors) { extents.push_back({t.name, 0, t.count}); }
   std::vector<slot> slots;
-  std::vector<std::size_t> bytes;
+  std::vector<slot_format> formats;
   if constexpr (Precision::has_master) {
     slots.push_back(slot::master);
-    bytes.push_back(sizeof(float));
+    formats.push_back({1, sizeof(float)});
   }
-  for (slot const s : Rule::slots) {
-    slots.push_back(s);
-    bytes.push_back(sizeof(state_type));
-  }
+  [&]<std::size_t... J>(std::index_sequence<J...>) {
+    ((slots.push_back(Rule::slots[J]), formats.push_back({Precision::template state_codec<J>::block,
+                                                          Precision::template state_codec<J>::block_bytes})),
+     ...);
+  }(std::make_index_sequence<Rule::slots.size()>{});
   // A model smaller than one chunk gets one chunk of its own size (rounded up to the 4 KiB
   // granularity), not a mostly empty chunk of the requested size.
+  constexpr std::size_t align = detail::state_block_v<Precision, Rule::slots.size()>;
   std::size_t total = 0;
-  for (auto const& t : tensors) { total += t.count; }
+  for (auto const& t : tensors) { total = (total + align - 1) / align * align + t.count; }
   std::size_t const g     = tierstate::layout::element_granularity;
   std::size_t const chunk = std::min(chunk_elements, std::max(g, (total + g - 1) / g * g));
-  return tierstate::layout(std::move(extents), chunk, std::move(slots), std::move(bytes));
+  return tierstate::layout(std::move(extents), chunk, std::move(slots), std::move(formats));
 }
 
 template <class Precision, class Rule, tier StateTier, class Placement>
@@ -171,59 +173,83 @@ void state_store<Precision, Rule, StateTier, Placement>::with_chunk(std::size_t 
 }
 
 template <class Precision, class Rule, tier StateTier, class Placement>
+template <class F>
+void state_store<Precision, Rule, StateTier, Placement>::visit_codec(std::size_t si, F&& f)
+{
+  constexpr std::size_t first = Precision::has_master ? 1 : 0;
+  if (Precision::has_master && si == 0) {
+    f(std::type_identity<codecs::fp32>{});
+    return;
+  }
+  [&]<std::size_t... J>(std::index_sequence<J...>) {
+    ((si == first + J ? (f(std::type_identity<typename Precision::template state_codec<J>>{}), 0) : 0), ...);
+  }(std::make_index_sequence<Rule::slots.size()>{});
+}
+
+template <class Precision, class Rule, tier StateTier, class Placement>
 void state_store<Precision, Rule, StateTier, Placement>::read_slot(std::size_t t, std::size_t si,
                                                                    std::span<float> to)
 {
-  auto const& ext      = layout_->tensors()[t];
-  std::size_t const eb = layout_->slot_element_bytes(si);
-  std::vector<std::byte> buf;
-  std::size_t done = 0;
-  while (done < ext.count) {
-    std::size_t const e = ext.offset + done;
-    std::size_t const n = std::min(ext.count - done, layout_->chunk_elements() - e % layout_->chunk_elements());
-    buf.resize(n * eb);
-    tier_->read(layout_->byte_offset(si, e), buf);
-    for (std::size_t i = 0; i < n; ++i) {
-      if (eb == sizeof(float)) {
-        std::memcpy(&to[done + i], buf.data() + i * eb, sizeof(float));
-      } else {
-        state_type v;
-        std::memcpy(&v, buf.data() + i * eb, sizeof(v));
-        to[done + i] = convert<float>(v);
+  auto const& ext = layout_->tensors()[t];
+  std::size_t const ce = layout_->chunk_elements();
+  visit_codec(si, [&]<class C>(std::type_identity<C>) {
+    std::vector<std::byte> buf;
+    std::size_t done = 0;
+    while (done < ext.count) {  // a piece of the tensor per chunk; each starts on a block
+      std::size_t const e      = ext.offset + done;
+      std::size_t const n      = std::min(ext.count - done, ce - e % ce);
+      std::size_t const blocks = (n + C::block - 1) / C::block;
+      buf.resize(blocks * C::block_bytes);
+      tier_->read(layout_->byte_offset(si, e), buf);
+      for (std::size_t b = 0; b < blocks; ++b) {
+        std::byte const* from = buf.data() + b * C::block_bytes;
+        if constexpr (block_codec<C>) {
+          C::decode(from, &to[done + b * C::block], std::min(C::block, n - b * C::block));
+        } else {
+          typename C::element_type v;
+          std::memcpy(&v, from, sizeof(v));
+          to[done + b] = convert<float>(v);
+        }
       }
+      done += n;
     }
-    done += n;
-  }
+  });
 }
 
 template <class Precision, class Rule, tier StateTier, class Placement>
 void state_store<Precision, Rule, StateTier, Placement>::write_slot(std::size_t t, std::size_t si,
                                                                     std::span<float const> from)
 {
-  auto const& ext      = layout_->tensors()[t];
-  std::size_t const eb = layout_->slot_element_bytes(si);
-  std::vector<std::byte> buf;
-  std::size_t done = 0;
-  while (done < ext.count) {
-    std::size_t const e = ext.offset + done;
-    std::size_t const n = std::min(ext.count - done, layout_->chunk_elements() - e % layout_->chunk_elements());
-    buf.resize(n * eb);
-    for (std::size_t i = 0; i < n; ++i) {
-      if (eb == sizeof(float)) {
-        std::memcpy(buf.data() + i * eb, &from[done + i], sizeof(float));
-      } else {
-        state_type const v = convert<state_type>(from[done + i]);
-        std::memcpy(buf.data() + i * eb, &v, sizeof(v));
+  auto const& ext = layout_->tensors()[t];
+  std::size_t const ce = layout_->chunk_elements();
+  visit_codec(si, [&]<class C>(std::type_identity<C>) {
+    std::vector<std::byte> buf;
+    std::size_t done = 0;
+    while (done < ext.count) {
+      std::size_t const e      = ext.offset + done;
+      std::size_t const n      = std::min(ext.count - done, ce - e % ce);
+      std::size_t const blocks = (n + C::block - 1) / C::block;
+      buf.assign(blocks * C::block_bytes, std::byte{0});
+      for (std::size_t b = 0; b < blocks; ++b) {
+        std::byte* to = buf.data() + b * C::block_bytes;
+        if constexpr (block_codec<C>) {
+          // (a tensor's last block is encoded from its own elements alone: the rest of the
+          // block is padding that belongs to no tensor)
+          C::encode(&from[done + b * C::block], std::min(C::block, n - b * C::block), to);
+        } else {
+          auto const v = convert<typename C::element_type>(from[done + b]);
+          std::memcpy(to, &v, sizeof(v));
+        }
       }
+      try {
+        tier_->write(layout_->byte_offset(si, e), buf);
+      } catch (std::exception const& x) {
+        lost_ = x.what();  // a failed write may have landed in part
+        throw;
+      }
+      done += n;
     }
-    try {
-      tier_->write(layout_->byte_offset(si, e), buf);
-    } catch (std::exception const& x) {
-      lost_ = x.what();  // a failed write may have landed in part
-      throw;
-    }
-    done += n;
-  }
+  });
 }
 
 template <class Precision, class Rule, tier StateTier, class Placement>

@@ -70,7 +70,7 @@ class device_params_on_host : public detail::route_base<Optimizer> {
     changed_               = true;
     std::byte* const chunk = state_of(j, b);
     t0                     = std::chrono::steady_clock::now();
-    o_.pool_.parallel_for(o_.store_.layout().chunk_size(k), Optimizer::compute_type::grain,
+    o_.pool_.parallel_for(o_.store_.layout().chunk_size(k), detail::host_grain<Optimizer>,
                           [&](std::size_t lo, std::size_t hi) {
                             o_.update_chunk_range(k, chunk, lo, hi, grads_, coefficients_, grad_ring_ + b * ce_,
                                                   param_ring_ + b * ce_);

@@ -24,7 +24,7 @@ template <class Optimizer>
 class host_in_place : public detail::route_base<Optimizer> {
   using base = detail::route_base<Optimizer>;
   using base::o_, base::grads_, base::coefficients_, base::stats_, base::changed_;
-  static constexpr std::size_t grain = Optimizer::compute_type::grain;
+  static constexpr std::size_t grain = detail::host_grain<Optimizer>;
 
  public:
   using base::base;

@@ -42,7 +42,7 @@ class host_staged : public detail::route_base<Optimizer> {
     changed_ = true;
     std::byte* const chunk = o_.store_.staging(b);
     auto const t0          = std::chrono::steady_clock::now();
-    o_.pool_.parallel_for(o_.store_.layout().chunk_size(k), Optimizer::compute_type::grain,
+    o_.pool_.parallel_for(o_.store_.layout().chunk_size(k), detail::host_grain<Optimizer>,
                           [&](std::size_t begin, std::size_t end) {
                             o_.update_chunk_range(k, chunk, begin, end, grads_, coefficients_);
                           });

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <thrust/for_each.h>
+#include <thrust/iterator/counting_iterator.h>
 #include <thrust/iterator/zip_iterator.h>
 #include <thrust/logical.h>
 #include <thrust/tuple.h>
@@ -78,13 +79,16 @@ TIERSTATE_HOST_DEVICE T from_float(float x) noexcept
 #endif
 }
 
+/// The type a kernel reads and writes for slot J, stored with an element codec.
+template <class P, std::size_t J>
+using slot_native_t = native_t<typename P::template state_codec<J>::element_type>;
+
 /// One element: the tuple holds (param, grad, [master,] slot 0, slot 1, ...) references.
 template <class R, class P>
 struct update_element {
   static constexpr std::size_t slots = R::slots.size();
   static constexpr std::size_t first = P::has_master ? 3 : 2;  ///< tuple index of slot 0
   using param_t = native_t<typename P::param_type>;
-  using state_t = native_t<typename P::state_type>;
 
   typename R::coefficients k;
 
@@ -104,13 +108,91 @@ struct update_element {
 
     if constexpr (P::has_master) { thrust::get<2>(t) = w; }
     thrust::get<0>(t) = from_float<param_t>(w);
-    ((thrust::get<first + I>(t) = from_float<state_t>(s[I])), ...);
+    ((thrust::get<first + I>(t) = from_float<slot_native_t<P, I>>(s[I])), ...);
   }
 
   template <class Tuple>
   TIERSTATE_HOST_DEVICE void operator()(Tuple t) const
   {
     run(t, std::make_index_sequence<slots>{});
+  }
+};
+
+/// One block of B elements (the precision's largest codec block), where a slot has a block
+/// codec: its block-coded slots decoded into scratch, each element updated as update_element
+/// does, the blocks encoded back. The last block may be partial (m < B).
+template <class R, class P, std::size_t Slots>
+struct update_block {
+  static constexpr std::size_t B = tierstate::detail::state_block_v<P, Slots>;
+  using param_t = native_t<typename P::param_type>;
+  using grad_t  = native_t<typename P::grad_type>;
+
+  typename R::coefficients k;
+  param_t* param;
+  grad_t const* grad;
+  float* master;
+  void* state[Slots];
+  std::size_t n;
+
+  template <std::size_t J>
+  using codec_t = typename P::template state_codec<J>;
+
+  template <std::size_t... J>
+  TIERSTATE_HOST_DEVICE void run(std::size_t i, std::size_t m, std::index_sequence<J...>) const
+  {
+    float scratch[Slots][B];
+    (load_slot<J>(scratch[J], i, m), ...);
+    for (std::size_t e = 0; e < m; ++e) {
+      float w;
+      if constexpr (P::has_master) {
+        w = master[i + e];
+      } else {
+        w = to_float(param[i + e]);
+      }
+      float const g = to_float(grad[i + e]);
+      float s[Slots]{scratch[J][e]...};
+      R::update(k, w, g, s);
+      if constexpr (P::has_master) { master[i + e] = w; }
+      param[i + e] = from_float<param_t>(w);
+      ((scratch[J][e] = s[J]), ...);
+    }
+    (store_slot<J>(scratch[J], i, m), ...);
+  }
+
+  template <std::size_t J>
+  TIERSTATE_HOST_DEVICE void load_slot(float* to, std::size_t i, std::size_t m) const
+  {
+    using C = codec_t<J>;
+    if constexpr (block_codec<C>) {
+      auto const* base = static_cast<std::byte const*>(state[J]);
+      for (std::size_t q = 0; q < m; q += C::block) {
+        C::decode(tierstate::detail::codec_address<C>(base, i + q), to + q, m - q < C::block ? m - q : C::block);
+      }
+    } else {
+      auto const* from = static_cast<slot_native_t<P, J> const*>(state[J]) + i;
+      for (std::size_t e = 0; e < m; ++e) { to[e] = to_float(from[e]); }
+    }
+  }
+
+  template <std::size_t J>
+  TIERSTATE_HOST_DEVICE void store_slot(float const* from, std::size_t i, std::size_t m) const
+  {
+    using C = codec_t<J>;
+    if constexpr (block_codec<C>) {
+      auto* base = static_cast<std::byte*>(state[J]);
+      for (std::size_t q = 0; q < m; q += C::block) {
+        C::encode(from + q, m - q < C::block ? m - q : C::block, tierstate::detail::codec_address<C>(base, i + q));
+      }
+    } else {
+      auto* to = static_cast<slot_native_t<P, J>*>(state[J]) + i;
+      for (std::size_t e = 0; e < m; ++e) { to[e] = from_float<slot_native_t<P, J>>(from[e]); }
+    }
+  }
+
+  TIERSTATE_HOST_DEVICE void operator()(std::size_t block) const
+  {
+    std::size_t const i = block * B;
+    run(i, n - i < B ? n - i : B, std::make_index_sequence<Slots>{});
   }
 };
 
@@ -150,14 +232,13 @@ auto zip_begin(update_arrays<P, S> const& a, std::index_sequence<I...>)
 {
   using param_t = native_t<typename P::param_type>;
   using grad_t  = native_t<typename P::grad_type>;
-  using state_t = native_t<typename P::state_type>;
   auto* param   = reinterpret_cast<param_t*>(a.param);
   auto* grad    = reinterpret_cast<grad_t const*>(a.grad);
   if constexpr (P::has_master) {
     return thrust::make_zip_iterator(thrust::make_tuple(param, grad, a.master,
-                                                        reinterpret_cast<state_t*>(a.state[I])...));
+                                                        static_cast<slot_native_t<P, I>*>(a.state[I])...));
   } else {
-    return thrust::make_zip_iterator(thrust::make_tuple(param, grad, reinterpret_cast<state_t*>(a.state[I])...));
+    return thrust::make_zip_iterator(thrust::make_tuple(param, grad, static_cast<slot_native_t<P, I>*>(a.state[I])...));
   }
 }
 
@@ -169,15 +250,31 @@ void update_async(stream_view s, typename R::coefficients const& k,
 {
   host::check_arrays(a, n);
   if (n == 0) { return; }
-  auto const begin = detail::zip_begin(a, std::make_index_sequence<R::slots.size()>{});
-  auto const end   = begin + static_cast<std::ptrdiff_t>(n);
-  detail::update_element<R, P> const f{k};
+  constexpr std::size_t slots = R::slots.size();
+  if constexpr (tierstate::detail::state_block_v<P, slots> > 1) {
+    using block_f = detail::update_block<R, P, slots>;
+    block_f f{k, reinterpret_cast<typename block_f::param_t*>(a.param),
+              reinterpret_cast<typename block_f::grad_t const*>(a.grad), a.master, {}, n};
+    for (std::size_t j = 0; j < slots; ++j) { f.state[j] = a.state[j]; }
+    auto const first = thrust::counting_iterator<std::size_t>(0);
+    auto const last  = first + static_cast<std::ptrdiff_t>((n + block_f::B - 1) / block_f::B);
 #if defined(TIERSTATE_ENABLE_CUDA)
-  thrust::for_each(thrust::cuda::par_nosync.on(s.native()), begin, end, f);
-  TIERSTATE_CUDA_TRY(cudaGetLastError());
+    thrust::for_each(thrust::cuda::par_nosync.on(s.native()), first, last, f);
+    TIERSTATE_CUDA_TRY(cudaGetLastError());
 #else
-  runtime::detail::enqueue(s, [=] { thrust::for_each(thrust::device, begin, end, f); });
+    runtime::detail::enqueue(s, [=] { thrust::for_each(thrust::device, first, last, f); });
 #endif
+  } else {
+    auto const begin = detail::zip_begin(a, std::make_index_sequence<R::slots.size()>{});
+    auto const end   = begin + static_cast<std::ptrdiff_t>(n);
+    detail::update_element<R, P> const f{k};
+#if defined(TIERSTATE_ENABLE_CUDA)
+    thrust::for_each(thrust::cuda::par_nosync.on(s.native()), begin, end, f);
+    TIERSTATE_CUDA_TRY(cudaGetLastError());
+#else
+    runtime::detail::enqueue(s, [=] { thrust::for_each(thrust::device, begin, end, f); });
+#endif
+  }
 }
 
 template <storage_type T>

@@ -22,7 +22,20 @@ void check_arrays(update_arrays<P, Slots> const& a, std::size_t n)
 
 namespace detail {
 
-/// One batch at element i: load, update, store.
+/// The element type of slot J, stored with an element codec.
+template <class P, std::size_t J>
+using slot_element_t = typename P::template state_codec<J>::element_type;
+
+/// Calls f(std::integral_constant<std::size_t, J>{}) for each J in [0, N), in order.
+template <std::size_t N, class F>
+TIERSTATE_ALWAYS_INLINE void for_each_slot(F&& f)
+{
+  [&]<std::size_t... J>(std::index_sequence<J...>) {
+    (f(std::integral_constant<std::size_t, J>{}), ...);
+  }(std::make_index_sequence<N>{});
+}
+
+/// One batch at element i: load, update, store (element codecs only).
 template <class R, class P, class Arch, std::size_t Slots>
 TIERSTATE_ALWAYS_INLINE void update_batch(typename R::coefficients const& k,
                                           update_arrays<P, Slots> const& a, std::size_t i) noexcept
@@ -39,13 +52,17 @@ TIERSTATE_ALWAYS_INLINE void update_batch(typename R::coefficients const& k,
   }
   V const g = detail::load_as_float<Arch>(a.grad + i);
   V s[Slots];
-  for (std::size_t j = 0; j < Slots; ++j) { s[j] = detail::load_as_float<Arch>(a.state[j] + i); }
+  for_each_slot<Slots>([&](auto j) {
+    s[j] = detail::load_as_float<Arch>(static_cast<slot_element_t<P, j> const*>(a.state[j]) + i);
+  });
 
   R::update(k, w, g, s);
 
   if constexpr (P::has_master) { detail::store_rounded<Arch>(a.master + i, w); }
   detail::store_rounded<Arch>(a.param + i, w);
-  for (std::size_t j = 0; j < Slots; ++j) { detail::store_rounded<Arch>(a.state[j] + i, s[j]); }
+  for_each_slot<Slots>([&](auto j) {
+    detail::store_rounded<Arch>(static_cast<slot_element_t<P, j>*>(a.state[j]) + i, s[j]);
+  });
 #else
   (void)k, (void)a, (void)i;
 #endif
@@ -59,18 +76,16 @@ void update_tail(typename R::coefficients const& k, update_arrays<P, Slots> cons
   constexpr std::size_t n = xsimd::batch<float, Arch>::size;
   using param_t = typename P::param_type;
   using grad_t  = typename P::grad_type;
-  using state_t = typename P::state_type;
 
   alignas(64) param_t param[n] = {};
   alignas(64) grad_t grad[n]   = {};
   alignas(64) float master[n]  = {};
-  alignas(64) state_t state[Slots][n] = {};
+  alignas(64) std::byte state[Slots][n * sizeof(float)] = {};
 
   update_arrays<P, Slots> t;
   t.param = param;
   t.grad  = grad;
   t.master = master;
-  for (std::size_t j = 0; j < Slots; ++j) { t.state[j] = state[j]; }
 
   if constexpr (P::has_master) {
     std::memcpy(master, a.master + i, m * sizeof(float));
@@ -78,13 +93,20 @@ void update_tail(typename R::coefficients const& k, update_arrays<P, Slots> cons
     std::memcpy(param, a.param + i, m * sizeof(param_t));
   }
   std::memcpy(grad, a.grad + i, m * sizeof(grad_t));
-  for (std::size_t j = 0; j < Slots; ++j) { std::memcpy(state[j], a.state[j] + i, m * sizeof(state_t)); }
+  for_each_slot<Slots>([&](auto j) {
+    using T = slot_element_t<P, j>;
+    t.state[j] = state[j];
+    std::memcpy(state[j], static_cast<T const*>(a.state[j]) + i, m * sizeof(T));
+  });
 
   update_batch<R, P, Arch>(k, t, 0);
 
   if constexpr (P::has_master) { std::memcpy(a.master + i, master, m * sizeof(float)); }
   std::memcpy(a.param + i, param, m * sizeof(param_t));
-  for (std::size_t j = 0; j < Slots; ++j) { std::memcpy(a.state[j] + i, state[j], m * sizeof(state_t)); }
+  for_each_slot<Slots>([&](auto j) {
+    using T = slot_element_t<P, j>;
+    std::memcpy(static_cast<T*>(a.state[j]) + i, state[j], m * sizeof(T));
+  });
 }
 
 /// Whether R::update takes xsimd batches of Arch, as it takes floats (a rule whose update is
@@ -94,6 +116,72 @@ concept updates_batches = requires(typename R::coefficients const& k, xsimd::bat
                                    xsimd::batch<float, Arch> g, xsimd::batch<float, Arch> (&s)[R::slots.size()]) {
   R::update(k, w, g, s);
 };
+
+/// [begin, end) with element codecs: whole batches, then the tail.
+template <class R, class P, class Arch, std::size_t Slots>
+TIERSTATE_ALWAYS_INLINE void update_elements(typename R::coefficients const& k, update_arrays<P, Slots> const& a,
+                                             std::size_t begin, std::size_t end) noexcept
+{
+  constexpr std::size_t n = xsimd::batch<float, Arch>::size;
+  // Local copies: the stores below cannot alias them, so the compiler keeps the pointers
+  // and the broadcast coefficients in registers across the loop.
+  auto const kl = k;
+  auto const al = a;
+  std::size_t i = begin;
+  for (; i + n <= end; i += n) { update_batch<R, P, Arch>(kl, al, i); }
+  if (i < end) { update_tail<R, P, Arch>(kl, al, i, end - i); }
+}
+
+/// A block codec's slot is computed in an fp32 scratch block; element codecs stay.
+template <class C>
+using scratch_codec_t = std::conditional_t<block_codec<C>, codecs::fp32, C>;
+template <class P, std::size_t... J>
+auto scratch_precision(std::index_sequence<J...>)
+  -> Precision<typename P::param_type, typename P::grad_type, typename P::master_type,
+               slot_codecs<scratch_codec_t<typename P::template state_codec<J>>...>>;
+template <class P, std::size_t Slots>
+using scratch_precision_t = decltype(scratch_precision<P>(std::make_index_sequence<Slots>{}));
+
+/// [begin, end) with a block codec among the slots, one block B (the largest) at a time:
+/// its block-coded slots decoded into fp32 scratch, updated as element codecs are, encoded
+/// back. `begin` is a multiple of B, so every block is whole but the range's last.
+template <class R, class P, class Arch, std::size_t Slots>
+void update_blocks(typename R::coefficients const& k, update_arrays<P, Slots> const& a, std::size_t begin,
+                   std::size_t end) noexcept
+{
+  constexpr std::size_t B = tierstate::detail::state_block_v<P, Slots>;
+  using SP                = scratch_precision_t<P, Slots>;
+  alignas(64) float scratch[Slots][B];
+  for (std::size_t i = begin; i < end; i += B) {
+    std::size_t const m = std::min(B, end - i);
+    update_arrays<SP, Slots> t;
+    t.param  = a.param + i;
+    t.grad   = a.grad + i;
+    t.master = a.master != nullptr ? a.master + i : nullptr;
+    for_each_slot<Slots>([&](auto j) {
+      using C = typename P::template state_codec<j>;
+      if constexpr (block_codec<C>) {
+        auto const* base = static_cast<std::byte const*>(a.state[j]);
+        for (std::size_t q = 0; q < m; q += C::block) {
+          C::decode(tierstate::detail::codec_address<C>(base, i + q), scratch[j] + q, std::min(C::block, m - q));
+        }
+        t.state[j] = scratch[j];
+      } else {
+        t.state[j] = static_cast<typename C::element_type*>(a.state[j]) + i;
+      }
+    });
+    update_elements<R, SP, Arch>(k, t, 0, m);
+    for_each_slot<Slots>([&](auto j) {
+      using C = typename P::template state_codec<j>;
+      if constexpr (block_codec<C>) {
+        auto* base = static_cast<std::byte*>(a.state[j]);
+        for (std::size_t q = 0; q < m; q += C::block) {
+          C::encode(scratch[j] + q, std::min(C::block, m - q), tierstate::detail::codec_address<C>(base, i + q));
+        }
+      }
+    });
+  }
+}
 
 }  // namespace detail
 
@@ -107,14 +195,12 @@ void update_range(typename R::coefficients const& k, update_arrays<P, R::slots.s
                 "V grad, V (&state)[slots.size()])` and write its math with tierstate::math (math::fma, "
                 "math::sqrt, math::maximum) and V(...) constants (rules/rule.hpp)");
   if constexpr (detail::updates_batches<R, Arch>) {  // (else: the sentence above is the only error)
-    constexpr std::size_t n = xsimd::batch<float, Arch>::size;
-    // Local copies: the stores below cannot alias them, so the compiler keeps the pointers
-    // and the broadcast coefficients in registers across the loop.
-    auto const kl = k;
-    auto const al = a;
-    std::size_t i = begin;
-    for (; i + n <= end; i += n) { detail::update_batch<R, P, Arch>(kl, al, i); }
-    if (i < end) { detail::update_tail<R, P, Arch>(kl, al, i, end - i); }
+    constexpr std::size_t slots = R::slots.size();
+    if constexpr (tierstate::detail::state_block_v<P, slots> > 1) {
+      detail::update_blocks<R, P, Arch>(k, a, begin, end);
+    } else {
+      detail::update_elements<R, P, Arch>(k, a, begin, end);
+    }
   }
 }
 
@@ -123,9 +209,10 @@ void update(thread_pool& pool, typename R::coefficients const& k,
             update_arrays<P, R::slots.size()> const& a, std::size_t n)
 {
   check_arrays(a, n);
-  // Parts start on multiples of 64 batches: cache-line aligned, and large enough that no
-  // two threads write the same line.
-  pool.parallel_for(n, 64 * batch_size<Arch>, [&](std::size_t b, std::size_t e) {
+  // Parts start on multiples of 64 batches (and of the largest codec block): cache-line
+  // aligned, and large enough that no two threads write the same line.
+  constexpr std::size_t grain = std::max(64 * batch_size<Arch>, tierstate::detail::state_block_v<P, R::slots.size()>);
+  pool.parallel_for(n, grain, [&](std::size_t b, std::size_t e) {
     update_range<R, P, Arch>(k, a, b, e);
   });
 }

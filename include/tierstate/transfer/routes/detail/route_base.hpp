@@ -7,6 +7,7 @@
 #include <tierstate/core/stats.hpp>
 #include <tierstate/core/tensor.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <span>
 #include <vector>
@@ -34,5 +35,10 @@ class route_base {
   step_stats& stats_;
   bool& changed_;
 };
+
+/// Elements per unit of the host threads' work on a chunk: the compute's grain, and whole
+/// codec blocks (both powers of two), so no block is split between two threads.
+template <class Optimizer>
+inline constexpr std::size_t host_grain = std::max<std::size_t>(Optimizer::compute_type::grain, Optimizer::state_block);
 
 }  // namespace tierstate::routes::detail

@@ -1,0 +1,221 @@
+// SPDX-License-Identifier: Apache-2.0
+// Storage codecs: a block codec written in the tests alone (tests/block_codec.hpp) carried
+// by the library through every host route: its state is what a plain loop over its blocks
+// makes, bit for bit, on PinnedHost and NvmeFile, with plain and streaming steps, for any
+// chunk size and thread count; copy_state and write_state decode and encode whole blocks;
+// checkpoints move it between tiers. (The device routes: test_device.cpp.)
+#include "block_codec.hpp"
+#include "nvme_support.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace {
+
+using namespace tierstate;
+using namespace tierstate::test;
+
+/// Stores `v` (one tensor's slot, tensor-relative) with codec C and reads it back, block by
+/// block from the tensor's first element: what the optimizer keeps.
+template <class C>
+void store_and_load(std::span<float> v)
+{
+  if constexpr (block_codec<C>) {
+    std::vector<std::byte> bytes(C::block_bytes);
+    for (std::size_t b = 0; b < v.size(); b += C::block) {
+      std::size_t const n = std::min(C::block, v.size() - b);
+      C::encode(v.data() + b, n, bytes.data());
+      C::decode(bytes.data(), v.data() + b, n);
+    }
+  } else {
+    for (float& x : v) { x = convert<float>(convert<typename C::element_type>(x)); }
+  }
+}
+
+/// The run tests/nvme_support.hpp's train() makes (the same model, groups and schedule),
+/// written as a plain loop: each element updated by the rule's own text on floats, then each
+/// slot stored with its codec.
+template <class P>
+run_result plain(int steps)
+{
+  using Opt = HostOpt<P>;
+  using R   = typename Opt::rule_type;
+  nvme_model<P> m;
+  std::size_t const T = m.params.size();
+  std::vector<std::vector<float>> master(T), s0(T), s1(T);
+  for (std::size_t k = 0; k < T; ++k) {
+    for (auto const p : m.params[k]) { master[k].push_back(convert<float>(p)); }
+    s0[k].assign(m.params[k].size(), 0.0f);
+    s1[k].assign(m.params[k].size(), 0.0f);
+  }
+  typename Opt::hyperparameters fixed;  // group 1: t1 and t4 (register_model)
+  fixed.lr           = 3e-3;
+  fixed.betas        = {0.8, 0.99};
+  fixed.weight_decay = 0.0;
+  for (int t = 1; t <= steps; ++t) {
+    m.fill_grads(t);
+    for (std::size_t k = 0; k < T; ++k) {
+      auto const h = k == 1 || k == 4 ? fixed : schedule<Opt>(t);
+      auto const c = R::coefficients_for(h, t, 1.0);
+      for (std::size_t i = 0; i < master[k].size(); ++i) {
+        float s[2] = {s0[k][i], s1[k][i]};
+        R::update(c, master[k][i], convert<float>(m.grads[k][i]), s);
+        m.params[k][i] = convert<typename P::param_type>(master[k][i]);
+        s0[k][i]       = s[0];
+        s1[k][i]       = s[1];
+      }
+      store_and_load<typename P::template state_codec<0>>(s0[k]);
+      store_and_load<typename P::template state_codec<1>>(s1[k]);
+    }
+  }
+  run_result r;
+  r.steps = steps;
+  for (auto const& p : m.params) {
+    r.params.emplace_back();
+    for (auto const x : p) {
+      if constexpr (sizeof(x) == 4) {
+        r.params.back().push_back(std::bit_cast<std::uint32_t>(x));
+      } else {
+        r.params.back().push_back(x.bits);
+      }
+    }
+  }
+  if constexpr (P::has_master) { r.slots.push_back(master); }
+  r.slots.push_back(s0);
+  r.slots.push_back(s1);
+  return r;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("a block codec's state is what a plain loop over its blocks makes, for any chunk size and thread count",
+                   "[codec]", Bf16MixedInt8M, Fp32Int8M)
+{
+  using P         = TestType;
+  auto const want = plain<P>(12);
+  // The codec moves the numbers (else this test would not tell it is there).
+  CHECK(want != plain<Precision<typename P::param_type, typename P::grad_type, float, float>>(12));
+  for (std::size_t const chunk : {std::size_t{2048}, std::size_t{6144}, std::size_t{1} << 20}) {
+    for (std::size_t const threads : {std::size_t{1}, std::size_t{2}}) {
+      INFO("chunk_elements " << chunk << ", threads " << threads);
+      CHECK(train<HostOpt<P>>(12, chunked<HostOpt<P>>(chunk, threads)) == want);
+      CHECK(train<HostOpt<P>>(12, chunked<HostOpt<P>>(chunk, threads), true) == want);  // streaming steps
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("a block codec's state staged through NvmeFile gives the same bits", "[codec][nvme]", Bf16MixedInt8M,
+                   Fp32Int8M)
+{
+  using P = TestType;
+  scratch_dir d;
+  auto const want = plain<P>(12);
+  NvmeFile::options tier;
+  tier.directory = d.path;
+  for (std::size_t const chunk : {std::size_t{2048}, std::size_t{16384}}) {
+    INFO("chunk_elements " << chunk);
+    CHECK(on_nvme<P, Pipelined<2>>(12, chunk, tier) == want);
+    CHECK(on_nvme<P, Synchronous>(12, chunk, tier, 1) == want);
+    auto o = chunked<NvmeOpt<P>>(chunk);
+    o.tier = tier;
+    CHECK(train<NvmeOpt<P>>(12, o, true) == want);  // streaming steps
+  }
+}
+
+TEST_CASE("a block codec's layout: tensors start on whole blocks, and its slots take their encoded bytes", "[codec]")
+{
+  using P = Bf16MixedInt8M;
+  nvme_model<P> m;
+  HostOpt<P> opt(HostOpt<P>::hyperparameters{}, chunked<HostOpt<P>>(4096));
+  register_model(opt, m);
+  auto const& lay = opt.state_layout();
+  CHECK(lay.tensor_alignment() == 256);
+  std::size_t expected_offset = 0;
+  for (std::size_t t = 0; t < m.params.size(); ++t) {
+    expected_offset = (expected_offset + 255) / 256 * 256;
+    CHECK(lay.tensors()[t].offset == expected_offset);
+    expected_offset += m.params[t].size();
+  }
+  // master fp32, m as 16 blocks of 4 + 256 bytes (rounded up to 4 KiB), v fp32
+  CHECK(lay.slot_block_bytes(1) == 260);
+  CHECK(lay.chunk_bytes() == 4096 * 4 + 8192 + 4096 * 4);
+  CHECK(P::name() == "bf16/bf16/fp32/(test_absmax_int8_256,fp32)");
+}
+
+TEMPLATE_TEST_CASE("write_state encodes whole blocks and copy_state decodes them", "[codec]", Bf16MixedInt8M, Fp32Int8M)
+{
+  using P = TestType;
+  using C = typename P::template state_codec<0>;
+  nvme_model<P> m;
+  HostOpt<P> opt(typename HostOpt<P>::hyperparameters{}, chunked<HostOpt<P>>(2048));
+  register_model(opt, m);
+  for (std::size_t t = 0; t < m.params.size(); ++t) {
+    INFO("tensor " << t << " of " << m.params[t].size() << " elements");
+    std::vector<float> v(m.params[t].size());
+    for (std::size_t i = 0; i < v.size(); ++i) { v[i] = std::sin(0.1f * static_cast<float>(i + t)) * 1e-3f; }
+    opt.write_state(tensor_name(t), slot::exp_avg, v);
+    std::vector<float> got(v.size());
+    opt.copy_state(tensor_name(t), slot::exp_avg, got);
+    auto want = v;
+    store_and_load<C>(want);
+    CHECK(got == want);
+    if (v.size() > 64) { CHECK(got != v); }  // 8 bits lose something
+    opt.write_state(tensor_name(t), slot::exp_avg, got);  // a decoded state encodes to itself
+    std::vector<float> again(v.size());
+    opt.copy_state(tensor_name(t), slot::exp_avg, again);
+    CHECK(again == got);
+  }
+  // Writing one tensor's blocks leaves its neighbours' alone.
+  std::vector<float> before(m.params[2].size()), after(m.params[2].size());
+  opt.copy_state(tensor_name(2), slot::exp_avg, before);
+  std::vector<float> ones(m.params[1].size(), 1.0f);
+  opt.write_state(tensor_name(1), slot::exp_avg, ones);
+  opt.copy_state(tensor_name(2), slot::exp_avg, after);
+  CHECK(before == after);
+}
+
+TEMPLATE_TEST_CASE("a block codec's checkpoint moves between tiers and resumes exactly", "[codec][checkpoint]",
+                   Bf16MixedInt8M, Fp32Int8M)
+{
+  using P = TestType;
+  scratch_dir d;
+  auto const want = plain<P>(10);
+
+  // 4 steps on PinnedHost, saved; the rest on NvmeFile from the checkpoint.
+  nvme_model<P> ma;
+  HostOpt<P> a(schedule<HostOpt<P>>(1), chunked<HostOpt<P>>(6144));
+  register_model(a, ma);
+  for (int t = 1; t <= 4; ++t) {
+    ma.fill_grads(t);
+    a.set_hyperparameters(0, schedule<HostOpt<P>>(t));
+    a.step(ma.views());
+  }
+  a.save(d.path / "ckpt");
+
+  nvme_model<P> mb;
+  mb.params = ma.params;  // the model's params are the caller's (with fp32, they are the master)
+  auto o = chunked<NvmeOpt<P>>(6144);
+  o.tier.directory = d.path;
+  NvmeOpt<P> b(schedule<NvmeOpt<P>>(1), o);
+  register_model(b, mb);
+  b.load(d.path / "ckpt");
+  for (int t = 5; t <= 10; ++t) {
+    mb.fill_grads(t);
+    b.set_hyperparameters(0, schedule<NvmeOpt<P>>(t));
+    b.step(mb.views());
+  }
+  CHECK(snapshot(b, mb) == want);
+
+  // The same model with another state format refuses the checkpoint, naming the precision.
+  using Plain = OffloadedOptimizer<AdamW, Precision<typename P::param_type, typename P::grad_type>, PinnedHost>;
+  nvme_model<P> mc;
+  Plain c(typename Plain::hyperparameters{}, chunked<Plain>(6144));
+  register_model(c, mc);
+  CHECK_THROWS_WITH(c.load(d.path / "ckpt"), Catch::Contains("precision") && Catch::Contains("test_absmax_int8"));
+}
