@@ -40,7 +40,7 @@ void store_and_load(std::span<float> v)
 
 /// The run tests/nvme_support.hpp's train() makes (the same model, groups and schedule),
 /// written as a plain loop: each element updated by the rule's own text on floats, then each
-/// slot stored with its codec.
+/// slot stored with its codec (and, for Compensated, the param's rounding error kept).
 template <class P>
 run_result plain(int steps)
 {
@@ -48,9 +48,10 @@ run_result plain(int steps)
   using R   = typename Opt::rule_type;
   nvme_model<P> m;
   std::size_t const T = m.params.size();
-  std::vector<std::vector<float>> master(T), s0(T), s1(T);
+  std::vector<std::vector<float>> master(T), comp(T), s0(T), s1(T);
   for (std::size_t k = 0; k < T; ++k) {
     for (auto const p : m.params[k]) { master[k].push_back(convert<float>(p)); }
+    comp[k].assign(m.params[k].size(), 0.0f);
     s0[k].assign(m.params[k].size(), 0.0f);
     s1[k].assign(m.params[k].size(), 0.0f);
   }
@@ -65,10 +66,17 @@ run_result plain(int steps)
       auto const c = R::coefficients_for(h, t, 1.0);
       for (std::size_t i = 0; i < master[k].size(); ++i) {
         float s[2] = {s0[k][i], s1[k][i]};
-        R::update(c, master[k][i], convert<float>(m.grads[k][i]), s);
-        m.params[k][i] = convert<typename P::param_type>(master[k][i]);
-        s0[k][i]       = s[0];
-        s1[k][i]       = s[1];
+        if constexpr (P::has_compensation) {  // the weight is param + compensation
+          float w = convert<float>(m.params[k][i]) + comp[k][i];
+          R::update(c, w, convert<float>(m.grads[k][i]), s);
+          m.params[k][i] = convert<typename P::param_type>(w);
+          comp[k][i]     = convert<float>(convert<bf16>(w - convert<float>(m.params[k][i])));
+        } else {
+          R::update(c, master[k][i], convert<float>(m.grads[k][i]), s);
+          m.params[k][i] = convert<typename P::param_type>(master[k][i]);
+        }
+        s0[k][i] = s[0];
+        s1[k][i] = s[1];
       }
       store_and_load<typename P::template state_codec<0>>(s0[k]);
       store_and_load<typename P::template state_codec<1>>(s1[k]);
@@ -87,6 +95,7 @@ run_result plain(int steps)
     }
   }
   if constexpr (P::has_master) { r.slots.push_back(master); }
+  if constexpr (P::has_compensation) { r.slots.push_back(comp); }
   r.slots.push_back(s0);
   r.slots.push_back(s1);
   return r;
@@ -95,7 +104,7 @@ run_result plain(int steps)
 }  // namespace
 
 TEMPLATE_TEST_CASE("a block codec's state is what a plain loop over its blocks makes, for any chunk size and thread count",
-                   "[codec]", Bf16MixedInt8M, Fp32Int8M)
+                   "[codec]", Bf16MixedInt8M, Fp32Int8M, Bf16Compensated)
 {
   using P         = TestType;
   auto const want = plain<P>(12);
@@ -111,7 +120,7 @@ TEMPLATE_TEST_CASE("a block codec's state is what a plain loop over its blocks m
 }
 
 TEMPLATE_TEST_CASE("a block codec's state staged through NvmeFile gives the same bits", "[codec][nvme]", Bf16MixedInt8M,
-                   Fp32Int8M)
+                   Fp32Int8M, Bf16Compensated)
 {
   using P = TestType;
   scratch_dir d;
@@ -181,7 +190,7 @@ TEMPLATE_TEST_CASE("write_state encodes whole blocks and copy_state decodes them
 }
 
 TEMPLATE_TEST_CASE("a block codec's checkpoint moves between tiers and resumes exactly", "[codec][checkpoint]",
-                   Bf16MixedInt8M, Fp32Int8M)
+                   Bf16MixedInt8M, Fp32Int8M, Bf16Compensated)
 {
   using P = TestType;
   scratch_dir d;
@@ -217,5 +226,48 @@ TEMPLATE_TEST_CASE("a block codec's checkpoint moves between tiers and resumes e
   nvme_model<P> mc;
   Plain c(typename Plain::hyperparameters{}, chunked<Plain>(6144));
   register_model(c, mc);
-  CHECK_THROWS_WITH(c.load(d.path / "ckpt"), Catch::Contains("precision") && Catch::Contains("test_absmax_int8"));
+  CHECK_THROWS_WITH(c.load(d.path / "ckpt"), Catch::Contains("precision") && Catch::Contains(P::name()));
+}
+
+TEST_CASE("Compensated: bf16 params with a compensation slot follow an fp32 master, where bf16 alone would not",
+          "[codec][compensated]")
+{
+  // The model's gradients do not depend on its params, so m and v are the same in both runs
+  // and the weights differ only by how they are kept: param + compensation against the fp32
+  // master of Bf16Mixed.
+  auto const comp   = train<HostOpt<Bf16Compensated>>(60, chunked<HostOpt<Bf16Compensated>>(2048));
+  auto const master = train<HostOpt<Bf16Mixed>>(60, chunked<HostOpt<Bf16Mixed>>(2048));
+  REQUIRE(comp.slots.size() == 3);  // compensation, m, v
+  CHECK(comp.slots[1] == master.slots[1]);
+  CHECK(comp.slots[2] == master.slots[2]);
+  double worst_with = 0.0, worst_without = 0.0;
+  bool any_compensation = false;
+  for (std::size_t t = 0; t < comp.params.size(); ++t) {
+    for (std::size_t i = 0; i < comp.params[t].size(); ++i) {
+      float const p   = convert<float>(bf16::from_bits(static_cast<std::uint16_t>(comp.params[t][i])));
+      float const c   = comp.slots[0][t][i];
+      double const w  = master.slots[0][t][i];
+      double const at = std::max(std::fabs(w), 1e-2);
+      worst_with      = std::max(worst_with, std::fabs(p + c - w) / at);
+      worst_without   = std::max(worst_without, std::fabs(p - w) / at);
+      any_compensation = any_compensation || c != 0.0f;
+    }
+  }
+  INFO("worst relative error: param + compensation " << worst_with << ", param alone " << worst_without);
+  CHECK(any_compensation);
+  // (each step's compensation is rounded to bf16: at most 2^-18 of the weight lost per step)
+  CHECK(worst_with < 60 * std::ldexp(1.0, -18));
+  CHECK(worst_without > 10 * worst_with);  // bf16 alone keeps 8 bits: the compensation does the work
+}
+
+TEST_CASE("Compensated keeps no master: asking for one says what it keeps instead", "[codec][compensated]")
+{
+  nvme_model<Bf16Compensated> m;
+  HostOpt<Bf16Compensated> opt(HostOpt<Bf16Compensated>::hyperparameters{}, chunked<HostOpt<Bf16Compensated>>(2048));
+  register_model(opt, m);
+  std::vector<float> v(m.params[0].size());
+  CHECK_THROWS_WITH(opt.copy_state(tensor_name(0), slot::master, v), Catch::Contains("slot compensation"));
+  CHECK_NOTHROW(opt.copy_state(tensor_name(0), slot::compensation, v));
+  CHECK(Bf16Compensated::name() == "bf16/bf16/comp/fp32");
+  CHECK(opt.state_layout().chunk_bytes() == 2048 * (2 + 4 + 4));  // 10 bytes per element, not 12
 }

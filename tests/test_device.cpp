@@ -515,16 +515,20 @@ TEMPLATE_LIST_TEST_CASE("a user's transfer over every device route gives CudaOve
 
 /// The test's block codecs (tests/block_codec.hpp) over the device routes: all five with 8-bit
 /// m in blocks of 256, two with blocks of 64 (smaller than some chunks' pieces, larger than
-/// others); reduced: one OnHost and one OnDevice route.
+/// others), and Compensated (no master) on an OnDevice and an OnHost route (whose params
+/// come down from the device, since the update reads them); reduced: one OnHost and one
+/// OnDevice route.
 using codec_device_routes =
   pick<std::tuple<overlapped_on_device<Bf16MixedInt8M, Device, OnDevice>,
                   overlapped_on_device<Bf16MixedInt8M, PinnedHost, OnDevice>,
                   overlapped_on_device<Bf16MixedInt8M, NvmeFile, OnDevice>,
                   overlapped_on_device<Bf16MixedInt8M, PinnedHost, OnHost<>>,
                   overlapped_on_device<Bf16MixedInt8M, NvmeFile, OnHost<>>,
-                  overlapped_on_device<Fp32Int8M, Device, OnDevice>, overlapped_on_device<Fp32Int8M, NvmeFile, OnHost<>>>,
+                  overlapped_on_device<Fp32Int8M, Device, OnDevice>, overlapped_on_device<Fp32Int8M, NvmeFile, OnHost<>>,
+                  overlapped_on_device<Bf16Compensated, Device, OnDevice>,
+                  overlapped_on_device<Bf16Compensated, PinnedHost, OnHost<>>>,
        std::tuple<overlapped_on_device<Bf16MixedInt8M, NvmeFile, OnDevice>,
-                  overlapped_on_device<Fp32Int8M, PinnedHost, OnHost<>>>>;
+                  overlapped_on_device<Bf16Compensated, PinnedHost, OnHost<>>>>;
 
 TEMPLATE_LIST_TEST_CASE("a block codec through every device route gives PinnedHost's bits, plain and streaming",
                         "[device][codec]", codec_device_routes)

@@ -24,7 +24,7 @@ using namespace tierstate::test;
 
 struct Momentum {
   static constexpr std::string_view name = "test_momentum";
-  static constexpr std::array<slot, 1> slots{slot::exp_avg};
+  static constexpr std::array<slot, 1> slots{slot{"momentum_buffer"}};  // a name of its own, as torch.optim.SGD
   struct hyperparameters {
     double lr       = 0.01;
     double momentum = 0.9;
@@ -170,8 +170,9 @@ TEST_CASE("a user's rule runs in place and staged through NvmeFile, bit for bit 
   CHECK(b.w == want);
 
   std::vector<float> m_host(sizes[2]), m_disk(sizes[2]);
-  host.copy_state("t2", slot::exp_avg, m_host);
-  disk.copy_state("t2", slot::exp_avg, m_disk);
+  host.copy_state("t2", slot{"momentum_buffer"}, m_host);
+  disk.copy_state("t2", slot{"momentum_buffer"}, m_disk);
+  CHECK_THROWS_WITH(host.copy_state("t2", slot::exp_avg, m_host), Catch::Contains("keeps no slot exp_avg"));
   CHECK(m_host == m_disk);
 }
 

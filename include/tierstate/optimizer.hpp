@@ -150,9 +150,9 @@ class OffloadedOptimizer {
   using tensor_id       = std::size_t;
   using group_id        = std::size_t;
 
-  /// The slots this composition keeps, in layout order: the master (when the precision has
-  /// one), then the rule's.
-  static constexpr std::size_t slot_count = rule_type::slots.size() + (Precision::has_master ? 1 : 0);
+  /// The slots this composition keeps, in layout order: the master or the compensation
+  /// (when the precision has one), then the rule's.
+  static constexpr std::size_t slot_count = rule_type::slots.size() + Precision::leading_slots;
   /// Whether params and gradients may be in device memory: OnDevice compute, or a transfer
   /// that moves them (CudaOverlapped, or one of yours with params_on_device = true).
   static constexpr bool takes_device_params = placement::device_params;

@@ -19,8 +19,9 @@
 //                     u64 XXH3-64 of the table's bytes before it, then zeros
 //
 // The payload, in order: str rule; str precision; i64 step; u64 chunk_elements, chunk_bytes,
-// chunk_count, total_elements; u32 slot count, then per slot u32 slot id and u32 element
-// bytes; u64 tensor count, then per tensor str name, u64 offset (in elements), u64 count,
+// chunk_count, total_elements; u32 slot count, then per slot u32 slot id (core/concepts.hpp's
+// slot_id: 0 to 4 for the library's slots, a hash of the name with the top bit set for a
+// rule's own) and u32 element bytes (the bytes of one block, for a block codec); u64 tensor count, then per tensor str name, u64 offset (in elements), u64 count,
 // u64 group; u64 group count, u32 values per group, then each group's values as f64 (the
 // rule's hyper-parameters, in the rule's order). A str is a u32 length and its bytes.
 //

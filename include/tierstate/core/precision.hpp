@@ -13,12 +13,20 @@
 
 namespace tierstate::inline TIERSTATE_ABI {
 
+/// A precision's Master where a bf16 param is its own master: no fp32 copy, but a bf16
+/// compensation slot that holds what the last rounding of the param lost (Kahan's
+/// compensated summation). The update reads param + compensation as the weight and stores
+/// the param rounded and the new rounding error: about 16 bits of mantissa for 4 bytes per
+/// element, where an fp32 master takes 6 (param and master).
+struct Compensated {};
+
 /// The types of one optimizer step.
 ///
 ///   Param   what the model computes with and the optimizer writes back: float, bf16, fp16
 ///   Grad    what backward produces: float, bf16, fp16
-///   Master  the fp32 master copy, which exists only when Param is not float (with fp32
-///           params the param is its own master and is updated in place)
+///   Master  float: the fp32 master copy, which exists only when Param is not float (with
+///           fp32 params the param is its own master and is updated in place); or
+///           Compensated (bf16 params only): no master, a bf16 compensation slot instead
 ///   State   how the rule's slots (Adam's m and v) are stored: float, bf16, a codec
 ///           (codecs/codec.hpp: every slot with it), or slot_codecs<C...> (one per slot)
 ///
@@ -30,8 +38,9 @@ struct Precision {
                 "tierstate::Precision: Param must be float, tierstate::bf16 or tierstate::fp16.");
   static_assert(storage_type<Grad>,
                 "tierstate::Precision: Grad must be float, tierstate::bf16 or tierstate::fp16.");
-  static_assert(std::is_same_v<Master, float>,
-                "tierstate::Precision: the master copy is fp32; Master must be float.");
+  static_assert(std::is_same_v<Master, float> || (std::is_same_v<Master, Compensated> && std::is_same_v<Param, bf16>),
+                "tierstate::Precision: Master must be float (an fp32 master copy), or Compensated with bf16 "
+                "params (a bf16 compensation slot instead of the master).");
   static_assert(detail::state_format_traits<State>::valid,
                 "tierstate::Precision: State must be float, tierstate::bf16, a codec or tierstate::slot_codecs<C...> "
                 "of codecs (codecs/codec.hpp: a block codec has name, block (a power of two up to 2048), "
@@ -49,7 +58,11 @@ struct Precision {
   static constexpr std::size_t state_codec_count = detail::state_format_traits<State>::count;
 
   /// Whether a separate fp32 master slot is kept (only when the param is not fp32).
-  static constexpr bool has_master = !std::is_same_v<Param, float>;
+  static constexpr bool has_master = !std::is_same_v<Param, float> && std::is_same_v<Master, float>;
+  /// Whether the param is its own master with a compensation slot (Compensated).
+  static constexpr bool has_compensation = std::is_same_v<Master, Compensated>;
+  /// The slots the layout keeps before the rule's: the master or the compensation, or none.
+  static constexpr std::size_t leading_slots = has_master || has_compensation ? 1 : 0;
 
   /// "param/grad/master/state", for example "bf16/bf16/fp32/fp32".
   [[nodiscard]] static std::string name()
@@ -58,7 +71,11 @@ struct Precision {
     n += '/';
     n += type_name_v<Grad>;
     n += '/';
-    n += type_name_v<Master>;
+    if constexpr (has_compensation) {
+      n += "comp";
+    } else {
+      n += type_name_v<Master>;
+    }
     n += '/';
     n += detail::state_format_traits<State>::name();
     return n;
@@ -84,6 +101,8 @@ using Fp32 = Precision<float, float, float, float>;
 using Bf16Mixed = Precision<bf16, bf16, float, float>;
 /// fp16 params and grads, fp32 master and state (pair with loss scaling).
 using Fp16Mixed = Precision<fp16, fp16, float, float>;
+/// bf16 params and grads, no master but a bf16 compensation slot, fp32 m and v.
+using Bf16Compensated = Precision<bf16, bf16, Compensated, float>;
 /// bf16 params and grads, fp32 master, bf16 m and v: 4 bytes of state per element less.
 using Bf16MixedBf16State = Precision<bf16, bf16, float, bf16>;
 

@@ -5,7 +5,8 @@
 // A rule is a small struct (rules/adam.hpp is one):
 //   - `name`: a short identifier ("adamw"), which checkpoints record;
 //   - `slots`: a std::array<slot, N> (N >= 1) of the state arrays it keeps besides the
-//     master, in the order `update` receives them;
+//     master, in the order `update` receives them, each with its own name: the library's
+//     (slot::exp_avg) or the rule's (slot{"momentum_buffer"}), as torch.optim names it;
 //   - `hyperparameters`: a struct with torch.optim's defaults;
 //   - `hyperparameter_table`: a std::array<hyperparameter<hyperparameters>, M>, one row per
 //     number: its name as torch.optim spells it ("lr", "betas[0]"), how to read and set it,
@@ -89,6 +90,21 @@ concept rule_has_name = requires {
 };
 template <class R>
 concept rule_has_slots = requires { R::slots; } && is_slot_array<std::remove_cvref_t<decltype(R::slots)>>::value;
+/// Whether R's slot names are distinct, non-empty and not the library's own.
+template <class R>
+consteval bool slot_names_distinct()
+{
+  for (std::size_t i = 0; i < R::slots.size(); ++i) {
+    auto const s = R::slots[i];
+    if (s.name().empty() || s == slot::master || s == slot::compensation) { return false; }
+    for (std::size_t j = 0; j < i; ++j) {
+      if (R::slots[j] == s) { return false; }
+    }
+  }
+  return true;
+}
+template <class R>
+concept rule_slots_distinct = rule_has_slots<R> && slot_names_distinct<R>();
 template <class R>
 concept rule_has_hyperparameters = requires { typename R::hyperparameters; } &&
                                    std::semiregular<typename R::hyperparameters>;
@@ -110,7 +126,7 @@ concept rule_updates_float = requires(typename R::coefficients const& k, float& 
 
 /// See the file comment.
 template <class R>
-concept rule = detail::rule_has_name<R> && detail::rule_has_slots<R> && detail::rule_has_hyperparameters<R> &&
+concept rule = detail::rule_has_name<R> && detail::rule_slots_distinct<R> && detail::rule_has_hyperparameters<R> &&
                detail::rule_has_table<R> && detail::rule_has_coefficients<R> && detail::rule_updates_float<R>;
 
 /// Throws tierstate::invalid_option ("<rule>.<name> = <value>: <why>") for the first number
@@ -184,10 +200,14 @@ struct checked_rule {
   static constexpr bool named = rule_has_name<R>;
   static_assert(named, "tierstate: a rule needs `static constexpr std::string_view name`: a short identifier, "
                        "which checkpoints record (rules/rule.hpp)");
-  static constexpr bool slotted = !named || rule_has_slots<R>;
-  static_assert(slotted, "tierstate: a rule needs `static constexpr std::array<tierstate::slot, N> slots` "
-                         "(N >= 1): the state arrays it keeps besides the master, in the order `update` "
-                         "receives them (rules/rule.hpp)");
+  static constexpr bool has_slots = !named || rule_has_slots<R>;
+  static_assert(has_slots, "tierstate: a rule needs `static constexpr std::array<tierstate::slot, N> slots` "
+                           "(N >= 1): the state arrays it keeps besides the master, in the order `update` "
+                           "receives them (rules/rule.hpp)");
+  static constexpr bool slotted = named && has_slots && rule_slots_distinct<R>;
+  static_assert(!(named && has_slots) || slotted,
+                "tierstate: a rule's slots need distinct, non-empty names, none of them \"master\" or "
+                "\"compensation\" (the library keeps those) (rules/rule.hpp)");
   static constexpr bool with_hyperparameters = !(named && slotted) || rule_has_hyperparameters<R>;
   static_assert(with_hyperparameters,
                 "tierstate: a rule needs `struct hyperparameters`, default-constructible and copyable, "

@@ -24,7 +24,7 @@ checkpoint::header OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Comp
   h.chunk_count    = lay.chunk_count();
   h.total_elements = lay.total_elements();
   for (std::size_t i = 0; i < lay.slots().size(); ++i) {
-    h.slots.push_back({static_cast<std::uint32_t>(lay.slots()[i]),
+    h.slots.push_back({slot_id(lay.slots()[i]),
                        static_cast<std::uint32_t>(lay.slot_block_bytes(i))});
   }
   for (std::size_t t = 0; t < tensors_.size(); ++t) {
@@ -56,7 +56,8 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_he
     if (h.slots[i].id != mine.slots[i].id || h.slots[i].element_bytes != mine.slots[i].element_bytes) {
       differ("slot " + std::to_string(i), "(id " + std::to_string(h.slots[i].id) + ", " +
                std::to_string(h.slots[i].element_bytes) + " bytes)",
-             "(id " + std::to_string(mine.slots[i].id) + ", " + std::to_string(mine.slots[i].element_bytes) + " bytes)");
+             "(" + std::string(slot_name(lay.slots()[i])) + ": id " + std::to_string(mine.slots[i].id) + ", " +
+               std::to_string(mine.slots[i].element_bytes) + " bytes)");
     }
   }
   if (h.tensors.size() != mine.tensors.size()) {

@@ -58,10 +58,13 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_sl
     char const* call) const
 {
   bool const kept = (Precision::has_master && s == slot::master) ||
+                    (Precision::has_compensation && s == slot::compensation) ||
                     std::find(rule_type::slots.begin(), rule_type::slots.end(), s) != rule_type::slots.end();
   if (!kept) {
     throw logic_error(std::string(call) + ": this optimizer keeps no slot " + std::string(slot_name(s)) +
-                      (s == slot::master ? " (fp32 params are their own master)" : ""));
+                      (s != slot::master     ? ""
+                       : Precision::has_compensation ? " (its bf16 params are their own master, with slot compensation)"
+                                                     : " (fp32 params are their own master)"));
   }
 }
 

@@ -13,7 +13,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::launch_c
 {
   if constexpr (placement::on_device) {
     using arrays_t = update_arrays<Precision, rule_type::slots.size()>;
-    constexpr std::size_t first_rule_slot = Precision::has_master ? 1 : 0;
+    constexpr std::size_t first_rule_slot = Precision::leading_slots;
     for (auto const& pc : store_.pieces(k)) {
       auto const& tensor = tensors_[pc.tensor];
       if (grads[pc.tensor].data == nullptr) { continue; }  // no gradient
@@ -22,6 +22,8 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::launch_c
       a.grad  = grads[pc.tensor].data + pc.tensor_begin;
       if constexpr (Precision::has_master) {
         a.master = reinterpret_cast<float*>(chunk + store_.layout().slot_offset(0)) + pc.chunk_begin;
+      } else if constexpr (Precision::has_compensation) {
+        a.compensation = reinterpret_cast<bf16*>(chunk + store_.layout().slot_offset(0)) + pc.chunk_begin;
       }
       std::array<std::byte*, rule_type::slots.size()> state{};
       for (std::size_t j = 0; j < rule_type::slots.size(); ++j) {

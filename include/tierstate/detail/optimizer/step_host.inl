@@ -16,10 +16,13 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
     (void)k, (void)chunk, (void)b, (void)e, (void)grads, (void)coefficients, (void)grad_stage, (void)param_stage;
   } else {
     using arrays_t = update_arrays<Precision, rule_type::slots.size()>;
-    constexpr std::size_t first_rule_slot = Precision::has_master ? 1 : 0;
-    float* master = nullptr;
+    constexpr std::size_t first_rule_slot = Precision::leading_slots;
+    float* master       = nullptr;
+    bf16* compensation  = nullptr;
     if constexpr (Precision::has_master) {
       master = reinterpret_cast<float*>(chunk + store_.layout().slot_offset(0));
+    } else if constexpr (Precision::has_compensation) {
+      compensation = reinterpret_cast<bf16*>(chunk + store_.layout().slot_offset(0));
     }
     std::array<std::byte*, rule_type::slots.size()> state{};
     for (std::size_t j = 0; j < rule_type::slots.size(); ++j) {
@@ -37,6 +40,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
       a.param  = update_params_on_device(pc.tensor) ? param_stage + lo : update_params(pc.tensor) + tofs;
       a.grad   = grads[pc.tensor].where == location::device ? grad_stage + lo : grads[pc.tensor].data + tofs;
       a.master = master != nullptr ? master + lo : nullptr;
+      a.compensation = compensation != nullptr ? compensation + lo : nullptr;
       state_arrays_at(state, lo, a.state);
       Compute::template update_range<rule_type, Precision>(coefficients[tensor.group], a, 0, hi - lo);
     }

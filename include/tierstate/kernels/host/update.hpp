@@ -29,7 +29,9 @@ namespace tierstate::inline TIERSTATE_ABI {
 /// The arrays of one update, all indexed by the same element index.
 ///
 /// `param` is read when the precision has no master (fp32 params are their own master) and
-/// always written; `master` is used only when Precision::has_master (else it may be null);
+/// always written; `master` is used only when Precision::has_master (else it may be null),
+/// `compensation` only when Precision::has_compensation (the weight is then param +
+/// compensation);
 /// `state[j]` is the rule's slot `Rule::slots[j]`, stored with `P::state_codec<j>`
 /// (codecs/codec.hpp): an array of its element type for an element codec, the bytes of its
 /// first block for a block codec (element 0 then starts a block).
@@ -39,6 +41,7 @@ struct update_arrays {
   typename P::grad_type const* grad = nullptr;
   float* master = nullptr;
   std::array<void*, Slots> state{};
+  bf16* compensation = nullptr;
 };
 
 namespace host {

@@ -17,6 +17,9 @@ tierstate::layout state_store<Precision, Rule, StateTier, Placement>::layout_for
   if constexpr (Precision::has_master) {
     slots.push_back(slot::master);
     formats.push_back({1, sizeof(float)});
+  } else if constexpr (Precision::has_compensation) {
+    slots.push_back(slot::compensation);
+    formats.push_back({1, sizeof(bf16)});
   }
   [&]<std::size_t... J>(std::index_sequence<J...>) {
     ((slots.push_back(Rule::slots[J]), formats.push_back({Precision::template state_codec<J>::block,
@@ -176,9 +179,13 @@ template <class Precision, class Rule, tier StateTier, class Placement>
 template <class F>
 void state_store<Precision, Rule, StateTier, Placement>::visit_codec(std::size_t si, F&& f)
 {
-  constexpr std::size_t first = Precision::has_master ? 1 : 0;
+  constexpr std::size_t first = Precision::leading_slots;
   if (Precision::has_master && si == 0) {
     f(std::type_identity<codecs::fp32>{});
+    return;
+  }
+  if (Precision::has_compensation && si == 0) {
+    f(std::type_identity<codecs::bf16>{});
     return;
   }
   [&]<std::size_t... J>(std::index_sequence<J...>) {

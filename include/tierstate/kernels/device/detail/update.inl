@@ -83,11 +83,12 @@ TIERSTATE_HOST_DEVICE T from_float(float x) noexcept
 template <class P, std::size_t J>
 using slot_native_t = native_t<typename P::template state_codec<J>::element_type>;
 
-/// One element: the tuple holds (param, grad, [master,] slot 0, slot 1, ...) references.
+/// One element: the tuple holds (param, grad, [master or compensation,] slot 0, slot 1, ...)
+/// references.
 template <class R, class P>
 struct update_element {
   static constexpr std::size_t slots = R::slots.size();
-  static constexpr std::size_t first = P::has_master ? 3 : 2;  ///< tuple index of slot 0
+  static constexpr std::size_t first = P::leading_slots + 2;  ///< tuple index of slot 0
   using param_t = native_t<typename P::param_type>;
 
   typename R::coefficients k;
@@ -98,6 +99,8 @@ struct update_element {
     float w;
     if constexpr (P::has_master) {
       w = thrust::get<2>(t);
+    } else if constexpr (P::has_compensation) {
+      w = to_float(thrust::get<0>(t)) + to_float(thrust::get<2>(t));
     } else {
       w = to_float(thrust::get<0>(t));
     }
@@ -107,7 +110,9 @@ struct update_element {
     R::update(k, w, g, s);
 
     if constexpr (P::has_master) { thrust::get<2>(t) = w; }
-    thrust::get<0>(t) = from_float<param_t>(w);
+    param_t const p   = from_float<param_t>(w);
+    thrust::get<0>(t) = p;
+    if constexpr (P::has_compensation) { thrust::get<2>(t) = from_float<param_t>(w - to_float(p)); }
     ((thrust::get<first + I>(t) = from_float<slot_native_t<P, I>>(s[I])), ...);
   }
 
@@ -131,6 +136,7 @@ struct update_block {
   param_t* param;
   grad_t const* grad;
   float* master;
+  param_t* compensation;
   void* state[Slots];
   std::size_t n;
 
@@ -146,6 +152,8 @@ struct update_block {
       float w;
       if constexpr (P::has_master) {
         w = master[i + e];
+      } else if constexpr (P::has_compensation) {
+        w = to_float(param[i + e]) + to_float(compensation[i + e]);
       } else {
         w = to_float(param[i + e]);
       }
@@ -153,7 +161,9 @@ struct update_block {
       float s[Slots]{scratch[J][e]...};
       R::update(k, w, g, s);
       if constexpr (P::has_master) { master[i + e] = w; }
-      param[i + e] = from_float<param_t>(w);
+      param_t const p = from_float<param_t>(w);
+      param[i + e]    = p;
+      if constexpr (P::has_compensation) { compensation[i + e] = from_float<param_t>(w - to_float(p)); }
       ((scratch[J][e] = s[J]), ...);
     }
     (store_slot<J>(scratch[J], i, m), ...);
@@ -237,6 +247,9 @@ auto zip_begin(update_arrays<P, S> const& a, std::index_sequence<I...>)
   if constexpr (P::has_master) {
     return thrust::make_zip_iterator(thrust::make_tuple(param, grad, a.master,
                                                         static_cast<slot_native_t<P, I>*>(a.state[I])...));
+  } else if constexpr (P::has_compensation) {
+    return thrust::make_zip_iterator(thrust::make_tuple(param, grad, reinterpret_cast<param_t*>(a.compensation),
+                                                        static_cast<slot_native_t<P, I>*>(a.state[I])...));
   } else {
     return thrust::make_zip_iterator(thrust::make_tuple(param, grad, static_cast<slot_native_t<P, I>*>(a.state[I])...));
   }
@@ -254,7 +267,8 @@ void update_async(stream_view s, typename R::coefficients const& k,
   if constexpr (tierstate::detail::state_block_v<P, slots> > 1) {
     using block_f = detail::update_block<R, P, slots>;
     block_f f{k, reinterpret_cast<typename block_f::param_t*>(a.param),
-              reinterpret_cast<typename block_f::grad_t const*>(a.grad), a.master, {}, n};
+              reinterpret_cast<typename block_f::grad_t const*>(a.grad), a.master,
+              reinterpret_cast<typename block_f::param_t*>(a.compensation), {}, n};
     for (std::size_t j = 0; j < slots; ++j) { f.state[j] = a.state[j]; }
     auto const first = thrust::counting_iterator<std::size_t>(0);
     auto const last  = first + static_cast<std::ptrdiff_t>((n + block_f::B - 1) / block_f::B);

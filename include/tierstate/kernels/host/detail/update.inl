@@ -14,6 +14,11 @@ void check_arrays(update_arrays<P, Slots> const& a, std::size_t n)
                       "update_arrays.master is null, but precision " + P::name() +
                         " keeps an fp32 master");
   }
+  if constexpr (P::has_compensation) {
+    TIERSTATE_EXPECTS(a.compensation != nullptr,
+                      "update_arrays.compensation is null, but precision " + P::name() +
+                        " keeps a compensation slot");
+  }
   for (std::size_t s = 0; s < Slots; ++s) {
     TIERSTATE_EXPECTS(a.state[s] != nullptr,
                       "update_arrays.state[" + std::to_string(s) + "] is null");
@@ -47,6 +52,8 @@ TIERSTATE_ALWAYS_INLINE void update_batch(typename R::coefficients const& k,
   V w;
   if constexpr (P::has_master) {
     w = detail::load_as_float<Arch>(a.master + i);
+  } else if constexpr (P::has_compensation) {
+    w = detail::load_as_float<Arch>(a.param + i) + detail::load_as_float<Arch>(a.compensation + i);
   } else {
     w = detail::load_as_float<Arch>(a.param + i);
   }
@@ -60,6 +67,9 @@ TIERSTATE_ALWAYS_INLINE void update_batch(typename R::coefficients const& k,
 
   if constexpr (P::has_master) { detail::store_rounded<Arch>(a.master + i, w); }
   detail::store_rounded<Arch>(a.param + i, w);
+  if constexpr (P::has_compensation) {  // what the rounding lost (w - param is exact in float)
+    detail::store_rounded<Arch>(a.compensation + i, w - detail::load_as_float<Arch>(a.param + i));
+  }
   for_each_slot<Slots>([&](auto j) {
     detail::store_rounded<Arch>(static_cast<slot_element_t<P, j>*>(a.state[j]) + i, s[j]);
   });
@@ -80,18 +90,21 @@ void update_tail(typename R::coefficients const& k, update_arrays<P, Slots> cons
   alignas(64) param_t param[n] = {};
   alignas(64) grad_t grad[n]   = {};
   alignas(64) float master[n]  = {};
+  alignas(64) bf16 compensation[n] = {};
   alignas(64) std::byte state[Slots][n * sizeof(float)] = {};
 
   update_arrays<P, Slots> t;
   t.param = param;
   t.grad  = grad;
   t.master = master;
+  t.compensation = compensation;
 
   if constexpr (P::has_master) {
     std::memcpy(master, a.master + i, m * sizeof(float));
   } else {
     std::memcpy(param, a.param + i, m * sizeof(param_t));
   }
+  if constexpr (P::has_compensation) { std::memcpy(compensation, a.compensation + i, m * sizeof(bf16)); }
   std::memcpy(grad, a.grad + i, m * sizeof(grad_t));
   for_each_slot<Slots>([&](auto j) {
     using T = slot_element_t<P, j>;
@@ -102,6 +115,7 @@ void update_tail(typename R::coefficients const& k, update_arrays<P, Slots> cons
   update_batch<R, P, Arch>(k, t, 0);
 
   if constexpr (P::has_master) { std::memcpy(a.master + i, master, m * sizeof(float)); }
+  if constexpr (P::has_compensation) { std::memcpy(a.compensation + i, compensation, m * sizeof(bf16)); }
   std::memcpy(a.param + i, param, m * sizeof(param_t));
   for_each_slot<Slots>([&](auto j) {
     using T = slot_element_t<P, j>;
@@ -157,7 +171,8 @@ void update_blocks(typename R::coefficients const& k, update_arrays<P, Slots> co
     update_arrays<SP, Slots> t;
     t.param  = a.param + i;
     t.grad   = a.grad + i;
-    t.master = a.master != nullptr ? a.master + i : nullptr;
+    t.master       = a.master != nullptr ? a.master + i : nullptr;
+    t.compensation = a.compensation != nullptr ? a.compensation + i : nullptr;
     for_each_slot<Slots>([&](auto j) {
       using C = typename P::template state_codec<j>;
       if constexpr (block_codec<C>) {
