@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // A rule that names two of its slots alike (copy_state and checkpoints tell slots apart by
 // name): refused with the sentence that says how slots are named.
-// expect: tierstate: a rule's slots need distinct, non-empty names, none of them "master" or "compensation" (the library keeps those) (rules/rule.hpp)
+// expect: tierstate: a rule's slots need distinct, non-empty names, none of them `master` or `compensation` (the library keeps those) (rules/rule.hpp)
 #include <tierstate/tierstate.hpp>
 
 #include <array>

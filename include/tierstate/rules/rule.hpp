@@ -206,8 +206,8 @@ struct checked_rule {
                            "receives them (rules/rule.hpp)");
   static constexpr bool slotted = named && has_slots && rule_slots_distinct<R>;
   static_assert(!(named && has_slots) || slotted,
-                "tierstate: a rule's slots need distinct, non-empty names, none of them \"master\" or "
-                "\"compensation\" (the library keeps those) (rules/rule.hpp)");
+                "tierstate: a rule's slots need distinct, non-empty names, none of them `master` or "
+                "`compensation` (the library keeps those) (rules/rule.hpp)");
   static constexpr bool with_hyperparameters = !(named && slotted) || rule_has_hyperparameters<R>;
   static_assert(with_hyperparameters,
                 "tierstate: a rule needs `struct hyperparameters`, default-constructible and copyable, "
