@@ -5,6 +5,7 @@
 // through NvmeFile with Pipelined<2>, bit for bit as a plain loop over floats; its
 // hyper-parameters are validated from its table; its checkpoint round-trips.
 #include "nvme_support.hpp"
+#include "row_column_rule.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -13,6 +14,8 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -200,4 +203,255 @@ TEST_CASE("a user's rule checkpoints: saved on one tier, loaded on another, resu
   mb.steps(b, 4, 6, 1.0);
   CHECK(mb.w == ma.w);
   CHECK(mb.w == plain(6, h, 1.0));
+}
+
+// --- A rule with a tensor phase (tests/row_column_rule.hpp) -------------------------------
+// Its row and column factors are per-tensor state that persists across steps and is
+// checkpointed; it takes two passes. Through PinnedHost and NvmeFile, plain, streaming and
+// delayed steps, any chunk size and thread count, it gives what a plain loop over the rule's
+// own text gives, bit for bit.
+
+namespace {
+
+using tierstate::test::RowColumn;
+
+/// Awkward shapes: rows shorter than a batch, a lone element, a matrix spanning chunks, a
+/// tensor registered by count (one row).
+constexpr std::array<tensor_shape, 5> rc_shapes{{{37, 53}, {1, 1}, {64, 129}, {5, 3}, {1, 3001}}};
+constexpr std::array<std::string_view, 5> rc_names{"t0", "t1", "t2", "t3", "t4"};
+
+float rc_grad(int step, std::size_t t, std::size_t i)
+{
+  // Magnitudes that differ by row, so the factors matter; some steps clip, some do not.
+  float const row_scale = 1.0f + 0.5f * static_cast<float>((i / rc_shapes[t].columns) % 3);
+  return row_scale * std::sin(0.41f * static_cast<float>(step) + 0.013f * static_cast<float>(i) + static_cast<float>(t));
+}
+
+RowColumn::hyperparameters rc_hyper()
+{
+  RowColumn::hyperparameters h;
+  h.lr             = 0.02;
+  h.clip_threshold = 0.95;
+  return h;
+}
+
+struct rc_result {
+  std::vector<std::vector<float>> params, momentum, tensor_state;
+  bool operator==(rc_result const&) const = default;
+};
+
+/// The run as a plain loop: per tensor, the rule's passes over its rows, then each element
+/// updated by the rule's text on floats.
+template <class P>
+rc_result rc_plain(int steps)
+{
+  auto const h = rc_hyper();
+  rc_result r;
+  std::vector<std::vector<float>> master;
+  for (auto const sh : rc_shapes) {
+    master.emplace_back(sh.elements());
+    for (std::size_t i = 0; i < sh.elements(); ++i) {
+      master.back()[i] = convert<float>(convert<typename P::param_type>(0.001f * static_cast<float>(i % 97) - 0.05f));
+    }
+    r.momentum.emplace_back(sh.elements(), 0.0f);
+    r.tensor_state.emplace_back(RowColumn::tensor_state_size(sh), 0.0f);
+  }
+  for (int s = 1; s <= steps; ++s) {
+    auto const k = RowColumn::coefficients_for(h, s, 1.0);
+    for (std::size_t t = 0; t < rc_shapes.size(); ++t) {
+      auto const sh = rc_shapes[t];
+      std::vector<float> g(sh.elements());
+      for (std::size_t i = 0; i < g.size(); ++i) { g[i] = convert<float>(convert<typename P::grad_type>(rc_grad(s, t, i))); }
+      float* st = r.tensor_state[t].data();
+      for (unsigned pass = 0; pass < RowColumn::reduce_passes; ++pass) {
+        std::vector<double> statistics(RowColumn::statistics_size(sh, pass), 0.0);
+        for (std::size_t row = 0; row < sh.rows; ++row) {
+          RowColumn::reduce_row(k, pass, sh, st, row, std::span<float const>(g.data() + row * sh.columns, sh.columns),
+                                statistics.data());
+        }
+        RowColumn::finish_pass(k, pass, sh, statistics.data(), st);
+      }
+      for (std::size_t i = 0; i < g.size(); ++i) {
+        float m[1] = {r.momentum[t][i]};
+        RowColumn::update(k, master[t][i], g[i], m, tensor_position<float>{st, sh, i / sh.columns, i % sh.columns, 1});
+        r.momentum[t][i] = m[0];
+      }
+    }
+  }
+  for (auto const& w : master) {
+    r.params.emplace_back();
+    for (float const x : w) { r.params.back().push_back(convert<float>(convert<typename P::param_type>(x))); }
+  }
+  return r;
+}
+
+template <class Opt>
+struct rc_model {
+  using P = typename Opt::precision_type;
+  std::vector<std::vector<typename P::param_type>> w;
+  std::vector<std::vector<typename P::grad_type>> g;
+
+  explicit rc_model(Opt& opt)
+  {
+    for (std::size_t t = 0; t < rc_shapes.size(); ++t) {
+      auto const sh = rc_shapes[t];
+      w.emplace_back(sh.elements());
+      g.emplace_back(sh.elements());
+      for (std::size_t i = 0; i < sh.elements(); ++i) {
+        w[t][i] = convert<typename P::param_type>(0.001f * static_cast<float>(i % 97) - 0.05f);
+      }
+      if (t + 1 < rc_shapes.size()) {
+        opt.add_tensor(std::string(rc_names[t]), w[t].data(), sh);
+      } else {
+        opt.add_tensor(std::string(rc_names[t]), w[t].data(), sh.elements());  // one row
+      }
+    }
+  }
+  void steps(Opt& opt, int from, int to, bool streaming = false)
+  {
+    for (int s = from; s <= to; ++s) {
+      std::vector<grad_view<typename P::grad_type>> views;
+      for (std::size_t t = 0; t < rc_shapes.size(); ++t) {
+        for (std::size_t i = 0; i < g[t].size(); ++i) { g[t][i] = convert<typename P::grad_type>(rc_grad(s, t, i)); }
+        views.push_back({g[t].data(), g[t].size()});
+      }
+      if (streaming) {
+        opt.begin_step();
+        for (std::size_t t = rc_shapes.size(); t-- > 0;) { opt.grad_ready(t, views[t]); }
+        (void)opt.finish_step();
+      } else {
+        (void)opt.step(views);
+      }
+    }
+    (void)opt.flush();
+  }
+  rc_result result(Opt& opt)
+  {
+    rc_result r;
+    for (std::size_t t = 0; t < rc_shapes.size(); ++t) {
+      r.params.emplace_back();
+      for (auto const x : w[t]) { r.params.back().push_back(convert<float>(x)); }
+      r.momentum.emplace_back(w[t].size());
+      opt.copy_state(rc_names[t], slot{"momentum"}, r.momentum.back());
+      r.tensor_state.emplace_back(opt.tensor_state_size(rc_names[t]));
+      opt.copy_tensor_state(rc_names[t], r.tensor_state.back());
+    }
+    return r;
+  }
+};
+
+template <class Opt>
+rc_result rc_train(int steps, typename Opt::options const& o, bool streaming = false)
+{
+  Opt opt(rc_hyper(), o);
+  rc_model<Opt> m(opt);
+  m.steps(opt, 1, steps, streaming);
+  return m.result(opt);
+}
+
+template <class Opt>
+typename Opt::options rc_chunks(std::size_t chunk, std::size_t threads = 2, typename Opt::options o = {})
+{
+  o.chunk_elements = chunk;
+  o.threads        = threads;
+  return o;
+}
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("a rule with a tensor phase is, bit for bit, a plain loop over its text, on any chunks, threads, tier and step",
+                   "[rules][user_rule][tensor_phase][nvme]", Fp32, Bf16Mixed)
+{
+  using P         = TestType;
+  auto const want = rc_plain<P>(9);
+  using HostOpt   = OffloadedOptimizer<RowColumn, P, PinnedHost, Synchronous>;
+  for (std::size_t const chunk : {std::size_t{2048}, std::size_t{6144}, std::size_t{1} << 20}) {
+    for (std::size_t const threads : {std::size_t{1}, std::size_t{2}}) {
+      INFO("chunk_elements " << chunk << ", threads " << threads);
+      CHECK(rc_train<HostOpt>(9, rc_chunks<HostOpt>(chunk, threads)) == want);
+    }
+  }
+  CHECK(rc_train<HostOpt>(9, rc_chunks<HostOpt>(2048), true) == want);  // streaming steps
+  auto delayed           = rc_chunks<HostOpt>(4096);
+  delayed.delayed_update = true;
+  CHECK(rc_train<HostOpt>(9, delayed) == want);
+
+  scratch_dir d;
+  using DiskOpt = OffloadedOptimizer<RowColumn, P, NvmeFile, Pipelined<2>>;
+  typename DiskOpt::options o;
+  o.tier = in(d);
+  CHECK(rc_train<DiskOpt>(9, rc_chunks<DiskOpt>(2048, 2, o)) == want);
+  CHECK(rc_train<DiskOpt>(9, rc_chunks<DiskOpt>(2048, 2, o), true) == want);
+  CHECK(rc_plain<P>(8) != want);  // (a test that can fail: a step moves the numbers)
+}
+
+TEST_CASE("a rule's per-tensor state is checkpointed: saved on one tier, loaded on another, resumed exactly",
+          "[rules][user_rule][tensor_phase][checkpoint]")
+{
+  scratch_dir d;
+  using HostOpt = OffloadedOptimizer<RowColumn, Bf16Mixed, PinnedHost, Synchronous>;
+  HostOpt a(rc_hyper(), rc_chunks<HostOpt>(2048));
+  rc_model<HostOpt> ma(a);
+  ma.steps(a, 1, 4);
+  a.save(d.path / "ckpt");
+
+  using DiskOpt = OffloadedOptimizer<RowColumn, Bf16Mixed, NvmeFile, Pipelined<2>>;
+  typename DiskOpt::options o;
+  o.tier = in(d);
+  DiskOpt b(RowColumn::hyperparameters{}, rc_chunks<DiskOpt>(2048, 1, o));  // (the layout must be the same)
+  rc_model<DiskOpt> mb(b);
+  b.load(d.path / "ckpt");  // the params come from the checkpoint's master
+  CHECK(b.get_hyperparameters(0).clip_threshold == 0.95);
+  CHECK(mb.result(b).tensor_state == ma.result(a).tensor_state);
+  mb.steps(b, 5, 9);
+  CHECK(mb.result(b) == rc_plain<Bf16Mixed>(9));
+
+  // Same element counts, another shape: refused, naming the shape, and nothing changes.
+  HostOpt c(rc_hyper(), rc_chunks<HostOpt>(2048));
+  std::vector<std::vector<bf16>> w;
+  for (std::size_t t = 0; t < rc_shapes.size(); ++t) {
+    auto sh = rc_shapes[t];
+    if (t == 0) { sh = {53, 37}; }
+    w.emplace_back(sh.elements(), bf16(0.25f));
+    c.add_tensor(std::string(rc_names[t]), w.back().data(), sh);
+  }
+  CHECK_THROWS_WITH(c.load(d.path / "ckpt"), Catch::Contains("tensor 't0' shaped 37 x 53, and this optimizer has 53 x 37"));
+  std::vector<float> st(c.tensor_state_size("t0"));
+  c.copy_tensor_state("t0", st);
+  CHECK(std::all_of(st.begin(), st.end(), [](float x) { return x == 0.0f; }));
+}
+
+TEST_CASE("a rule's per-tensor state: a skipped step keeps it, and its calls refuse what does not fit",
+          "[rules][user_rule][tensor_phase]")
+{
+  using HostOpt = OffloadedOptimizer<RowColumn, Fp32, PinnedHost, Synchronous>;
+  HostOpt opt(rc_hyper(), rc_chunks<HostOpt>(2048));
+  rc_model<HostOpt> m(opt);
+  m.steps(opt, 1, 2);
+  auto const before = m.result(opt);
+  // A non-finite gradient in the last tensor: the step is skipped, and no factor moved.
+  std::vector<grad_view<float>> views;
+  for (std::size_t t = 0; t < rc_shapes.size(); ++t) { views.push_back({m.g[t].data(), m.g[t].size()}); }
+  m.g.back()[7] = std::numeric_limits<float>::infinity();
+  CHECK(opt.step(views).skipped);
+  CHECK(m.result(opt) == before);
+
+  std::vector<float> wrong(3);
+  CHECK_THROWS_WITH(opt.copy_tensor_state("t0", wrong), Catch::Contains("the span has 3 floats; the tensor's state has 92"));
+  CHECK_THROWS_WITH(opt.write_tensor_state("t0", wrong), Catch::Contains("the span has 3 floats; the tensor's state has 92"));
+  std::vector<float> ones(opt.tensor_state_size("t0"), 1.0f);
+  opt.write_tensor_state("t0", ones);
+  std::vector<float> got(ones.size());
+  opt.copy_tensor_state("t0", got);
+  CHECK(got == ones);
+  float x = 0.0f;
+  CHECK_THROWS_WITH(opt.add_tensor("huge", &x, tensor_shape{std::size_t{1} << 40, std::size_t{1} << 40}),
+                    Catch::Contains("has more elements than a std::size_t counts"));
+
+  // A rule without a tensor phase keeps none.
+  OffloadedOptimizer<Momentum, Fp32> plain_rule;
+  std::vector<float> w(4);
+  plain_rule.add_tensor("w", w.data(), 4);
+  CHECK(plain_rule.tensor_state_size("w") == 0);
+  CHECK_THROWS_WITH(plain_rule.copy_tensor_state("w", wrong), Catch::Contains("keeps no per-tensor state"));
 }

@@ -73,6 +73,7 @@
 #include <tierstate/step/checks.hpp>
 #include <tierstate/step/delayed_update.hpp>
 #include <tierstate/step/streaming_gate.hpp>
+#include <tierstate/step/tensor_phase.hpp>
 #include <tierstate/tiers/device.hpp>
 #include <tierstate/tiers/pinned_host.hpp>
 #include <tierstate/tiers/tier.hpp>
@@ -176,6 +177,11 @@ class OffloadedOptimizer {
   /// needs them (with CUDA, a pointer in the wrong place is refused).
   tensor_id add_tensor(std::string name, param_type* param, std::size_t count,
                        location where = location::host);
+  /// The same, with the tensor's shape as a matrix (rows x columns, row-major: its last
+  /// dimension the columns), which a rule with a tensor phase reads; a tensor added by count
+  /// is one row. Refused (logic_error) where rows x columns overflows.
+  tensor_id add_tensor(std::string name, param_type* param, tensor_shape shape,
+                       location where = location::host);
 
   /// A parameter group: moves the named tensors (from group 0) into a new group with its
   /// own hyper-parameters, as torch.optim's param_groups do.
@@ -249,6 +255,14 @@ class OffloadedOptimizer {
   /// Writes `from` into slot `s` of `tensor`, rounded to the slot's type. Writing the
   /// master does not change the param: the next step writes it from the master.
   void write_state(std::string_view tensor, slot s, std::span<float const> from);
+
+  /// A rule with a tensor phase (rules/rule.hpp): the floats of `tensor`'s own state
+  /// (Rule::tensor_state_size of its shape); 0 for a rule without one.
+  [[nodiscard]] std::size_t tensor_state_size(std::string_view tensor);
+  /// Reads `tensor`'s own state, as of the last step, into `to` (of tensor_state_size).
+  void copy_tensor_state(std::string_view tensor, std::span<float> to);
+  /// Replaces `tensor`'s own state with `from` (of tensor_state_size).
+  void write_tensor_state(std::string_view tensor, std::span<float const> from);
 
   /// Saves the whole state (master and slots from any tier, the step count, every group's
   /// hyper-parameters, the layout, the rule and the precision) to `path`, in the format of
@@ -324,6 +338,11 @@ class OffloadedOptimizer {
   void check_not_streaming(char const* call) const;
   step_result step_delayed(std::span<grad_view<grad_type> const> grads, double grad_scale,
                            device::stream_view ready);
+  /// A rule with a tensor phase: this step's passes over the gradients (after the checks),
+  /// and, with OnDevice, their result copied to the device for the kernels.
+  void reduce_tensors(std::span<grad_view<grad_type> const> grads, std::vector<coefficients_type> const& coefficients);
+  /// The tensor-phase state of tensor t that this step's update reads, where it runs.
+  [[nodiscard]] float const* tensor_state_for_update(std::size_t t) noexcept;
   /// Where the update reads and writes tensor t's params: the model's, or (delayed_update)
   /// the optimizer's own buffer, which is host memory.
   [[nodiscard]] param_type* update_params(std::size_t t) const noexcept;
@@ -370,6 +389,8 @@ class OffloadedOptimizer {
   /// state, made by materialize() (declared before what uses them: the delayed update's
   /// worker and the streaming step's driver stop first).
   store_type store_;
+  /// A rule's tensor phase: every tensor's own state (step/tensor_phase.hpp).
+  detail::tensor_phase<rule_type> tensor_phase_;
 
   /// The delayed update (step/delayed_update.hpp); the destructor waits for its worker first.
   detail::delayed_update<grad_type, param_type, coefficients_type, placement::device_params> delayed_;

@@ -23,7 +23,9 @@
 // slot_id: 0 to 4 for the library's slots, a hash of the name with the top bit set for a
 // rule's own) and u32 element bytes (the bytes of one block, for a block codec); u64 tensor count, then per tensor str name, u64 offset (in elements), u64 count,
 // u64 group; u64 group count, u32 values per group, then each group's values as f64 (the
-// rule's hyper-parameters, in the rule's order). A str is a u32 length and its bytes.
+// rule's hyper-parameters, in the rule's order); for a rule with a tensor phase, and only
+// then, u64 tensor count, then per tensor u64 rows, u64 columns, u64 n and n f32 (the
+// tensor's own state). A str is a u32 length and its bytes.
 //
 // Reading checks before it uses: the magic, the version, every length against what is left
 // (nothing is allocated from a size the file gives before it is bounded by the file's own
@@ -144,6 +146,12 @@ struct header {
   std::vector<tensor_entry> tensors;
   std::uint32_t values_per_group = 0;
   std::vector<std::vector<double>> groups;
+  /// A rule with a tensor phase: each tensor's shape and own state, in tensor order.
+  struct tensor_state_entry {
+    std::uint64_t rows = 0, columns = 0;
+    std::vector<float> values;
+  };
+  std::vector<tensor_state_entry> tensor_states;
 };
 
 namespace detail {
@@ -250,6 +258,15 @@ inline std::vector<std::byte> encode(header const& h)
   for (auto const& g : h.groups) {
     for (double const v : g) { p.put(v); }
   }
+  if (!h.tensor_states.empty()) {
+    p.put(static_cast<std::uint64_t>(h.tensor_states.size()));
+    for (auto const& t : h.tensor_states) {
+      p.put(t.rows);
+      p.put(t.columns);
+      p.put(static_cast<std::uint64_t>(t.values.size()));
+      for (float const v : t.values) { p.put(v); }
+    }
+  }
   auto const& payload = p.bytes();
   std::vector<std::byte> out(round_up(header_prefix + payload.size() + 8));
   std::memcpy(out.data(), header_magic.data(), 8);
@@ -343,6 +360,19 @@ inline header decode(std::span<std::byte const> region, std::string const& path,
   for (std::uint64_t g = 0; g < ngroups; ++g) {
     h.groups.emplace_back();
     for (std::uint32_t v = 0; v < h.values_per_group; ++v) { h.groups.back().push_back(r.get<double>("group value")); }
+  }
+  if (r.left() != 0) {  // the tensor phase's state
+    auto const n = r.count("tensor state count", 24);
+    h.tensor_states.reserve(n);
+    for (std::uint64_t t = 0; t < n; ++t) {
+      header::tensor_state_entry e;
+      e.rows     = r.get<std::uint64_t>("tensor state rows");
+      e.columns  = r.get<std::uint64_t>("tensor state columns");
+      auto const m = r.count("tensor state floats", 4);
+      e.values.reserve(m);
+      for (std::uint64_t i = 0; i < m; ++i) { e.values.push_back(r.get<float>("tensor state value")); }
+      h.tensor_states.push_back(std::move(e));
+    }
   }
   if (r.left() != 0) {
     throw checkpoint_error(path, std::to_string(r.left()) + " bytes follow the header's last field (corrupt)");

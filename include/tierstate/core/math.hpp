@@ -17,6 +17,7 @@
 #include <tierstate/core/config.hpp>
 
 #include <cmath>
+#include <cstddef>
 
 namespace tierstate::inline TIERSTATE_ABI::math {
 
@@ -37,6 +38,8 @@ struct ops<float> {
     if (a != a) { return a; }
     return (a >= b) ? a : b;
   }
+  /// p[0] (a float holds one value; `lanes` is 1).
+  TIERSTATE_HOST_DEVICE static float load(float const* p, std::size_t) noexcept { return *p; }
 };
 
 /// a * b + c with one rounding.
@@ -51,6 +54,14 @@ template <class V>
 TIERSTATE_HOST_DEVICE V sqrt(V const& a) noexcept
 {
   return ops<V>::sqrt(a);
+}
+
+/// The values p[0], ..., p[lanes - 1] in V's first lanes, zeros in the rest: nothing past
+/// p[lanes - 1] is read.
+template <class V>
+TIERSTATE_HOST_DEVICE V load(float const* p, std::size_t lanes) noexcept
+{
+  return ops<V>::load(p, lanes);
 }
 
 /// Element-wise maximum that propagates NaN from either side (torch.maximum).

@@ -21,6 +21,15 @@ enum class location : std::uint8_t {
   return l == location::host ? "host" : "device";
 }
 
+/// A tensor as add_tensor takes it and a rule's tensor phase sees it: `rows` x `columns`, row-major (the columns
+/// are its last dimension; a tensor registered without a shape is one row).
+struct tensor_shape {
+  std::size_t rows    = 1;
+  std::size_t columns = 0;
+  [[nodiscard]] constexpr std::size_t elements() const noexcept { return rows * columns; }
+  friend constexpr bool operator==(tensor_shape, tensor_shape) noexcept = default;
+};
+
 /// A gradient handed to step(): pointer, element count and where it lives.
 template <class T>
 struct grad_view {

@@ -18,6 +18,24 @@
 //   - `update(coefficients, weight, grad, state)`: the per-element math, a template over the
 //     value type, so that the same text runs on float, on xsimd batches and on the device.
 //
+// A rule may add a *tensor phase*: statistics over each whole tensor before its update (a
+// row and column factor, a trust ratio), with state of its own per tensor that persists
+// across steps and that checkpoints keep. It declares
+//   - `reduce_passes` (>= 1): how many passes over a tensor's gradient each step makes;
+//   - `tensor_state_size(tensor_shape)`: the floats of state it keeps per tensor (zeros
+//     before the first step);
+//   - `statistics_size(tensor_shape, pass)`: the doubles a pass accumulates into (zeroed
+//     before the pass);
+//   - `reduce_row(coefficients, pass, shape, tensor_state, row, grad_row, statistics)`: one
+//     row of the gradient (as float, still multiplied by the grad scale), in row order;
+//   - `finish_pass(coefficients, pass, shape, statistics, tensor_state)`: after the pass's
+//     last row (so a second pass sees what the first one made);
+//   - and its `update` takes one more argument, a tensor_position<V>: where its values lie
+//     in the tensor, and that tensor's state.
+// The passes run on the host, one tensor after the other in row order, in double, so they
+// are deterministic whatever the chunks, threads, tier and compute. A tensor whose gradient
+// is absent in a step keeps its state as it was.
+//
 // A type that misses one of these is refused where the optimizer is instantiated, with one
 // sentence that names the first thing missing (detail::checked_rule).
 #pragma once
@@ -25,6 +43,8 @@
 #include <tierstate/core/concepts.hpp>
 #include <tierstate/core/config.hpp>
 #include <tierstate/core/error.hpp>
+#include <tierstate/core/math.hpp>
+#include <tierstate/core/tensor.hpp>
 
 #include <array>
 #include <concepts>
@@ -68,6 +88,22 @@ struct hyperparameter {
   void (*set)(H&, double) noexcept;  ///< sets it from a double the range admits
   value_range range;
   std::string_view why;  ///< why a value outside the range is refused, in torch's words
+};
+
+/// Where the values of one call of a tensor-phase rule's `update` lie in their tensor: one
+/// row, consecutive columns (lane l is column `column + l`), and that tensor's state after
+/// this step's passes.
+template <class V>
+struct tensor_position {
+  float const* state = nullptr;  ///< tensor_state_size(shape) floats
+  tensor_shape shape{};
+  std::size_t row    = 0;
+  std::size_t column = 0;  ///< lane 0's column
+  std::size_t lanes  = 1;  ///< the lanes that hold the tensor's values (the rest are padding)
+
+  /// p[column + l] in lane l: a per-column array's values at these values' columns (zeros in
+  /// the padding lanes; nothing past the last column is read).
+  [[nodiscard]] TIERSTATE_HOST_DEVICE V columns(float const* p) const noexcept { return math::load<V>(p + column, lanes); }
 };
 
 namespace detail {
@@ -122,12 +158,38 @@ template <class R>
 concept rule_updates_float = requires(typename R::coefficients const& k, float& w, float g,
                                       float (&s)[R::slots.size()]) { R::update(k, w, g, s); };
 
+/// Whether R says it has a tensor phase (see the file comment).
+template <class R>
+concept rule_declares_tensor_phase = requires { R::reduce_passes; };
+template <class R>
+concept rule_has_tensor_phase =
+  requires(typename R::coefficients const& k, tensor_shape sh, float const* cs, float* s, double* st,
+           double const* cst, std::span<float const> g) {
+    { R::reduce_passes } -> std::convertible_to<unsigned>;
+    { R::tensor_state_size(sh) } -> std::same_as<std::size_t>;
+    { R::statistics_size(sh, 0u) } -> std::same_as<std::size_t>;
+    R::reduce_row(k, 0u, sh, cs, std::size_t{0}, g, st);
+    R::finish_pass(k, 0u, sh, cst, s);
+  } && (R::reduce_passes >= 1);
+template <class R>
+concept rule_updates_float_at =
+  requires(typename R::coefficients const& k, float& w, float g, float (&s)[R::slots.size()],
+           tensor_position<float> const& at) { R::update(k, w, g, s, at); };
+/// The update as the rule's kind needs it: with a tensor_position for a tensor-phase rule.
+template <class R>
+concept rule_updates =
+  (!rule_declares_tensor_phase<R> && rule_updates_float<R>) || (rule_has_tensor_phase<R> && rule_updates_float_at<R>);
+
 }  // namespace detail
 
 /// See the file comment.
 template <class R>
 concept rule = detail::rule_has_name<R> && detail::rule_slots_distinct<R> && detail::rule_has_hyperparameters<R> &&
-               detail::rule_has_table<R> && detail::rule_has_coefficients<R> && detail::rule_updates_float<R>;
+               detail::rule_has_table<R> && detail::rule_has_coefficients<R> && detail::rule_updates<R>;
+
+/// Whether rule R has a tensor phase (see the file comment).
+template <class R>
+inline constexpr bool has_tensor_phase = detail::rule_declares_tensor_phase<R>;
 
 /// Throws tierstate::invalid_option ("<rule>.<name> = <value>: <why>") for the first number
 /// of `h`, in table order, that its row's range does not admit.
@@ -221,10 +283,23 @@ struct checked_rule {
   static_assert(with_coefficients,
                 "tierstate: a rule needs a trivially copyable `struct coefficients` and `static coefficients "
                 "coefficients_for(hyperparameters const&, std::int64_t step, double grad_scale)` (rules/rule.hpp)");
-  static constexpr bool updates =
-    !(named && slotted && with_hyperparameters && tabled && with_coefficients) || rule_updates_float<R>;
-  static_assert(updates, "tierstate: a rule needs `template <class V> static void update(coefficients const&, "
-                         "V& weight, V grad, V (&state)[slots.size()])`, callable with V = float (rules/rule.hpp)");
+  static constexpr bool before_update = named && slotted && with_hyperparameters && tabled && with_coefficients;
+  static constexpr bool phased = !(before_update && rule_declares_tensor_phase<R>) || rule_has_tensor_phase<R>;
+  static_assert(phased, "tierstate: a rule with `reduce_passes` (a tensor phase) needs `reduce_passes` >= 1, "
+                        "`static std::size_t tensor_state_size(tensor_shape)`, `static std::size_t "
+                        "statistics_size(tensor_shape, unsigned pass)`, `static void reduce_row(coefficients "
+                        "const&, unsigned pass, tensor_shape, float const* tensor_state, std::size_t row, "
+                        "std::span<float const> grad, double* statistics)` and `static void finish_pass("
+                        "coefficients const&, unsigned pass, tensor_shape, double const* statistics, float* "
+                        "tensor_state)` (rules/rule.hpp)");
+  static constexpr bool updates = !(before_update && phased) || rule_updates<R>;
+  static_assert(updates || rule_declares_tensor_phase<R>,
+                "tierstate: a rule needs `template <class V> static void update(coefficients const&, "
+                "V& weight, V grad, V (&state)[slots.size()])`, callable with V = float (rules/rule.hpp)");
+  static_assert(updates || !rule_declares_tensor_phase<R>,
+                "tierstate: a rule with a tensor phase needs `template <class V> static void update(coefficients "
+                "const&, V& weight, V grad, V (&state)[slots.size()], tensor_position<V> const&)`, callable with "
+                "V = float (rules/rule.hpp)");
 
   using type = std::conditional_t<rule<R>, R, stand_in_rule>;
 };

@@ -240,6 +240,12 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
   groups_.clear();
   for (auto const& g : h.groups) { groups_.push_back(hyperparameters_from_values<rule_type>(g)); }
   for (std::size_t t = 0; t < tensors_.size(); ++t) { tensors_[t].group = h.tensors[t].group; }
+  if constexpr (has_tensor_phase<rule_type>) {
+    for (std::size_t t = 0; t < tensors_.size(); ++t) {
+      auto const& values = h.tensor_states[t].values;
+      std::copy(values.begin(), values.end(), tensor_phase_.state(t).begin());
+    }
+  }
   store_.clear_lost();
 }
 

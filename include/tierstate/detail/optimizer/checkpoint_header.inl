@@ -35,6 +35,19 @@ checkpoint::header OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Comp
     auto const v = hyperparameter_values<rule_type>(g);
     h.groups.emplace_back(v.begin(), v.end());
   }
+  if constexpr (has_tensor_phase<rule_type>) {  // (zeros before the state is made)
+    for (std::size_t t = 0; t < tensors_.size(); ++t) {
+      auto const shape = tensors_[t].shape;
+      h.tensor_states.push_back({shape.rows, shape.columns, {}});
+      auto& values = h.tensor_states.back().values;
+      if (tensor_phase_.made()) {
+        auto const s = tensor_phase_.state(t);
+        values.assign(s.begin(), s.end());
+      } else {
+        values.assign(rule_type::tensor_state_size(shape), 0.0f);
+      }
+    }
+  }
   return h;
 }
 
@@ -97,6 +110,27 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_he
       (void)hyperparameters_from_values<rule_type>(h.groups[g]);
     } catch (invalid_option const& e) {
       throw checkpoint_error(path, "group " + std::to_string(g) + ": " + e.what());
+    }
+  }
+  if (h.tensor_states.size() != mine.tensor_states.size()) {
+    throw checkpoint_error(path, "holds the per-tensor state of " + std::to_string(h.tensor_states.size()) +
+                                   " tensors; " + std::string(rule_type::name) + " keeps " +
+                                   (has_tensor_phase<rule_type> ? "one per tensor, " : "none, ") +
+                                   std::to_string(mine.tensor_states.size()) + " here (corrupt)");
+  }
+  for (std::size_t t = 0; t < h.tensor_states.size(); ++t) {
+    auto const& a = h.tensor_states[t];
+    auto const& b = mine.tensor_states[t];
+    if (a.rows != b.rows || a.columns != b.columns) {
+      differ("tensor " + quoted(mine.tensors[t].name) + " shaped",
+             std::to_string(a.rows) + " x " + std::to_string(a.columns),
+             std::to_string(b.rows) + " x " + std::to_string(b.columns));
+    }
+    if (a.values.size() != b.values.size()) {
+      throw checkpoint_error(path, "tensor " + quoted(mine.tensors[t].name) + " has " +
+                                     std::to_string(a.values.size()) + " floats of per-tensor state; " +
+                                     std::string(rule_type::name) + " keeps " + std::to_string(b.values.size()) +
+                                     " for its shape (corrupt)");
     }
   }
 }

@@ -36,6 +36,7 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
     r.stats.total_seconds = detail::seconds_since(t_start);
     return r;
   }
+  reduce_tensors(delayed_.views(), coefficients);
   r.step = ++step_;  // counted when started: a failure loses the state anyway
   delayed_.start(std::move(coefficients), step_,
                  [this](std::span<grad_view<grad_type> const> views,

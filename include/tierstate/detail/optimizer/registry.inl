@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 namespace tierstate::inline TIERSTATE_ABI {
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
@@ -44,8 +45,20 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tens
     param_type* param, std::size_t count,
                                      location where) -> tensor_id
 {
+  return add_tensor(std::move(name), param, tensor_shape{1, count}, where);
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tensor(std::string name,
+    param_type* param, tensor_shape shape, location where) -> tensor_id
+{
   detail::gate_entry const gate(gate_, "add_tensor");
   auto const who = "add_tensor('" + name + "')";
+  if (shape.columns != 0 && shape.rows > std::numeric_limits<std::size_t>::max() / shape.columns) {
+    throw logic_error(who + ": a shape of " + std::to_string(shape.rows) + " x " + std::to_string(shape.columns) +
+                      " has more elements than a std::size_t counts");
+  }
+  std::size_t const count = shape.elements();
   if (store_.made()) {
     throw logic_error(who + ": the state already exists (after the first step or copy_state), "
                             "so the set of tensors is fixed");
@@ -79,7 +92,7 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tens
   std::size_t const id = tensors_.size();
   auto const [it, inserted] = index_.emplace(name, id);
   try {
-    tensors_.push_back({std::move(name), param, count, 0, where});
+    tensors_.push_back({std::move(name), param, count, 0, where, shape});
   } catch (...) {
     index_.erase(it);  // a refused call leaves the registry as it was
     throw;

@@ -69,6 +69,7 @@ struct tensor_entry {
   std::size_t count = 0;
   std::size_t group = 0;
   location where    = location::host;
+  tensor_shape shape{};  ///< {1, count} unless registered with a shape
 };
 
 /// The part of a tensor that falls in one chunk.

@@ -9,6 +9,67 @@ template <class Rule, precision Precision, tier StateTier, class Transfer, class
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::materialize(bool fill_master)
 {
   store_.make(tensors_, opts_.tier, opts_.chunk_elements, fill_master);
+  tensor_phase_.make(std::span<tensor_entry const>(tensors_));
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+std::size_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::tensor_state_size(std::string_view tensor)
+{
+  detail::gate_entry const gate(gate_, "tensor_state_size");
+  std::size_t const t = find_tensor(tensor, "tensor_state_size");
+  if constexpr (has_tensor_phase<rule_type>) {
+    return rule_type::tensor_state_size(tensors_[t].shape);
+  } else {
+    return 0;
+  }
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::copy_tensor_state(std::string_view tensor,
+    std::span<float> to)
+{
+  detail::gate_entry const gate(gate_, "copy_tensor_state");
+  check_not_streaming("copy_tensor_state");
+  flush();
+  std::size_t const t = find_tensor(tensor, "copy_tensor_state");
+  if constexpr (has_tensor_phase<rule_type>) {
+    std::size_t const n = rule_type::tensor_state_size(tensors_[t].shape);
+    if (to.size() != n) {
+      throw logic_error("copy_tensor_state('" + tensors_[t].name + "'): the span has " + std::to_string(to.size()) +
+                        " floats; the tensor's state has " + std::to_string(n));
+    }
+    materialize();
+    auto const from = tensor_phase_.state(t);
+    std::copy(from.begin(), from.end(), to.begin());
+  } else {
+    (void)to;
+    throw logic_error("copy_tensor_state('" + tensors_[t].name + "'): rule " + std::string(rule_type::name) +
+                      " keeps no per-tensor state (it has no tensor phase)");
+  }
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::write_tensor_state(std::string_view tensor,
+    std::span<float const> from)
+{
+  detail::gate_entry const gate(gate_, "write_tensor_state");
+  check_not_streaming("write_tensor_state");
+  flush();
+  std::size_t const t = find_tensor(tensor, "write_tensor_state");
+  if constexpr (has_tensor_phase<rule_type>) {
+    std::size_t const n = rule_type::tensor_state_size(tensors_[t].shape);
+    if (from.size() != n) {
+      throw logic_error("write_tensor_state('" + tensors_[t].name + "'): the span has " +
+                        std::to_string(from.size()) + " floats; the tensor's state has " + std::to_string(n));
+    }
+    materialize();
+    auto const to = tensor_phase_.state(t);
+    std::copy(from.begin(), from.end(), to.begin());
+  } else {
+    (void)from;
+    throw logic_error("write_tensor_state('" + tensors_[t].name + "'): rule " + std::string(rule_type::name) +
+                      " keeps no per-tensor state (it has no tensor phase)");
+  }
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>

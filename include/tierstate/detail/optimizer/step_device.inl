@@ -30,6 +30,11 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::launch_c
         state[j] = chunk + store_.layout().slot_offset(first_rule_slot + j);
       }
       state_arrays_at(state, pc.chunk_begin, a.state);
+      if constexpr (has_tensor_phase<rule_type>) {
+        a.tensor_state  = tensor_state_for_update(pc.tensor);
+        a.shape         = tensor.shape;
+        a.tensor_offset = pc.tensor_begin;
+      }
       Compute::template update_async<rule_type, Precision>(store_.device().compute, coefficients[tensor.group], a,
                                                       pc.count);
     }

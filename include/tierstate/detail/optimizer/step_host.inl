@@ -42,6 +42,11 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
       a.master = master != nullptr ? master + lo : nullptr;
       a.compensation = compensation != nullptr ? compensation + lo : nullptr;
       state_arrays_at(state, lo, a.state);
+      if constexpr (has_tensor_phase<rule_type>) {
+        a.tensor_state  = tensor_state_for_update(pc.tensor);
+        a.shape         = tensor.shape;
+        a.tensor_offset = tofs;
+      }
       Compute::template update_range<rule_type, Precision>(coefficients[tensor.group], a, 0, hi - lo);
     }
   }
@@ -77,10 +82,51 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
     result.stats.total_seconds = detail::seconds_since(t_start);
     return result;
   }
+  reduce_tensors(grads, coefficients);
   run_step(grads, coefficients, result);
   result.step                = ++step_;
   result.stats.total_seconds = detail::seconds_since(t_start);
   return result;
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::reduce_tensors(
+    std::span<grad_view<grad_type> const> grads, std::vector<coefficients_type> const& coefficients)
+{
+  if constexpr (has_tensor_phase<rule_type>) {
+    tensor_phase_.reduce(grads, std::span<tensor_entry const>(tensors_), coefficients, pool_,
+                         [this](grad_type* to, grad_view<grad_type> const& g) {
+                           if constexpr (placement::device_params) {  // after the gradients' own work
+                             auto& d = store_.device();
+                             device::copy_async(to, g.data, g.size * sizeof(grad_type), d.d2h);
+                             d.d2h.synchronize();
+                           } else {
+                             (void)to, (void)g;  // (check_grads refuses device gradients here)
+                           }
+                         });
+    if constexpr (placement::on_device) {  // the kernels read it on the device
+      auto& d          = store_.device();
+      auto const next  = tensor_phase_.next();
+      std::size_t const bytes = next.size() * sizeof(float);
+      if (d.tensor_state == nullptr && bytes > 0) {
+        d.tensor_state = static_cast<float*>(device::allocate_async(bytes, d.compute));
+      }
+      if (bytes > 0) { device::copy_async(d.tensor_state, next.data(), bytes, d.compute); }
+    }
+  } else {
+    (void)grads, (void)coefficients;
+  }
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+float const* OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::tensor_state_for_update(
+    std::size_t t) noexcept
+{
+  if constexpr (placement::on_device) {
+    return store_.device().tensor_state + tensor_phase_.offset_of(t);
+  } else {
+    return tensor_phase_.next_of(t);
+  }
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
@@ -111,6 +157,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::run_step
       route.abandon();  // no staging buffer in the tier's hands when the exception leaves
       throw;
     }
+    tensor_phase_.commit();  // every chunk updated: the tensor phase's result is the state now
   } catch (std::exception const& e) {
     if (changed) { store_.mark_lost(e.what()); }
     throw;

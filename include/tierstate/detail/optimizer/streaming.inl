@@ -19,7 +19,11 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::await_ch
     k, store_.pieces(k), stats,
     [this](std::span<grad_view<grad_type> const> views, double grad_scale,
            std::vector<coefficients_type>& coefficients,
-           step_result& result) { return check_and_clip(views, grad_scale, coefficients, result); },
+           step_result& result) {
+      if (!check_and_clip(views, grad_scale, coefficients, result)) { return false; }
+      reduce_tensors(views, coefficients);
+      return true;
+    },
     [dev = store_.device_if_any()](device::event& e) {  // the streams that read a device gradient wait for it
       if constexpr (placement::device_params) {
         dev->d2h.wait(e);
@@ -60,7 +64,9 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::begin_st
   materialize();
   std::vector<std::size_t> pending(store_.layout().chunk_count());
   for (std::size_t k = 0; k < pending.size(); ++k) { pending[k] = store_.pieces(k).size(); }
-  bool const checks = opts_.on_nonfinite != nonfinite_policy::ignore || opts_.max_grad_norm > 0.0;
+  // The checks, and a rule's tensor phase, need every gradient before the first update.
+  bool const checks = opts_.on_nonfinite != nonfinite_policy::ignore || opts_.max_grad_norm > 0.0 ||
+                      has_tensor_phase<rule_type>;
   streaming_.begin(store_.layout(), std::move(pending), checks, micro_batches, grad_scale, std::move(coefficients),
                    [this] { drive_streaming_step(); });
 }

@@ -35,6 +35,9 @@ namespace tierstate::inline TIERSTATE_ABI {
 /// `state[j]` is the rule's slot `Rule::slots[j]`, stored with `P::state_codec<j>`
 /// (codecs/codec.hpp): an array of its element type for an element codec, the bytes of its
 /// first block for a block codec (element 0 then starts a block).
+/// For a rule with a tensor phase (rules/rule.hpp), the elements are part of one tensor:
+/// `shape` is its shape, `tensor_offset` the index of element 0 in it, and `tensor_state`
+/// its state (in the memory the kernel runs in).
 template <precision P, std::size_t Slots>
 struct update_arrays {
   typename P::param_type* param = nullptr;
@@ -42,6 +45,9 @@ struct update_arrays {
   float* master = nullptr;
   std::array<void*, Slots> state{};
   bf16* compensation = nullptr;
+  float const* tensor_state = nullptr;
+  tensor_shape shape{};
+  std::size_t tensor_offset = 0;
 };
 
 namespace host {

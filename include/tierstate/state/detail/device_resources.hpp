@@ -26,6 +26,7 @@ struct device_resources {
   std::byte* state_stage = nullptr;  ///< OnDevice with a host tier: buffers chunks, device memory
   std::size_t state_stage_bytes = 0;
   std::uint32_t* nonfinite_flag = nullptr;  ///< OnDevice: device memory, set by the inf/NaN check
+  float* tensor_state = nullptr;  ///< OnDevice, a rule with a tensor phase: every tensor's state, device memory
   ~device_resources()
   {
     try {
@@ -36,6 +37,7 @@ struct device_resources {
     }
     device::deallocate_async(state_stage, compute);
     device::deallocate_async(nonfinite_flag, compute);
+    device::deallocate_async(tensor_state, compute);
   }
 };
 

@@ -125,7 +125,9 @@ struct update_element {
 
 /// One block of B elements (the precision's largest codec block), where a slot has a block
 /// codec: its block-coded slots decoded into scratch, each element updated as update_element
-/// does, the blocks encoded back. The last block may be partial (m < B).
+/// does, the blocks encoded back. The last block may be partial (m < B). A tensor-phase rule
+/// always runs here (B = 1 without a block codec): each element's place in its tensor is
+/// its index.
 template <class R, class P, std::size_t Slots>
 struct update_block {
   static constexpr std::size_t B = tierstate::detail::state_block_v<P, Slots>;
@@ -139,6 +141,9 @@ struct update_block {
   param_t* compensation;
   void* state[Slots];
   std::size_t n;
+  float const* tensor_state;  ///< a tensor-phase rule: its tensor's state, shape and element 0's index
+  tensor_shape shape;
+  std::size_t tensor_offset;
 
   template <std::size_t J>
   using codec_t = typename P::template state_codec<J>;
@@ -159,7 +164,12 @@ struct update_block {
       }
       float const g = to_float(grad[i + e]);
       float s[Slots]{scratch[J][e]...};
-      R::update(k, w, g, s);
+      if constexpr (has_tensor_phase<R>) {
+        std::size_t const at = tensor_offset + i + e;
+        R::update(k, w, g, s, tensor_position<float>{tensor_state, shape, at / shape.columns, at % shape.columns, 1});
+      } else {
+        R::update(k, w, g, s);
+      }
       if constexpr (P::has_master) { master[i + e] = w; }
       param_t const p = from_float<param_t>(w);
       param[i + e]    = p;
@@ -264,11 +274,12 @@ void update_async(stream_view s, typename R::coefficients const& k,
   host::check_arrays(a, n);
   if (n == 0) { return; }
   constexpr std::size_t slots = R::slots.size();
-  if constexpr (tierstate::detail::state_block_v<P, slots> > 1) {
+  if constexpr (tierstate::detail::state_block_v<P, slots> > 1 || has_tensor_phase<R>) {
     using block_f = detail::update_block<R, P, slots>;
     block_f f{k, reinterpret_cast<typename block_f::param_t*>(a.param),
               reinterpret_cast<typename block_f::grad_t const*>(a.grad), a.master,
-              reinterpret_cast<typename block_f::param_t*>(a.compensation), {}, n};
+              reinterpret_cast<typename block_f::param_t*>(a.compensation), {}, n,
+              a.tensor_state, a.shape, a.tensor_offset};
     for (std::size_t j = 0; j < slots; ++j) { f.state[j] = a.state[j]; }
     auto const first = thrust::counting_iterator<std::size_t>(0);
     auto const last  = first + static_cast<std::ptrdiff_t>((n + block_f::B - 1) / block_f::B);

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #if XSIMD_WITH_SSE2
@@ -291,6 +292,14 @@ struct ops<xsimd::batch<float, A>> {
   {
     // Ordered comparisons only: xsimd 8.1's != is ordered on AVX-512 (false for NaN).
     return xsimd::select(a == a, xsimd::select(a >= b, a, b), a);
+  }
+
+  TIERSTATE_ALWAYS_INLINE static V load(float const* p, std::size_t lanes) noexcept
+  {
+    if (lanes >= V::size) [[likely]] { return V::load_unaligned(p); }
+    alignas(64) float padded[V::size] = {};
+    std::memcpy(padded, p, lanes * sizeof(float));
+    return V::load_aligned(padded);
   }
 };
 

@@ -40,10 +40,17 @@ TIERSTATE_ALWAYS_INLINE void for_each_slot(F&& f)
   }(std::make_index_sequence<N>{});
 }
 
+/// Where a batch's values lie in their tensor, for a tensor-phase rule: one row, lanes from
+/// `column` on, `lanes` of them the tensor's.
+struct lane_place {
+  std::size_t row = 0, column = 0, lanes = 0;
+};
+
 /// One batch at element i: load, update, store (element codecs only).
 template <class R, class P, class Arch, std::size_t Slots>
 TIERSTATE_ALWAYS_INLINE void update_batch(typename R::coefficients const& k,
-                                          update_arrays<P, Slots> const& a, std::size_t i) noexcept
+                                          update_arrays<P, Slots> const& a, std::size_t i,
+                                          lane_place const& at = {}) noexcept
 {
 #if !defined(__CUDA_ARCH__)
   // (nvcc's device pass skips this host-only body: the rule's update is __host__ __device__,
@@ -63,7 +70,12 @@ TIERSTATE_ALWAYS_INLINE void update_batch(typename R::coefficients const& k,
     s[j] = detail::load_as_float<Arch>(static_cast<slot_element_t<P, j> const*>(a.state[j]) + i);
   });
 
-  R::update(k, w, g, s);
+  if constexpr (has_tensor_phase<R>) {
+    R::update(k, w, g, s, tensor_position<V>{a.tensor_state, a.shape, at.row, at.column, at.lanes});
+  } else {
+    (void)at;
+    R::update(k, w, g, s);
+  }
 
   if constexpr (P::has_master) { detail::store_rounded<Arch>(a.master + i, w); }
   detail::store_rounded<Arch>(a.param + i, w);
@@ -74,14 +86,14 @@ TIERSTATE_ALWAYS_INLINE void update_batch(typename R::coefficients const& k,
     detail::store_rounded<Arch>(static_cast<slot_element_t<P, j>*>(a.state[j]) + i, s[j]);
   });
 #else
-  (void)k, (void)a, (void)i;
+  (void)k, (void)a, (void)i, (void)at;
 #endif
 }
 
 /// The last m < batch elements from i: through zero-padded copies, same instructions.
 template <class R, class P, class Arch, std::size_t Slots>
 void update_tail(typename R::coefficients const& k, update_arrays<P, Slots> const& a,
-                 std::size_t i, std::size_t m) noexcept
+                 std::size_t i, std::size_t m, lane_place const& at = {}) noexcept
 {
   constexpr std::size_t n = xsimd::batch<float, Arch>::size;
   using param_t = typename P::param_type;
@@ -98,6 +110,8 @@ void update_tail(typename R::coefficients const& k, update_arrays<P, Slots> cons
   t.grad  = grad;
   t.master = master;
   t.compensation = compensation;
+  t.tensor_state = a.tensor_state;
+  t.shape        = a.shape;
 
   if constexpr (P::has_master) {
     std::memcpy(master, a.master + i, m * sizeof(float));
@@ -112,7 +126,7 @@ void update_tail(typename R::coefficients const& k, update_arrays<P, Slots> cons
     std::memcpy(state[j], static_cast<T const*>(a.state[j]) + i, m * sizeof(T));
   });
 
-  update_batch<R, P, Arch>(k, t, 0);
+  update_batch<R, P, Arch>(k, t, 0, at);
 
   if constexpr (P::has_master) { std::memcpy(a.master + i, master, m * sizeof(float)); }
   if constexpr (P::has_compensation) { std::memcpy(a.compensation + i, compensation, m * sizeof(bf16)); }
@@ -126,10 +140,11 @@ void update_tail(typename R::coefficients const& k, update_arrays<P, Slots> cons
 /// Whether R::update takes xsimd batches of Arch, as it takes floats (a rule whose update is
 /// written for float alone does not).
 template <class R, class Arch>
-concept updates_batches = requires(typename R::coefficients const& k, xsimd::batch<float, Arch>& w,
-                                   xsimd::batch<float, Arch> g, xsimd::batch<float, Arch> (&s)[R::slots.size()]) {
-  R::update(k, w, g, s);
-};
+concept updates_batches =
+  requires(typename R::coefficients const& k, xsimd::batch<float, Arch>& w, xsimd::batch<float, Arch> g,
+           xsimd::batch<float, Arch> (&s)[R::slots.size()], tensor_position<xsimd::batch<float, Arch>> const& at) {
+    requires(has_tensor_phase<R> ? requires { R::update(k, w, g, s, at); } : requires { R::update(k, w, g, s); });
+  };
 
 /// [begin, end) with element codecs: whole batches, then the tail.
 template <class R, class P, class Arch, std::size_t Slots>
@@ -142,8 +157,24 @@ TIERSTATE_ALWAYS_INLINE void update_elements(typename R::coefficients const& k, 
   auto const kl = k;
   auto const al = a;
   std::size_t i = begin;
-  for (; i + n <= end; i += n) { update_batch<R, P, Arch>(kl, al, i); }
-  if (i < end) { update_tail<R, P, Arch>(kl, al, i, end - i); }
+  if constexpr (has_tensor_phase<R>) {
+    // Row by row: a batch never holds two rows, so its row's values are one broadcast.
+    std::size_t const cols = al.shape.columns;
+    while (i < end) {
+      std::size_t const at  = al.tensor_offset + i;
+      lane_place place{at / cols, at % cols, n};
+      std::size_t const row_end = std::min(end, i + (cols - place.column));
+      for (; i + n <= row_end; i += n, place.column += n) { update_batch<R, P, Arch>(kl, al, i, place); }
+      if (i < row_end) {
+        place.lanes = row_end - i;
+        update_tail<R, P, Arch>(kl, al, i, row_end - i, place);
+        i = row_end;
+      }
+    }
+  } else {
+    for (; i + n <= end; i += n) { update_batch<R, P, Arch>(kl, al, i); }
+    if (i < end) { update_tail<R, P, Arch>(kl, al, i, end - i); }
+  }
 }
 
 /// A block codec's slot is computed in an fp32 scratch block; element codecs stay.
@@ -173,6 +204,9 @@ void update_blocks(typename R::coefficients const& k, update_arrays<P, Slots> co
     t.grad   = a.grad + i;
     t.master       = a.master != nullptr ? a.master + i : nullptr;
     t.compensation = a.compensation != nullptr ? a.compensation + i : nullptr;
+    t.tensor_state  = a.tensor_state;
+    t.shape         = a.shape;
+    t.tensor_offset = a.tensor_offset + i;
     for_each_slot<Slots>([&](auto j) {
       using C = typename P::template state_codec<j>;
       if constexpr (block_codec<C>) {
@@ -224,6 +258,12 @@ void update(thread_pool& pool, typename R::coefficients const& k,
             update_arrays<P, R::slots.size()> const& a, std::size_t n)
 {
   check_arrays(a, n);
+  if constexpr (has_tensor_phase<R>) {
+    TIERSTATE_EXPECTS(n == 0 || (a.shape.columns > 0 && a.tensor_offset + n <= a.shape.elements()),
+                      "update_arrays: elements [" + std::to_string(a.tensor_offset) + ", " +
+                        std::to_string(a.tensor_offset + n) + ") do not lie in a tensor of " +
+                        std::to_string(a.shape.rows) + " x " + std::to_string(a.shape.columns));
+  }
   // Parts start on multiples of 64 batches (and of the largest codec block): cache-line
   // aligned, and large enough that no two threads write the same line.
   constexpr std::size_t grain = std::max(64 * batch_size<Arch>, tierstate::detail::state_block_v<P, R::slots.size()>);

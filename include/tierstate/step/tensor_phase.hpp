@@ -1,0 +1,136 @@
+// SPDX-License-Identifier: Apache-2.0
+// A rule's tensor phase (rules/rule.hpp): each tensor's own state, kept on the host, and the
+// passes over each tensor's gradient that update it before the step's chunks are updated.
+//
+// A step reduces into a copy (`next`), which the update reads; the copy becomes the state only
+// when the step has updated every chunk (commit). So a step refused, skipped or failed
+// before any chunk changed leaves the tensor state as it was. For a rule without a tensor
+// phase every member does nothing.
+#pragma once
+
+#include <tierstate/core/error.hpp>
+#include <tierstate/core/tensor.hpp>
+#include <tierstate/core/thread_pool.hpp>
+#include <tierstate/rules/rule.hpp>
+
+#include <concepts>
+#include <cstddef>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace tierstate::inline TIERSTATE_ABI::detail {
+
+template <class Rule>
+class tensor_phase {
+ public:
+  static constexpr bool active = has_tensor_phase<Rule>;
+
+  [[nodiscard]] bool made() const noexcept { return !offset_.empty(); }
+
+  /// Every tensor's state, zeros, sized from its shape (with the optimizer's state; once).
+  template <class Entry>
+  void make(std::span<Entry const> tensors)
+  {
+    if constexpr (active) {
+      if (made()) { return; }
+      std::vector<std::size_t> offset{0};
+      offset.reserve(tensors.size() + 1);
+      for (auto const& e : tensors) { offset.push_back(offset.back() + Rule::tensor_state_size(e.shape)); }
+      current_.assign(offset.back(), 0.0f);
+      next_.assign(offset.back(), 0.0f);
+      offset_ = std::move(offset);
+    } else {
+      (void)tensors;
+    }
+  }
+
+  /// This step's passes over every tensor that has a gradient, into `next`. Host gradients
+  /// are read where they are; `fetch(Grad* to, grad_view)` copies a device gradient to the
+  /// host (and then the tensors go one at a time).
+  template <class Grad, class Entry, class Coefficients, class Fetch>
+  void reduce(std::span<grad_view<Grad> const> grads, std::span<Entry const> tensors,
+              std::vector<Coefficients> const& k, thread_pool& pool, Fetch&& fetch)
+  {
+    if constexpr (active) {
+      next_ = current_;
+      bool device_grads = false;
+      for (auto const& g : grads) { device_grads = device_grads || (g.data != nullptr && g.where == location::device); }
+      auto one = [&](std::size_t t, std::vector<float>& row, std::vector<Grad>& host) {
+        auto const& g = grads[t];
+        if (g.data == nullptr) { return; }  // no gradient: its state stays
+        Grad const* src = g.data;
+        if (g.where == location::device) {
+          host.resize(g.size);
+          fetch(host.data(), g);
+          src = host.data();
+        }
+        reduce_tensor(k[tensors[t].group], tensors[t].shape, src, next_.data() + offset_[t], row);
+      };
+      if (device_grads) {
+        std::vector<float> row;
+        std::vector<Grad> host;
+        for (std::size_t t = 0; t < grads.size(); ++t) { one(t, row, host); }
+      } else {  // each tensor on one thread, in row order: the same sums for any thread count
+        pool.parallel_for(grads.size(), 1, [&](std::size_t b, std::size_t e) {
+          std::vector<float> row;
+          std::vector<Grad> host;
+          for (std::size_t t = b; t < e; ++t) { one(t, row, host); }
+        });
+      }
+    } else {
+      (void)grads, (void)tensors, (void)k, (void)pool, (void)fetch;
+    }
+  }
+
+  /// The step updated every chunk: what it reduced is the state now.
+  void commit() noexcept
+  {
+    if constexpr (active) { current_.swap(next_); }
+  }
+
+  /// What this step's update reads: every tensor's state after the passes, and tensor t's.
+  [[nodiscard]] std::span<float const> next() const noexcept { return next_; }
+  [[nodiscard]] float const* next_of(std::size_t t) const noexcept { return next_.data() + offset_[t]; }
+  [[nodiscard]] std::size_t offset_of(std::size_t t) const noexcept { return offset_[t]; }
+
+  /// Tensor t's state (as of the last step).
+  [[nodiscard]] std::span<float> state(std::size_t t) noexcept
+  {
+    return {current_.data() + offset_[t], offset_[t + 1] - offset_[t]};
+  }
+  [[nodiscard]] std::span<float const> state(std::size_t t) const noexcept
+  {
+    return {current_.data() + offset_[t], offset_[t + 1] - offset_[t]};
+  }
+  [[nodiscard]] std::size_t floats() const noexcept { return current_.size(); }
+
+ private:
+  template <class Coefficients, class Grad>
+  static void reduce_tensor(Coefficients const& k, tensor_shape shape, Grad const* g, float* state,
+                            std::vector<float>& row)
+  {
+    std::vector<double> statistics;
+    for (unsigned pass = 0; pass < static_cast<unsigned>(Rule::reduce_passes); ++pass) {
+      statistics.assign(Rule::statistics_size(shape, pass), 0.0);
+      for (std::size_t r = 0; r < shape.rows; ++r) {
+        Grad const* from = g + r * shape.columns;
+        std::span<float const> values;
+        if constexpr (std::same_as<Grad, float>) {
+          values = {from, shape.columns};
+        } else {
+          row.resize(shape.columns);
+          for (std::size_t c = 0; c < shape.columns; ++c) { row[c] = static_cast<float>(from[c]); }
+          values = row;
+        }
+        Rule::reduce_row(k, pass, shape, state, r, values, statistics.data());
+      }
+      Rule::finish_pass(k, pass, shape, statistics.data(), state);
+    }
+  }
+
+  std::vector<std::size_t> offset_;   ///< tensor t's state is [offset_[t], offset_[t + 1])
+  std::vector<float> current_, next_;
+};
+
+}  // namespace tierstate::detail
