@@ -7,6 +7,7 @@
 // (clipped to `clip_threshold`, as Adafactor clips its update). It has one per-element slot.
 #pragma once
 
+#include <tierstate/core/numeric.hpp>
 #include <tierstate/rules/rule.hpp>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include <cstdint>
 #include <span>
 #include <string_view>
+#include <vector>
 
 namespace tierstate::test {
 
@@ -120,5 +122,78 @@ struct RowColumn {
   }
 };
 static_assert(rule<RowColumn> && has_tensor_phase<RowColumn>);
+
+// --- What the tests run it on, and what it must give ------------------------------------
+
+/// Awkward shapes: rows shorter than a batch, a lone element, a matrix spanning chunks, a
+/// tensor registered by count (one row).
+constexpr std::array<tensor_shape, 5> rc_shapes{{{37, 53}, {1, 1}, {64, 129}, {5, 3}, {1, 3001}}};
+constexpr std::array<std::string_view, 5> rc_names{"t0", "t1", "t2", "t3", "t4"};
+
+inline float rc_grad(int step, std::size_t t, std::size_t i)
+{
+  // Magnitudes that differ by row, so the factors matter; some steps clip, some do not.
+  float const row_scale = 1.0f + 0.5f * static_cast<float>((i / rc_shapes[t].columns) % 3);
+  return row_scale * std::sin(0.41f * static_cast<float>(step) + 0.013f * static_cast<float>(i) + static_cast<float>(t));
+}
+
+inline RowColumn::hyperparameters rc_hyper()
+{
+  RowColumn::hyperparameters h;
+  h.lr             = 0.02;
+  h.clip_threshold = 0.95;
+  return h;
+}
+
+struct rc_result {
+  std::vector<std::vector<float>> params, momentum, tensor_state;
+  bool operator==(rc_result const&) const = default;
+};
+
+/// The run as a plain loop: per tensor, the rule's passes over its rows, then each element
+/// updated by the rule's text on floats.
+template <class P>
+rc_result rc_plain(int steps)
+{
+  auto const h = rc_hyper();
+  rc_result r;
+  std::vector<std::vector<float>> master;
+  for (auto const sh : rc_shapes) {
+    master.emplace_back(sh.elements());
+    for (std::size_t i = 0; i < sh.elements(); ++i) {
+      master.back()[i] = convert<float>(convert<typename P::param_type>(0.001f * static_cast<float>(i % 97) - 0.05f));
+    }
+    r.momentum.emplace_back(sh.elements(), 0.0f);
+    r.tensor_state.emplace_back(RowColumn::tensor_state_size(sh), 0.0f);
+  }
+  for (int s = 1; s <= steps; ++s) {
+    auto const k = RowColumn::coefficients_for(h, s, 1.0);
+    for (std::size_t t = 0; t < rc_shapes.size(); ++t) {
+      auto const sh = rc_shapes[t];
+      std::vector<float> g(sh.elements());
+      for (std::size_t i = 0; i < g.size(); ++i) { g[i] = convert<float>(convert<typename P::grad_type>(rc_grad(s, t, i))); }
+      float* st = r.tensor_state[t].data();
+      for (unsigned pass = 0; pass < RowColumn::reduce_passes; ++pass) {
+        std::vector<double> statistics(RowColumn::statistics_size(sh, pass), 0.0);
+        for (std::size_t row = 0; row < sh.rows; ++row) {
+          RowColumn::reduce_row(k, pass, sh, st, row, std::span<float const>(g.data() + row * sh.columns, sh.columns),
+                                statistics.data());
+        }
+        RowColumn::finish_pass(k, pass, sh, statistics.data(), st);
+      }
+      for (std::size_t i = 0; i < g.size(); ++i) {
+        float m[1] = {r.momentum[t][i]};
+        RowColumn::update(k, master[t][i], g[i], m, tensor_position<float>{st, sh, i / sh.columns, i % sh.columns, 1});
+        r.momentum[t][i] = m[0];
+      }
+    }
+  }
+  for (auto const& w : master) {
+    r.params.emplace_back();
+    for (float const x : w) { r.params.back().push_back(convert<float>(convert<typename P::param_type>(x))); }
+  }
+  return r;
+}
+
 
 }  // namespace tierstate::test

@@ -9,6 +9,7 @@
 #include "block_codec.hpp"
 #include "device_matrix.hpp"
 #include "nvme_support.hpp"
+#include "row_column_rule.hpp"
 #include "throttled.hpp"
 
 #include <catch2/catch.hpp>
@@ -542,6 +543,67 @@ TEMPLATE_LIST_TEST_CASE("a block codec through every device route gives PinnedHo
     auto const want = reference<P>(12, chunk);  // test_codec.cpp: a plain loop's bits
     CHECK(train_on_device<TestType>(12, o) == want);
     CHECK(train_on_device_streaming<TestType>(12, o) == want);
+  }
+}
+
+/// A rule with a tensor phase (tests/row_column_rule.hpp) on the device routes: its passes
+/// read device gradients (OnDevice: its per-tensor state goes to the device for the kernels).
+template <class P, class Tier, class Compute>
+using row_column_on_device = OffloadedOptimizer<RowColumn, P, Tier, CudaOverlapped<2>, Compute>;
+using tensor_phase_device_routes =
+  pick<std::tuple<row_column_on_device<Bf16Mixed, Device, OnDevice>, row_column_on_device<Bf16Mixed, NvmeFile, OnDevice>,
+                  row_column_on_device<Bf16Mixed, PinnedHost, OnHost<>>, row_column_on_device<Fp32, NvmeFile, OnHost<>>>,
+       std::tuple<row_column_on_device<Bf16Mixed, NvmeFile, OnDevice>, row_column_on_device<Bf16Mixed, PinnedHost, OnHost<>>>>;
+
+TEMPLATE_LIST_TEST_CASE("a rule with a tensor phase through the device routes gives the plain loop's bits, plain and streaming",
+                        "[device][tensor_phase]", tensor_phase_device_routes)
+{
+  using Opt     = TestType;
+  using P       = typename Opt::precision_type;
+  using param_t = typename P::param_type;
+  using grad_t  = typename P::grad_type;
+  scratch_dir d;
+  int const steps = 6;
+  auto const want = rc_plain<P>(steps);
+  for (bool const streaming : {false, true}) {
+    INFO("streaming " << streaming);
+    auto o = chunked<Opt>(2048);
+    if constexpr (requires { o.tier.directory; }) { o.tier.directory = d.path; }
+    Opt opt(rc_hyper(), o);
+    std::vector<std::unique_ptr<mirrored<param_t>>> w;
+    std::vector<std::unique_ptr<mirrored<grad_t>>> g;
+    for (std::size_t t = 0; t < rc_shapes.size(); ++t) {
+      std::vector<param_t> init(rc_shapes[t].elements());
+      for (std::size_t i = 0; i < init.size(); ++i) { init[i] = convert<param_t>(0.001f * static_cast<float>(i % 97) - 0.05f); }
+      w.push_back(std::make_unique<mirrored<param_t>>(std::move(init)));
+      g.push_back(std::make_unique<mirrored<grad_t>>(std::vector<grad_t>(rc_shapes[t].elements())));
+      opt.add_tensor(std::string(rc_names[t]), w[t]->device, rc_shapes[t], location::device);
+    }
+    for (int s = 1; s <= steps; ++s) {
+      std::vector<grad_view<grad_t>> views;
+      for (std::size_t t = 0; t < rc_shapes.size(); ++t) {
+        for (std::size_t i = 0; i < g[t]->host.size(); ++i) { g[t]->host[i] = convert<grad_t>(rc_grad(s, t, i)); }
+        g[t]->upload();
+        views.push_back({g[t]->device, g[t]->host.size(), location::device});
+      }
+      if (streaming) {
+        opt.begin_step();
+        for (std::size_t t = rc_shapes.size(); t-- > 0;) { opt.grad_ready(t, views[t]); }
+        (void)opt.finish_step();
+      } else {
+        (void)opt.step(views);
+      }
+    }
+    rc_result got;
+    for (std::size_t t = 0; t < rc_shapes.size(); ++t) {
+      got.params.emplace_back();
+      for (auto const x : w[t]->download()) { got.params.back().push_back(convert<float>(x)); }
+      got.momentum.emplace_back(rc_shapes[t].elements());
+      opt.copy_state(rc_names[t], slot{"momentum"}, got.momentum.back());
+      got.tensor_state.emplace_back(opt.tensor_state_size(rc_names[t]));
+      opt.copy_tensor_state(rc_names[t], got.tensor_state.back());
+    }
+    CHECK(got == want);
   }
 }
 

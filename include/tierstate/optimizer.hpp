@@ -222,7 +222,8 @@ class OffloadedOptimizer {
   /// What the options cost the overlap: looking for non-finite gradients (on_nonfinite
   /// other than `ignore`) and clipping (max_grad_norm) need every gradient before the first
   /// update, so updates wait for the last gradient; the tier's reads ahead (NvmeFile) still
-  /// overlap with backward; the checks run once the last gradient is in.
+  /// overlap with backward; the checks run once the last gradient is in. A rule with a
+  /// tensor phase (rules/rule.hpp) waits for them all too: its passes come first.
   ///
   /// Between begin_step and finish_step only grad_ready may be called; the results equal
   /// step()'s with the same gradients, bit for bit.
