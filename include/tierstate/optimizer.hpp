@@ -92,6 +92,7 @@
 #include <cstdint>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -287,6 +288,16 @@ class OffloadedOptimizer {
   /// lost optimizer (see "Failures") is restored; a read failing in the second pass loses it.
   void load(std::filesystem::path const& path, checkpoint_options const& o = {});
 
+  /// The bytes save() would write, handed in order to `write` (a stream, a buffer, a torch
+  /// ByteStorage), with no file: the same format, so load() reads them back from a file and
+  /// load_from() from anywhere. A writer's exception leaves the optimizer as it was.
+  void save_to(std::function<void(std::span<std::byte const>)> const& write);
+  /// load() from `size` bytes that `read(offset, to)` provides (filling `to` with the bytes
+  /// at `offset`): the same checks before anything changes (checkpoint_error names
+  /// "(load_from)"), the same two passes (the second read failing loses the state).
+  void load_from(std::uint64_t size, std::function<void(std::uint64_t offset, std::span<std::byte> to)> const& read,
+                 bool verify_checksums = true);
+
   /// The layout (made on first use, like the state).
   [[nodiscard]] layout const& state_layout();
   /// The tier holding the state (made on first use).
@@ -354,6 +365,15 @@ class OffloadedOptimizer {
                     std::vector<coefficients_type> const& coefficients);
   /// Refuses a slot this composition does not keep, naming it.
   void check_slot(slot s, char const* call) const;
+  void flush_before_load();
+  /// The checkpoint's regions through write(offset, data, n), in order.
+  template <class Write>
+  void write_checkpoint(PinnedHost& header, PinnedHost& table, Write&& write);
+  /// Checks and loads a checkpoint of `file_bytes` bytes through read(offset, data, n) into
+  /// the four buffers (`file` names it in errors).
+  template <class Read>
+  void read_checkpoint(std::uint64_t file_bytes, std::string const& file, bool verify, PinnedHost& first,
+                       PinnedHost& region, PinnedHost& table, PinnedHost& scratch, Read&& read);
   [[nodiscard]] checkpoint::header make_header() const;
   [[nodiscard]] checkpoint::header make_header(layout const& lay) const;
   void check_header(checkpoint::header const& h, layout const& lay, std::string const& path) const;

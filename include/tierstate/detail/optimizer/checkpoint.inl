@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // save and load: a checkpoint written to a temporary, synced and renamed into place, and
-// read back after every check.
+// read back after every check; save_to and load_from: the same bytes and checks through a
+// caller's writer and reader (write_checkpoint and read_checkpoint are the format's side).
 #pragma once
 
 namespace tierstate::inline TIERSTATE_ABI {
@@ -80,21 +81,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save(
         throw;
       }
     };
-    header = detail::aligned_copy(checkpoint::encode(make_header()));
-    write(0, header.data(), header.size());
-
-    std::uint64_t const H = header.size();
-    std::size_t const B   = store_.layout().chunk_bytes();
-    std::vector<std::uint64_t> sums(store_.layout().chunk_count());
-    step_stats ignored;
-    for (std::size_t k = 0; k < store_.layout().chunk_count(); ++k) {
-      store_.with_chunk(k, false, ignored, [&](std::byte const* chunk) {
-        sums[k] = checkpoint::checksum(chunk, B);
-        write(H + k * B, chunk, B);
-      });
-    }
-    table = detail::aligned_copy(checkpoint::encode_table(sums));
-    write(H + sums.size() * B, table.data(), table.size());
+    write_checkpoint(header, table, write);
     observe(save_event::fsync_file);
     if (::fsync(fd.fd) != 0) { throw io_error(errno, temp_path, "fsync", 0, 0, "the checkpoint's temporary file"); }
     observe(save_event::rename);
@@ -130,15 +117,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
 {
   detail::gate_entry const gate(gate_, "load");
   check_not_streaming("load");
-  // A delayed update in flight is finished first. If it failed, what is loaded replaces
-  // it; if the load is refused, its failure stands (the state is lost).
-  try {
-    flush();
-  } catch (std::exception const& e) {
-    store_.mark_lost(std::string("the delayed update failed: ") + e.what(), true);
-  } catch (...) {
-    store_.mark_lost("the delayed update failed", true);
-  }
+  flush_before_load();
   io::engine_options const eo = checkpoint_io(o);
   if (tensors_.empty()) { throw logic_error("load: no tensor is registered: add_tensor first"); }
   std::string const file = path.string();
@@ -153,14 +132,6 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
   if (int const fl = ::fcntl(fd.fd, F_GETFL); fl >= 0) { (void)::fcntl(fd.fd, F_SETFL, fl & ~O_NONBLOCK); }
   detail::try_direct(fd.fd);
   auto const file_bytes = static_cast<std::uint64_t>(st.st_size);
-  if (file_bytes < checkpoint::block) {
-    throw checkpoint_error(file, "is " + std::to_string(file_bytes) + " bytes, shorter than a header (truncated)");
-  }
-  // Everything is checked against the layout this optimizer has, or would make: nothing is
-  // made before the file is known to be good.
-  std::optional<layout> planned;
-  if (!store_.made()) { planned.emplace(store_type::layout_for(tensors_, opts_.chunk_elements)); }
-  layout const& lay = store_.made() ? store_.layout() : *planned;
   io::engine engine = checkpoint_engine(eo, o, file);
   // Load's buffers; kept (leaked), never freed, if a read the kernel never answered may
   // still land in them.
@@ -177,6 +148,59 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
     }
   };
 
+  read_checkpoint(file_bytes, file, o.verify_checksums, first, region, table, scratch, read);
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::flush_before_load()
+{
+  // A delayed update in flight is finished first. If it failed, what is loaded replaces
+  // it; if the load is refused, its failure stands (the state is lost).
+  try {
+    flush();
+  } catch (std::exception const& e) {
+    store_.mark_lost(std::string("the delayed update failed: ") + e.what(), true);
+  } catch (...) {
+    store_.mark_lost("the delayed update failed", true);
+  }
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Write>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::write_checkpoint(PinnedHost& header,
+    PinnedHost& table, Write&& write)
+{
+  header = detail::aligned_copy(checkpoint::encode(make_header()));
+  write(0, header.data(), header.size());
+
+  std::uint64_t const H = header.size();
+  std::size_t const B   = store_.layout().chunk_bytes();
+  std::vector<std::uint64_t> sums(store_.layout().chunk_count());
+  step_stats ignored;
+  for (std::size_t k = 0; k < store_.layout().chunk_count(); ++k) {
+    store_.with_chunk(k, false, ignored, [&](std::byte const* chunk) {
+      sums[k] = checkpoint::checksum(chunk, B);
+      write(H + k * B, chunk, B);
+    });
+  }
+  table = detail::aligned_copy(checkpoint::encode_table(sums));
+  write(H + sums.size() * B, table.data(), table.size());
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Read>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_checkpoint(std::uint64_t file_bytes,
+    std::string const& file, bool verify, PinnedHost& first, PinnedHost& region, PinnedHost& table,
+    PinnedHost& scratch, Read&& read)
+{
+  if (file_bytes < checkpoint::block) {
+    throw checkpoint_error(file, "is " + std::to_string(file_bytes) + " bytes, shorter than a header (truncated)");
+  }
+  // Everything is checked against the layout this optimizer has, or would make: nothing is
+  // made before the file is known to be good.
+  std::optional<layout> planned;
+  if (!store_.made()) { planned.emplace(store_type::layout_for(tensors_, opts_.chunk_elements)); }
+  layout const& lay = store_.made() ? store_.layout() : *planned;
   // The header: its first block, then the rest, bounded by what a header of this
   // optimizer's tensors can need (its own size, with a group per tensor), and never more
   // than 8 MiB for another's: a file's claim is never allocated before it is bounded.
@@ -190,7 +214,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
   region = PinnedHost(H);
   std::memcpy(region.data(), first.data(), checkpoint::block);
   if (H > checkpoint::block) { read(checkpoint::block, region.data() + checkpoint::block, H - checkpoint::block); }
-  checkpoint::header const h = checkpoint::decode({region.data(), region.size()}, file, o.verify_checksums);
+  checkpoint::header const h = checkpoint::decode({region.data(), region.size()}, file, verify);
   check_header(h, lay, file);
 
   // The file's size, now that its layout is known to be ours.
@@ -203,7 +227,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
   }
   table = PinnedHost(T);
   read(H + C * B, table.data(), T);
-  std::vector<std::uint64_t> const sums = checkpoint::decode_table({table.data(), table.size()}, C, file, o.verify_checksums);
+  std::vector<std::uint64_t> const sums = checkpoint::decode_table({table.data(), table.size()}, C, file, verify);
 
   auto corrupt_chunk = [&](std::size_t k) {
     return checkpoint_error(file, "chunk " + std::to_string(k) + " of " + std::to_string(C) + " (bytes [" +
@@ -212,7 +236,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
   };
   scratch = PinnedHost(B);  // one chunk: what load needs beyond the header and the table
   // Pass 1: every chunk verified before anything changes.
-  if (o.verify_checksums) {
+  if (verify) {
     for (std::size_t k = 0; k < C; ++k) {
       read(H + k * B, scratch.data(), B);
       if (checkpoint::checksum(scratch.data(), B) != sums[k]) { throw corrupt_chunk(k); }
@@ -228,7 +252,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
     for (std::size_t k = 0; k < C; ++k) {
       std::byte* chunk = scratch.data();
       read(H + k * B, chunk, B);
-      if (o.verify_checksums && checkpoint::checksum(chunk, B) != sums[k]) { throw corrupt_chunk(k); }
+      if (verify && checkpoint::checksum(chunk, B) != sums[k]) { throw corrupt_chunk(k); }
       store_.tier().write(k * B, std::span<std::byte const>(chunk, B));
       store_.params_from_master(k, chunk, tensors_);
     }
@@ -247,6 +271,53 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
     }
   }
   store_.clear_lost();
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save_to(
+    std::function<void(std::span<std::byte const>)> const& write)
+{
+  detail::gate_entry const gate(gate_, "save_to");
+  check_not_streaming("save_to");
+  flush();
+  store_.check_not_lost("save_to");
+  if (!write) { throw logic_error("save_to: the writer is empty"); }
+  if (tensors_.empty()) { throw logic_error("save_to: no tensor is registered: add_tensor first"); }
+  bool const fresh = !store_.made();  // a failed save on an optimizer without state leaves it without
+  PinnedHost header{0}, table{0};
+  try {
+    materialize();
+    std::uint64_t next = 0;  // the pieces come in order: each starts where the last ended
+    write_checkpoint(header, table, [&](std::uint64_t offset, std::byte const* data, std::size_t n) {
+      TIERSTATE_EXPECTS(offset == next, "save_to: a piece out of order");
+      write(std::span<std::byte const>(data, n));
+      next = offset + n;
+    });
+  } catch (...) {
+    if (fresh) { store_.discard(); }
+    throw;
+  }
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load_from(std::uint64_t size,
+    std::function<void(std::uint64_t offset, std::span<std::byte> to)> const& read, bool verify_checksums)
+{
+  detail::gate_entry const gate(gate_, "load_from");
+  check_not_streaming("load_from");
+  flush_before_load();
+  if (!read) { throw logic_error("load_from: the reader is empty"); }
+  if (tensors_.empty()) { throw logic_error("load_from: no tensor is registered: add_tensor first"); }
+  PinnedHost first{0}, region{0}, table{0}, scratch{0};
+  read_checkpoint(size, "(load_from)", verify_checksums, first, region, table, scratch,
+                  [&](std::uint64_t offset, std::byte* data, std::size_t n) {
+                    if (offset + n > size) {
+                      throw checkpoint_error("(load_from)", "a read of [" + std::to_string(offset) + ", " +
+                                                              std::to_string(offset + n) + ") past its " +
+                                                              std::to_string(size) + " bytes");
+                    }
+                    read(offset, std::span<std::byte>(data, n));
+                  });
 }
 
 }  // namespace tierstate

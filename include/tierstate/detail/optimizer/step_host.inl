@@ -101,7 +101,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::reduce_t
                              device::copy_async(to, g.data, g.size * sizeof(grad_type), d.d2h);
                              d.d2h.synchronize();
                            } else {
-                             (void)to, (void)g;  // (check_grads refuses device gradients here)
+                             (void)this, (void)to, (void)g;  // (check_grads refuses device gradients here)
                            }
                          });
     if constexpr (placement::on_device) {  // the kernels read it on the device

@@ -140,11 +140,19 @@ void update_tail(typename R::coefficients const& k, update_arrays<P, Slots> cons
 /// Whether R::update takes xsimd batches of Arch, as it takes floats (a rule whose update is
 /// written for float alone does not).
 template <class R, class Arch>
-concept updates_batches =
+concept updates_plain_batches = requires(typename R::coefficients const& k, xsimd::batch<float, Arch>& w,
+                                         xsimd::batch<float, Arch> g, xsimd::batch<float, Arch> (&s)[R::slots.size()]) {
+  R::update(k, w, g, s);
+};
+template <class R, class Arch>
+concept updates_positioned_batches =
   requires(typename R::coefficients const& k, xsimd::batch<float, Arch>& w, xsimd::batch<float, Arch> g,
            xsimd::batch<float, Arch> (&s)[R::slots.size()], tensor_position<xsimd::batch<float, Arch>> const& at) {
-    requires(has_tensor_phase<R> ? requires { R::update(k, w, g, s, at); } : requires { R::update(k, w, g, s); });
+    R::update(k, w, g, s, at);
   };
+template <class R, class Arch>
+concept updates_batches = (has_tensor_phase<R> && updates_positioned_batches<R, Arch>) ||
+                          (!has_tensor_phase<R> && updates_plain_batches<R, Arch>);
 
 /// [begin, end) with element codecs: whole batches, then the tail.
 template <class R, class P, class Arch, std::size_t Slots>
