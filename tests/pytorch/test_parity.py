@@ -514,6 +514,38 @@ class Parity(unittest.TestCase):
         self.assertEqual(master.dtype, torch.float32)
         self.assertTrue(torch.equal(master.to(torch.bfloat16), w.detach()))
 
+    def test_rules_by_name_with_their_tables_and_state_dicts_without_files(self):
+        C = tierstate_torch.optim._ext()
+        self.assertEqual(C.rule_names(), ["adam", "adamw", "adam_amsgrad", "adamw_amsgrad"])
+        table = C.rule_table("adamw")
+        self.assertEqual(table["hyperparameters"], ["lr", "betas[0]", "betas[1]", "eps", "weight_decay", "maximize"])
+        self.assertEqual(table["defaults"], [1e-3, 0.9, 0.999, 1e-8, 1e-2, 0.0])
+        self.assertEqual(C.rule_table("adam_amsgrad")["slots"], ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"])
+        with self.assertRaisesRegex(ValueError, "no rule 'lion'"):
+            C.rule_table("lion")
+        data = batches(6, seed=5)
+        with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+            model, opt = self.ours(data, "nvme", path=d)
+            train(model, opt, data[:3])
+            weights = copy.deepcopy(model.state_dict())
+            before = sorted(os.listdir(d))
+            sd = opt.state_dict()  # the checkpoint's bytes come through no file
+            self.assertEqual(sorted(os.listdir(d)), before)
+            (info,) = sd["tierstate"]["shards"].values()
+            self.assertEqual(info["checkpoint"].dtype, torch.uint8)
+            # A damaged checkpoint is refused by name, and the optimizer goes on as it was.
+            damaged = copy.deepcopy(sd)
+            (bad,) = damaged["tierstate"]["shards"].values()
+            bad["checkpoint"][bad["checkpoint"].numel() // 2] ^= 0x10
+            with self.assertRaisesRegex(RuntimeError, r"\(load_from\).*does not match its checksum"):
+                opt.load_state_dict(damaged)
+            rest_a = train(model, opt, data[3:])
+            opt.close()
+        model2, opt2 = self.ours(data, "pinned")
+        model2.load_state_dict(weights)
+        opt2.load_state_dict(sd)
+        self.assertEqual(train(model2, opt2, data[3:]), rest_a)
+
     def test_mixed_dtypes_make_one_shard_each(self):
         model = make_model()
         model.head.to(torch.bfloat16)

@@ -45,75 +45,20 @@ What differs from torch.optim.AdamW:
 """
 from __future__ import annotations
 
-import contextlib
-import functools
-import weakref
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
-from ._build import load_extension
-
-_C = None
-
-# Which optimizer drives each parameter: the newest one made over it (held weakly, keyed by
-# the tensor's identity: a parameter outlives the optimizers made over it).
-_owners: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+from ._common import (_COMPUTES, _DTYPES, _POLICIES, _TIERS, _ext, _key_name, _number, _on, _stream,
+                      _table_values)
+from ._ownership import _Ownership
+from ._state_dict import _StateDicts
 
 
-def _ext():
-    global _C
-    if _C is None:
-        _C = load_extension()
-    return _C
-
-
-_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-_TIERS = ("pinned", "nvme", "device")
-_COMPUTES = ("host", "device")
-_POLICIES = ("skip_step", "report", "ignore")
-_FORMAT = "tierstate_torch/1"
-
-
-def _number(x: Any, what: str) -> float:
-    if torch.is_tensor(x):
-        if x.numel() != 1:
-            raise ValueError(f"tierstate_torch: {what} must be a number, not a tensor of {x.numel()} elements")
-        return float(x.item())
-    return float(x)
-
-
-def _key_name(key: tuple) -> str:
-    """A shard's name for messages (its dtype and device)."""
-    return f"{_DTYPES[key[0]]}@{key[1]}"
-
-
-def _on(device: torch.device):
-    """The CUDA device current while a shard on it works (tierstate calls the runtime on the
-    current device)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
-def _stream(device: torch.device) -> int:
-    """The stream PyTorch queues work on for `device` (its gradients are ready after it)."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-
-
-def _grad_hook(optimizer: "weakref.ref[_OffloadedAdamBase]", i: int, p: torch.Tensor) -> None:
-    """The post-accumulate-grad hook. It holds its optimizer weakly: the params outlive an
-    optimizer that is replaced, and a hook must neither keep it alive nor feed it steps (an
-    optimizer replaced or closed removes its hooks, and ignores any that still runs)."""
-    opt = optimizer()
-    if opt is not None:
-        opt._grad_hook(i, p)
-
-
-class _OffloadedAdamBase(torch.optim.Optimizer):
+class _OffloadedAdamBase(_Ownership, _StateDicts, torch.optim.Optimizer):
     _decoupled: bool = True
 
     def __init__(
@@ -183,6 +128,9 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
         self._state_dtype = state_dtype
         self._emulated = os.environ.get("TIERSTATE_TORCH_EMULATED_DEVICE") == "1"
         self._amsgrad = bool(amsgrad)
+        # The rule, by name (its hyper-parameter table comes from the extension when it is built).
+        self._rule = ("adamw" if self._decoupled else "adam") + ("_amsgrad" if self._amsgrad else "")
+        self._table: list[str] | None = None
         self._overlap = bool(overlap_backward)
         self._micro_batches = micro_batches
         self._grad_scaler = grad_scaler
@@ -219,110 +167,6 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
                 self.param_groups.pop()  # refused: the groups stay as they were
                 raise
 
-    # -- one optimizer per parameter ----------------------------------------------------
-
-    def _refuse_if(self, call: str, replaced: bool = False) -> None:
-        """Raises when this optimizer was closed, or (`replaced`: for the calls that would
-        touch the params or their gradients) replaced by a newer one."""
-        name = f"{type(self).__name__}.{call}"
-        if getattr(self, "_closed", False):
-            raise RuntimeError(f"{name}: this optimizer was closed (close() removed its backward hooks and "
-                               "released its state); make a new one over the parameters (load_state_dict "
-                               "takes a state_dict() saved before close())")
-        if replaced and getattr(self, "_replaced", None) is not None:
-            raise RuntimeError(
-                f"{name}: this optimizer was replaced by a newer tierstate_torch optimizer over the same "
-                f"parameters ({self._replaced}): the newer one alone updates them now, and this one's backward "
-                "hooks were removed. Step the newer one. This one's state can still be read (state_dict(), "
-                "get_state(); new.load_state_dict(old.state_dict()) carries it over to a newer one with the same "
-                "param groups); then close() this one")
-
-    def _which(self, indices: list[int]) -> str:
-        """Parameters by index (and name, when the groups were given named parameters)."""
-        names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
-        shown = [f"{i} ({names[i]!r})" if i < len(names) and names[i] else str(i) for i in indices[:5]]
-        more = f" and {len(indices) - 5} more" if len(indices) > 5 else ""
-        return f"parameter{'s' if len(indices) > 1 else ''} {', '.join(shown)}{more}"
-
-    def _owners_to_replace(self, params: list[torch.Tensor]) -> list[tuple["_OffloadedAdamBase", list[int]]]:
-        """The live optimizers that drive some of `params` now, each with the indices (its
-        own) of those params. Refuses, changing nothing, when one of them is in the middle
-        of a streaming step: its update has begun, and only its step() can end it."""
-        found: dict[int, tuple[_OffloadedAdamBase, list[int]]] = {}
-        for j, p in enumerate(params):
-            ref = _owners.get(p)
-            other = None if ref is None else ref()
-            if other is None or other is self or other._closed or other._replaced is not None:
-                continue
-            found.setdefault(id(other), (other, []))[1].append(j)
-        out = []
-        for other, mine in found.values():
-            theirs = {id(q): i for i, q in enumerate(other._params())}
-            at = sorted(theirs[id(params[j])] for j in mine)
-            if other._streaming_scale is not None:
-                ours = {id(q): i for i, q in enumerate(self._params())}
-                which = self._which([ours[id(params[j])] for j in mine])
-                raise RuntimeError(
-                    f"{type(self).__name__}: {which} {'belong' if len(mine) > 1 else 'belongs'} to another "
-                    f"tierstate_torch optimizer (an {type(other).__name__}: its {other._which(at)}), which is "
-                    "in the middle of a streaming step: backward handed it gradients through its "
-                    "overlap_backward hooks, and its step() has not been called, so its update has begun. "
-                    "Call its step() first (or make this optimizer before backward); this one then replaces it")
-            out.append((other, at))
-        return out
-
-    def _take_over(self, params: list[torch.Tensor],
-                   replacing: list[tuple["_OffloadedAdamBase", list[int]]]) -> None:
-        """Makes this optimizer the one that drives `params`; the ones it replaces write a
-        delayed update in flight first, then stop (their hooks removed)."""
-        for other, _ in replacing:
-            other.flush()
-        me = weakref.ref(self)
-        for p in params:
-            _owners[p] = me
-        for other, theirs in replacing:
-            other._remove_hooks()
-            other._replaced = f"an {type(self).__name__} made over its {other._which(theirs)}"
-
-    def _install_hooks(self) -> None:
-        """overlap_backward: a post-accumulate-grad hook on every param that takes gradients."""
-        for i, p in enumerate(self._params()):
-            if p.requires_grad:  # a frozen param never gets a gradient (nor a hook)
-                hook = functools.partial(_grad_hook, weakref.ref(self), i)
-                self._hooks.append(p.register_post_accumulate_grad_hook(hook))
-
-    def _remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-
-    def close(self) -> None:
-        """Ends this optimizer: removes its backward hooks, gives up its parameters (a new
-        optimizer over them is no replacement) and releases its state (the tier's memory, the
-        NVMe scratch file) now rather than when it is garbage collected. A delayed update in
-        flight is written into the params first, completing the step() it was given, as
-        flush() does. During a streaming step (overlap_backward: backward handed gradients
-        over and step() has not been called) close() is refused and changes nothing: the
-        update has already begun on the params; call step() to finish it, then close().
-        Closing twice is harmless; every other call on a closed optimizer raises."""
-        if self._closed:
-            return
-        if self._streaming_scale is not None:
-            raise RuntimeError(
-                f"{type(self).__name__}.close: close() during a streaming step: backward handed gradients "
-                "over (overlap_backward) and step() has not been called, and the update has already begun "
-                "on the params; call step() to finish it, then close()")
-        self.flush()
-        self._remove_hooks()
-        for p in self._params():
-            ref = _owners.get(p)
-            if ref is not None and ref() is self:
-                del _owners[p]
-        self._shards = None  # the C++ optimizers go with their last reference
-        self._where, self._members, self._group_ids = [], {}, {}
-        self._pushed.clear()
-        self._closed = True
-
     def _check_group(self, group: dict[str, Any]) -> None:
         name = type(self).__name__
         if bool(group["amsgrad"]) != self._amsgrad:
@@ -336,17 +180,23 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
                 raise ValueError(f"{name}: a parameter of dtype {p.dtype}: float32, bfloat16 and float16 are supported")
             if p.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"{name}: a parameter is on {p.device}; CPU and CUDA parameters are supported")
-        self._hyper(group)  # validates now rather than at the first step
+        self._validate_hyper(group)  # now rather than at the first step
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _hyper(self, group: dict[str, Any]):
+    def _hyper(self, group: dict[str, Any]) -> tuple:
+        """The group's numbers in the order of the rule's table, checked first."""
+        self._validate_hyper(group)
+        if self._table is None:
+            self._table = list(_ext().rule_table(self._rule)["hyperparameters"])
+        return _table_values(group, self._table)
+
+    def _validate_hyper(self, group: dict[str, Any]) -> None:
+        """Refuses a group's numbers as torch.optim does (in its order, in its words)."""
         beta1, beta2 = group["betas"]
-        values = (_number(group["lr"], "lr"), _number(beta1, "betas[0]"), _number(beta2, "betas[1]"),
-                  _number(group["eps"], "eps"), _number(group["weight_decay"], "weight_decay"),
-                  bool(group["maximize"]))
-        lr, b1, b2, eps, wd, _ = values
+        lr, b1, b2 = _number(group["lr"], "lr"), _number(beta1, "betas[0]"), _number(beta2, "betas[1]")
+        eps, wd = _number(group["eps"], "eps"), _number(group["weight_decay"], "weight_decay")
         name = type(self).__name__
         if not lr >= 0:
             raise ValueError(f"{name}: invalid learning rate {lr}")
@@ -358,7 +208,6 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
             raise ValueError(f"{name}: invalid beta parameter at index 1: {b2}")
         if not wd >= 0:
             raise ValueError(f"{name}: invalid weight_decay value {wd}")
-        return values
 
     def __del__(self) -> None:
         for handle in getattr(self, "_hooks", []):
@@ -396,9 +245,9 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
             if key not in shards:
                 with _on(p.device):
                     shards[key] = C.Shard(
-                        decoupled=self._decoupled, amsgrad=self._amsgrad, param_dtype=p.dtype,
+                        rule=self._rule, param_dtype=p.dtype,
                         state_dtype=self._state_dtype, device_params=self._device_params(p),
-                        defaults=C.Hyper(*defaults), **self._options)
+                        defaults=list(defaults), **self._options)
                 members[key] = []
             with _on(p.device):
                 t = shards[key].add_tensor(f"p{i}", p.detach())
@@ -412,7 +261,7 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
                 by_key.setdefault((p.dtype, p.device), []).append(f"p{i}")
                 i += 1
             for key, names in by_key.items():
-                self._group_ids[(key, gi)] = shards[key].add_group(C.Hyper(*self._hyper(group)), names)
+                self._group_ids[(key, gi)] = shards[key].add_group(list(self._hyper(group)), names)
         if len(shards) > 1 and self._options["max_grad_norm"] > 0:
             raise ValueError(f"{name}: max_grad_norm with parameters of several dtypes or devices "
                              f"({', '.join(_key_name(k) for k in shards)}): clip with "
@@ -432,7 +281,6 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
 
     def _push_hyperparameters(self, force: bool = False) -> None:
         """Hands the groups' hyper-parameters to the shards when they changed (schedulers)."""
-        C = _ext()
         for gi, group in enumerate(self.param_groups):
             values = self._hyper(group)
             if not force and self._pushed.get(gi) == values:
@@ -440,7 +288,7 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
             for key, shard in self._shards.items():
                 g = self._group_ids.get((key, gi))
                 if g is not None:
-                    shard.set_hyperparameters(g, C.Hyper(*values))
+                    shard.set_hyperparameters(g, list(values))
             self._pushed[gi] = values
 
     def _sync_masters(self) -> None:
@@ -676,153 +524,6 @@ class _OffloadedAdamBase(torch.optim.Optimizer):
             if p is param:
                 return i
         raise ValueError(f"{type(self).__name__}: the tensor is not one of this optimizer's parameters")
-
-    # -- state_dict ---------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """The param groups (as torch.optim keeps them) and one tierstate checkpoint per dtype."""
-        self._refuse_if("state_dict")
-        self._build()
-        sd = super().state_dict()
-        shards = {}
-        with tempfile.TemporaryDirectory(prefix="tierstate-sd-") as d:
-            for n, (key, shard) in enumerate(self._shards.items()):
-                f = Path(d) / f"{n}.tsck"
-                with _on(key[1]):
-                    shard.save(str(f))
-                data = torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.uint8)
-                # Named by dtype and members, not device: it loads on another GPU, or the CPU.
-                shards[self._saved_name(key)] = {"checkpoint": data, "params": list(self._members[key])}
-        sd["tierstate"] = {"format": _FORMAT, "shards": shards}
-        return sd
-
-    def _saved_name(self, key: tuple) -> str:
-        return f"{_DTYPES[key[0]]}/{self._members[key][0]}"
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Takes a state_dict() of this class, or a torch.optim.Adam/AdamW state_dict."""
-        self._refuse_if("load_state_dict", replaced=True)
-        if "tierstate" not in state_dict:
-            self._load_torch_state_dict(state_dict)
-            return
-        ts = state_dict["tierstate"]
-        if ts.get("format") != _FORMAT:
-            raise ValueError(f"{type(self).__name__}: a state_dict of format {ts.get('format')!r}; "
-                             f"this is {_FORMAT}")
-        self._build()
-        ours = {self._saved_name(key): key for key in self._shards}
-        if set(ts["shards"]) != set(ours):
-            raise ValueError(f"{type(self).__name__}: the state_dict has state for parameters of "
-                             f"{sorted(ts['shards'])}; this optimizer's are {sorted(ours)}")
-        for key, info in ts["shards"].items():
-            if list(info["params"]) != self._members[ours[key]]:
-                raise ValueError(f"{type(self).__name__}: the state_dict's {key} parameters are "
-                                 f"{list(info['params'])}; this optimizer's are {self._members[ours[key]]}")
-        sizes = [len(g["params"]) for g in state_dict["param_groups"]]
-        if sizes != [len(g["params"]) for g in self.param_groups]:
-            raise ValueError(f"{type(self).__name__}: the state_dict's param groups have {sizes} params; "
-                             f"this optimizer's have {[len(g['params']) for g in self.param_groups]}")
-        # Each shard's load checks everything before it changes anything; with several, the
-        # ones loaded before a failing one are put back from a copy made first.
-        with tempfile.TemporaryDirectory(prefix="tierstate-sd-") as d:
-            backups = {}
-            if len(self._shards) > 1:
-                for n, (key, shard) in enumerate(self._shards.items()):
-                    backups[key] = Path(d) / f"backup-{n}.tsck"
-                    with _on(key[1]):
-                        shard.save(str(backups[key]))
-            done = []
-            for n, (name, info) in enumerate(ts["shards"].items()):
-                f = Path(d) / f"{n}.tsck"
-                f.write_bytes(info["checkpoint"].cpu().numpy().tobytes())
-                key = ours[name]
-                try:
-                    with _on(key[1]):
-                        self._shards[key].load(str(f))
-                except Exception as e:
-                    for k in done:
-                        with _on(k[1]):
-                            self._shards[k].load(str(backups[k]))
-                    raise type(e)(f"{type(self).__name__}.load_state_dict: the checkpoint of the "
-                                  f"{_key_name(key)} parameters: {e}") from e
-                done.append(key)
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        self._note_versions()
-        self._pushed.clear()
-        self._push_hyperparameters(force=True)
-
-    def torch_state_dict(self) -> dict[str, Any]:
-        """The state as torch.optim.Adam/AdamW keeps it, loadable by one over the same params.
-        The moments are in each param's dtype, as torch keeps them; a master is not kept."""
-        self._refuse_if("torch_state_dict")
-        self._build()  # (get_state flushes a delayed update itself)
-        groups = []
-        index = 0
-        for group in self.param_groups:
-            g = {k: v for k, v in group.items() if k != "params"}
-            g.update(foreach=None, capturable=False, differentiable=False, fused=None,
-                     decoupled_weight_decay=self._decoupled)
-            g["params"] = list(range(index, index + len(group["params"])))
-            index += len(group["params"])
-            groups.append(g)
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        steps = self.step_count()
-        if steps > 0:
-            slots = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self._amsgrad else [])
-            for i, p in enumerate(self._params()):
-                key, _ = self._where[i]
-                s = {"step": torch.tensor(float(steps), dtype=torch.float32)}
-                for slot in slots:
-                    with _on(key[1]):
-                        value = self._shards[key].get_state(f"p{i}", slot)
-                    s[slot] = value.view(p.shape).to(device=p.device, dtype=p.dtype)
-                state[i] = s
-        return {"state": state, "param_groups": groups}
-
-    def _load_torch_state_dict(self, sd: dict[str, Any]) -> None:
-        name = type(self).__name__
-        if "param_groups" not in sd or "state" not in sd:
-            raise ValueError(f"{name}: not a state_dict (no 'state' and 'param_groups')")
-        self._build()
-        for g in sd["param_groups"]:
-            if bool(g.get("amsgrad", False)) != self._amsgrad:
-                raise ValueError(f"{name}: the state_dict has amsgrad={g.get('amsgrad')}; this optimizer "
-                                 f"has amsgrad={self._amsgrad}")
-            decoupled = bool(g.get("decoupled_weight_decay", False))
-            if decoupled != self._decoupled and _number(g.get("weight_decay", 0), "weight_decay") != 0:
-                raise ValueError(f"{name}: the state_dict is torch.optim."
-                                 f"{'AdamW' if decoupled else 'Adam'}'s with weight decay; this is "
-                                 f"{'AdamW' if self._decoupled else 'Adam'}")
-        params = self._params()
-        state = sd["state"]
-        steps = {int(_number(s["step"], "step")) for s in state.values()}
-        if len(steps) > 1 or (state and len(state) != len(params)):
-            raise ValueError(f"{name}: the state_dict's params have different step counts "
-                             f"({sorted(steps)}, {len(state)} of {len(params)} params with state); "
-                             "this optimizer keeps one step count for all")
-        super().load_state_dict({"state": {}, "param_groups": [
-            {k: v for k, v in g.items() if k in ("lr", "betas", "eps", "weight_decay", "amsgrad",
-                                                 "maximize", "params", "initial_lr", "param_names")}
-            for g in sd["param_groups"]]})
-        # The param indices now match (torch's load checked the group sizes).
-        slots = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self._amsgrad else [])
-        for i, p in enumerate(params):
-            key, _ = self._where[i]
-            shard = self._shards[key]
-            s = state.get(i, state.get(str(i)))
-            with _on(key[1]):
-                if "master" in shard.slot_names():
-                    shard.set_state(f"p{i}", "master", p.detach().reshape(-1))
-                for slot in slots:
-                    value = torch.zeros(p.numel()) if s is None else s[slot].reshape(-1)
-                    shard.set_state(f"p{i}", slot, value)
-        n = steps.pop() if steps else 0
-        for key, shard in self._shards.items():
-            with _on(key[1]):
-                shard.set_step_count(n)
-        self._note_versions()
-        self._pushed.clear()
-        self._push_hyperparameters(force=True)
 
 
 class AdamW(_OffloadedAdamBase):

@@ -9,6 +9,7 @@
 
 #include <torch/extension.h>
 
+#include <cstring>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -145,6 +146,35 @@ class py_shard {
     py::gil_scoped_release nogil;
     shard_->save(path);
   }
+
+  /// The checkpoint as one uint8 CPU tensor (no file: OffloadedOptimizer::save_to).
+  at::Tensor save_bytes()
+  {
+    std::vector<std::byte> bytes;
+    {
+      py::gil_scoped_release nogil;
+      shard_->save_to([&](std::span<std::byte const> piece) { bytes.insert(bytes.end(), piece.begin(), piece.end()); });
+    }
+    auto out = at::empty({static_cast<std::int64_t>(bytes.size())}, at::kByte);
+    std::memcpy(out.data_ptr(), bytes.data(), bytes.size());
+    return out;
+  }
+
+  /// Loads a checkpoint from a uint8 tensor (save_bytes()'s; any device).
+  void load_bytes(at::Tensor const& data)
+  {
+    if (data.scalar_type() != at::kByte || data.dim() != 1) {
+      throw std::invalid_argument("tierstate_torch: a checkpoint is a 1-D uint8 tensor, not a " +
+                                  std::to_string(data.dim()) + "-D " + std::string(c10::toString(data.scalar_type())) +
+                                  " one");
+    }
+    at::Tensor const bytes = data.to(at::kCPU).contiguous();
+    auto const* base       = static_cast<std::byte const*>(bytes.data_ptr());
+    py::gil_scoped_release nogil;
+    shard_->load_from(static_cast<std::uint64_t>(bytes.numel()), [base](std::uint64_t offset, std::span<std::byte> to) {
+      std::memcpy(to.data(), base + offset, to.size());
+    });
+  }
   void load(std::string const& path)
   {
     py::gil_scoped_release nogil;
@@ -263,19 +293,6 @@ class py_shard {
 
 }  // namespace
 
-std::unique_ptr<shard> make_shard(config const& c)
-{
-  if (c.compute == "device") {
-    if (c.decoupled) { return c.amsgrad ? make_adamw_amsgrad_device_shard(c) : make_adamw_device_shard(c); }
-    return c.amsgrad ? make_adam_amsgrad_device_shard(c) : make_adam_device_shard(c);
-  }
-  if (c.compute != "host") {
-    throw std::invalid_argument("tierstate_torch: compute must be 'host' or 'device', not '" + c.compute + "'");
-  }
-  if (c.decoupled) { return c.amsgrad ? make_adamw_amsgrad_shard(c) : make_adamw_shard(c); }
-  return c.amsgrad ? make_adam_amsgrad_shard(c) : make_adam_shard(c);
-}
-
 }  // namespace tierstate_torch
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
@@ -283,22 +300,28 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
   namespace tt = tierstate_torch;
   m.doc() = "tierstate's offloaded Adam/AdamW (see tierstate_torch.optim)";
 
-  py::class_<tt::hyper>(m, "Hyper")
-    .def(py::init([](double lr, double beta1, double beta2, double eps, double weight_decay, bool maximize) {
-           return tt::hyper{lr, beta1, beta2, eps, weight_decay, maximize};
-         }),
-         py::arg("lr"), py::arg("beta1"), py::arg("beta2"), py::arg("eps"), py::arg("weight_decay"),
-         py::arg("maximize"));
+  m.def("rule_names", &tt::rule_names, "The rules this build has compositions for");
+  m.def(
+    "rule_table",
+    [](std::string const& rule) {
+      auto const r = tt::rule_table(rule);
+      py::dict d;
+      d["name"]            = r.name;
+      d["hyperparameters"] = r.hyperparameters;
+      d["defaults"]        = r.defaults;
+      d["slots"]           = r.slots;
+      return d;
+    },
+    "A rule's hyper-parameter table (names in order, defaults) and slots");
 
   py::class_<tt::py_shard>(m, "Shard")
-    .def(py::init([](bool decoupled, bool amsgrad, at::ScalarType param, at::ScalarType state,
+    .def(py::init([](std::string rule, at::ScalarType param, at::ScalarType state,
                      std::string tier, std::string compute, bool device_params, std::string directory,
                      std::size_t chunk_elements,
                      std::size_t threads, double max_grad_norm, std::string on_nonfinite,
                      bool delayed_update, tt::hyper defaults) {
            tt::config c;
-           c.decoupled      = decoupled;
-           c.amsgrad        = amsgrad;
+           c.rule           = std::move(rule);
            c.param          = tt::to_dtype(param, "the parameter dtype");
            c.state          = tt::to_dtype(state, "state_dtype");
            c.tier           = std::move(tier);
@@ -313,7 +336,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
            c.defaults       = defaults;
            return std::make_unique<tt::py_shard>(std::move(c));
          }),
-         py::arg("decoupled"), py::arg("amsgrad"), py::arg("param_dtype"), py::arg("state_dtype"),
+         py::arg("rule"), py::arg("param_dtype"), py::arg("state_dtype"),
          py::arg("tier"), py::arg("compute"), py::arg("device_params"), py::arg("directory"), py::arg("chunk_elements"), py::arg("threads"),
          py::arg("max_grad_norm"), py::arg("on_nonfinite"), py::arg("delayed_update"), py::arg("defaults"))
     .def("add_tensor", &tt::py_shard::add_tensor)
@@ -326,6 +349,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     .def("flush", &tt::py_shard::flush)
     .def("save", &tt::py_shard::save)
     .def("load", &tt::py_shard::load)
+    .def("save_bytes", &tt::py_shard::save_bytes)
+    .def("load_bytes", &tt::py_shard::load_bytes)
     .def("get_state", &tt::py_shard::get_state)
     .def("set_state", &tt::py_shard::set_state)
     .def("same_memory", &tt::py_shard::same_memory)

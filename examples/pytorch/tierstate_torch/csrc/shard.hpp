@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -19,20 +20,22 @@ namespace tierstate_torch {
 
 enum class dtype : std::uint8_t { f32, bf16, f16 };
 
-/// One param group's hyper-parameters, as torch.optim.Adam(W) names them.
-struct hyper {
-  double lr           = 1e-3;
-  double beta1        = 0.9;
-  double beta2        = 0.999;
-  double eps          = 1e-8;
-  double weight_decay = 1e-2;
-  bool maximize       = false;
+/// One param group's hyper-parameters: one number per row of the rule's table
+/// (rules/rule.hpp), in the table's order (a flag as 0 or 1).
+using hyper = std::vector<double>;
+
+/// What the bindings know of a rule, from its table: each number's name as torch.optim
+/// spells it ("lr", "betas[0]") and default, and the slots it keeps.
+struct rule_info {
+  std::string name;
+  std::vector<std::string> hyperparameters;
+  std::vector<double> defaults;
+  std::vector<std::string> slots;
 };
 
 /// Everything that picks the composition and its options.
 struct config {
-  bool decoupled        = true;   ///< AdamW (true) or Adam (false)
-  bool amsgrad          = false;
+  std::string rule      = "adamw";  ///< a rule's name: rule_names()
   dtype param           = dtype::f32;  ///< params and grads
   dtype state           = dtype::f32;  ///< m and v (f32 or bf16)
   std::string tier      = "pinned";  ///< "pinned" (PinnedHost), "nvme" (NvmeFile), "device" (Device)
@@ -44,7 +47,7 @@ struct config {
   double max_grad_norm  = 0.0;
   std::string on_nonfinite = "skip_step";  ///< skip_step, report, ignore
   bool delayed_update   = false;
-  hyper defaults{};
+  hyper defaults;  ///< empty: the rule's own defaults
 };
 
 /// A gradient: a null `data` says the tensor has none this step. Device gradients are
@@ -86,6 +89,11 @@ class shard {
   [[nodiscard]] virtual bool in_step() const = 0;
   virtual void save(std::string const& path) = 0;
   virtual void load(std::string const& path) = 0;
+  /// The checkpoint save() writes, in order, to `write`; and loaded from `size` bytes `read`
+  /// provides (OffloadedOptimizer::save_to / load_from).
+  virtual void save_to(std::function<void(std::span<std::byte const>)> const& write) = 0;
+  virtual void load_from(std::uint64_t size,
+                         std::function<void(std::uint64_t, std::span<std::byte>)> const& read) = 0;
   virtual void copy_state(std::string_view tensor, std::string_view slot, std::span<float> to) = 0;
   virtual void write_state(std::string_view tensor, std::string_view slot, std::span<float const> from) = 0;
   [[nodiscard]] virtual std::int64_t step_count() const = 0;
@@ -97,16 +105,27 @@ class shard {
   [[nodiscard]] virtual bool state_lost() const = 0;
 };
 
-/// Throws std::invalid_argument naming the option for an unknown tier, dtype or policy.
+/// Throws std::invalid_argument naming the option for an unknown rule, tier, dtype or policy.
 std::unique_ptr<shard> make_shard(config const& c);
+
+/// The rules this build has compositions for, and one's table (std::invalid_argument for a
+/// name it does not know).
+std::vector<std::string> rule_names();
+rule_info rule_table(std::string const& rule);
 
 /// Whether this build's device is tierstate's emulated one (built without CUDA): device
 /// memory is then host memory, and "device" params are CPU tensors.
 bool device_is_emulated() noexcept;
 
 // One per rule and compute, each in its own translation unit: shards_<rule>.cpp (OnHost:
-// host params, or device params through CudaOverlapped) and device_shards_<rule>.cpp
-// (OnDevice; compiled by nvcc, as device_shards_<rule>.cu, with CUDA).
+// host params, or device params through CudaOverlapped; and the rule's table) and
+// device_shards_<rule>.cpp (OnDevice; compiled by nvcc, as device_shards_<rule>.cu, with
+// CUDA). A rule is added with those files, its three declarations here and its line in
+// rules.cpp.
+rule_info adam_info();
+rule_info adamw_info();
+rule_info adam_amsgrad_info();
+rule_info adamw_amsgrad_info();
 std::unique_ptr<shard> make_adam_shard(config const& c);
 std::unique_ptr<shard> make_adamw_shard(config const& c);
 std::unique_ptr<shard> make_adam_amsgrad_shard(config const& c);

@@ -59,15 +59,12 @@ class shard_impl final : public shard {
   using param_t   = typename optimizer::param_type;
   using grad_t    = typename optimizer::grad_type;
 
+  /// The rule's hyper-parameters from their table's values (checked against the table's
+  /// ranges, tierstate::invalid_option naming the first refused); none: the defaults.
   static typename Rule::hyperparameters to_rule(hyper const& h)
   {
-    typename Rule::hyperparameters r;
-    r.lr           = h.lr;
-    r.betas        = {h.beta1, h.beta2};
-    r.eps          = h.eps;
-    r.weight_decay = h.weight_decay;
-    r.maximize     = h.maximize;
-    return r;
+    if (h.empty()) { return {}; }
+    return tierstate::hyperparameters_from_values<Rule>(h);
   }
 
   static typename optimizer::options options_for(config const& c)
@@ -125,6 +122,11 @@ class shard_impl final : public shard {
   [[nodiscard]] bool in_step() const override { return opt_.in_step(); }
   void save(std::string const& path) override { opt_.save(path); }
   void load(std::string const& path) override { opt_.load(path); }
+  void save_to(std::function<void(std::span<std::byte const>)> const& write) override { opt_.save_to(write); }
+  void load_from(std::uint64_t size, std::function<void(std::uint64_t, std::span<std::byte>)> const& read) override
+  {
+    opt_.load_from(size, read);
+  }
   void copy_state(std::string_view tensor, std::string_view slot, std::span<float> to) override
   {
     opt_.copy_state(tensor, tierstate::slot{slot}, to);  // an unknown name: logic_error naming it
@@ -155,6 +157,21 @@ class shard_impl final : public shard {
   }
   [[nodiscard]] bool state_lost() const override { return opt_.state_lost(); }
 };
+
+/// A rule's table, as the bindings expose it.
+template <class Rule>
+rule_info info_of()
+{
+  rule_info r;
+  r.name = std::string(Rule::name);
+  typename Rule::hyperparameters const defaults{};
+  for (auto const& row : Rule::hyperparameter_table) {
+    r.hyperparameters.emplace_back(row.name);
+    r.defaults.push_back(row.get(defaults));
+  }
+  for (auto const s : Rule::slots) { r.slots.emplace_back(s.name()); }
+  return r;
+}
 
 [[noreturn]] inline void refuse_tier(config const& c)
 {

@@ -10,4 +10,6 @@ std::unique_ptr<shard> make_adam_shard(config const& c)
   return detail::for_rule<tierstate::Adam, detail::on_host>(c);
 }
 
+rule_info adam_info() { return detail::info_of<tierstate::Adam>(); }
+
 }  // namespace tierstate_torch

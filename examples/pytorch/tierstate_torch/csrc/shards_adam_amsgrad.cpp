@@ -10,4 +10,6 @@ std::unique_ptr<shard> make_adam_amsgrad_shard(config const& c)
   return detail::for_rule<tierstate::AdamAmsgrad, detail::on_host>(c);
 }
 
+rule_info adam_amsgrad_info() { return detail::info_of<tierstate::AdamAmsgrad>(); }
+
 }  // namespace tierstate_torch

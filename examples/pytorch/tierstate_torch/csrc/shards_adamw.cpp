@@ -10,6 +10,8 @@ std::unique_ptr<shard> make_adamw_shard(config const& c)
   return detail::for_rule<tierstate::AdamW, detail::on_host>(c);
 }
 
+rule_info adamw_info() { return detail::info_of<tierstate::AdamW>(); }
+
 bool device_is_emulated() noexcept { return tierstate::device::is_emulated; }
 
 }  // namespace tierstate_torch

@@ -10,4 +10,6 @@ std::unique_ptr<shard> make_adamw_amsgrad_shard(config const& c)
   return detail::for_rule<tierstate::AdamWAmsgrad, detail::on_host>(c);
 }
 
+rule_info adamw_amsgrad_info() { return detail::info_of<tierstate::AdamWAmsgrad>(); }
+
 }  // namespace tierstate_torch

@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the optimizer's parts share: the extension, the options' vocabularies, and small
+helpers for numbers, devices and streams."""
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Any
+
+import torch
+
+from ._build import load_extension
+
+_C = None
+
+
+def _ext():
+    global _C
+    if _C is None:
+        _C = load_extension()
+    return _C
+
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_TIERS = ("pinned", "nvme", "device")
+_COMPUTES = ("host", "device")
+_POLICIES = ("skip_step", "report", "ignore")
+_FORMAT = "tierstate_torch/1"
+
+
+def _number(x: Any, what: str) -> float:
+    if torch.is_tensor(x):
+        if x.numel() != 1:
+            raise ValueError(f"tierstate_torch: {what} must be a number, not a tensor of {x.numel()} elements")
+        return float(x.item())
+    return float(x)
+
+
+def _table_values(group: dict[str, Any], names: list[str]) -> tuple:
+    """A param group's numbers in the order of the rule's hyper-parameter table, whose names
+    are torch.optim's keys ("lr", "betas[0]": an element of a tuple); a flag as 0 or 1."""
+    values = []
+    for n in names:
+        m = re.fullmatch(r"(\w+)\[(\d+)\]", n)
+        v = group[m[1]][int(m[2])] if m else group[n]
+        values.append(float(v) if isinstance(v, bool) else _number(v, n))
+    return tuple(values)
+
+
+def _key_name(key: tuple) -> str:
+    """A shard's name for messages (its dtype and device)."""
+    return f"{_DTYPES[key[0]]}@{key[1]}"
+
+
+def _on(device: torch.device):
+    """The CUDA device current while a shard on it works (tierstate calls the runtime on the
+    current device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _stream(device: torch.device) -> int:
+    """The stream PyTorch queues work on for `device` (its gradients are ready after it)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0

@@ -1,0 +1,152 @@
+# SPDX-License-Identifier: Apache-2.0
+"""state_dict() and load_state_dict(): tierstate's (one checkpoint per shard, as bytes made
+with no file) and torch.optim.Adam/AdamW's, both ways."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._common import _DTYPES, _FORMAT, _key_name, _number, _on
+
+
+class _StateDicts:
+    """The optimizer's state_dict side (a mixin of _OffloadedAdamBase)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The param groups (as torch.optim keeps them) and one tierstate checkpoint per dtype."""
+        self._refuse_if("state_dict")
+        self._build()
+        sd = super().state_dict()
+        shards = {}
+        for key, shard in self._shards.items():
+            with _on(key[1]):
+                data = shard.save_bytes()  # the checkpoint's bytes, through no file
+            # Named by dtype and members, not device: it loads on another GPU, or the CPU.
+            shards[self._saved_name(key)] = {"checkpoint": data, "params": list(self._members[key])}
+        sd["tierstate"] = {"format": _FORMAT, "shards": shards}
+        return sd
+
+    def _saved_name(self, key: tuple) -> str:
+        return f"{_DTYPES[key[0]]}/{self._members[key][0]}"
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Takes a state_dict() of this class, or a torch.optim.Adam/AdamW state_dict."""
+        self._refuse_if("load_state_dict", replaced=True)
+        if "tierstate" not in state_dict:
+            self._load_torch_state_dict(state_dict)
+            return
+        ts = state_dict["tierstate"]
+        if ts.get("format") != _FORMAT:
+            raise ValueError(f"{type(self).__name__}: a state_dict of format {ts.get('format')!r}; "
+                             f"this is {_FORMAT}")
+        self._build()
+        ours = {self._saved_name(key): key for key in self._shards}
+        if set(ts["shards"]) != set(ours):
+            raise ValueError(f"{type(self).__name__}: the state_dict has state for parameters of "
+                             f"{sorted(ts['shards'])}; this optimizer's are {sorted(ours)}")
+        for key, info in ts["shards"].items():
+            if list(info["params"]) != self._members[ours[key]]:
+                raise ValueError(f"{type(self).__name__}: the state_dict's {key} parameters are "
+                                 f"{list(info['params'])}; this optimizer's are {self._members[ours[key]]}")
+        sizes = [len(g["params"]) for g in state_dict["param_groups"]]
+        if sizes != [len(g["params"]) for g in self.param_groups]:
+            raise ValueError(f"{type(self).__name__}: the state_dict's param groups have {sizes} params; "
+                             f"this optimizer's have {[len(g['params']) for g in self.param_groups]}")
+        # Each shard's load checks everything before it changes anything; with several, the
+        # ones loaded before a failing one are put back from a copy made first.
+        backups = {}
+        if len(self._shards) > 1:
+            for key, shard in self._shards.items():
+                with _on(key[1]):
+                    backups[key] = shard.save_bytes()
+        done = []
+        for name, info in ts["shards"].items():
+            key = ours[name]
+            try:
+                with _on(key[1]):
+                    self._shards[key].load_bytes(info["checkpoint"])
+            except Exception as e:
+                for k in done:
+                    with _on(k[1]):
+                        self._shards[k].load_bytes(backups[k])
+                raise type(e)(f"{type(self).__name__}.load_state_dict: the checkpoint of the "
+                              f"{_key_name(key)} parameters: {e}") from e
+            done.append(key)
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        self._note_versions()
+        self._pushed.clear()
+        self._push_hyperparameters(force=True)
+
+    def torch_state_dict(self) -> dict[str, Any]:
+        """The state as torch.optim.Adam/AdamW keeps it, loadable by one over the same params.
+        The moments are in each param's dtype, as torch keeps them; a master is not kept."""
+        self._refuse_if("torch_state_dict")
+        self._build()  # (get_state flushes a delayed update itself)
+        groups = []
+        index = 0
+        for group in self.param_groups:
+            g = {k: v for k, v in group.items() if k != "params"}
+            g.update(foreach=None, capturable=False, differentiable=False, fused=None,
+                     decoupled_weight_decay=self._decoupled)
+            g["params"] = list(range(index, index + len(group["params"])))
+            index += len(group["params"])
+            groups.append(g)
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        steps = self.step_count()
+        if steps > 0:
+            slots = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self._amsgrad else [])
+            for i, p in enumerate(self._params()):
+                key, _ = self._where[i]
+                s = {"step": torch.tensor(float(steps), dtype=torch.float32)}
+                for slot in slots:
+                    with _on(key[1]):
+                        value = self._shards[key].get_state(f"p{i}", slot)
+                    s[slot] = value.view(p.shape).to(device=p.device, dtype=p.dtype)
+                state[i] = s
+        return {"state": state, "param_groups": groups}
+
+    def _load_torch_state_dict(self, sd: dict[str, Any]) -> None:
+        name = type(self).__name__
+        if "param_groups" not in sd or "state" not in sd:
+            raise ValueError(f"{name}: not a state_dict (no 'state' and 'param_groups')")
+        self._build()
+        for g in sd["param_groups"]:
+            if bool(g.get("amsgrad", False)) != self._amsgrad:
+                raise ValueError(f"{name}: the state_dict has amsgrad={g.get('amsgrad')}; this optimizer "
+                                 f"has amsgrad={self._amsgrad}")
+            decoupled = bool(g.get("decoupled_weight_decay", False))
+            if decoupled != self._decoupled and _number(g.get("weight_decay", 0), "weight_decay") != 0:
+                raise ValueError(f"{name}: the state_dict is torch.optim."
+                                 f"{'AdamW' if decoupled else 'Adam'}'s with weight decay; this is "
+                                 f"{'AdamW' if self._decoupled else 'Adam'}")
+        params = self._params()
+        state = sd["state"]
+        steps = {int(_number(s["step"], "step")) for s in state.values()}
+        if len(steps) > 1 or (state and len(state) != len(params)):
+            raise ValueError(f"{name}: the state_dict's params have different step counts "
+                             f"({sorted(steps)}, {len(state)} of {len(params)} params with state); "
+                             "this optimizer keeps one step count for all")
+        super().load_state_dict({"state": {}, "param_groups": [
+            {k: v for k, v in g.items() if k in ("lr", "betas", "eps", "weight_decay", "amsgrad",
+                                                 "maximize", "params", "initial_lr", "param_names")}
+            for g in sd["param_groups"]]})
+        # The param indices now match (torch's load checked the group sizes).
+        slots = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self._amsgrad else [])
+        for i, p in enumerate(params):
+            key, _ = self._where[i]
+            shard = self._shards[key]
+            s = state.get(i, state.get(str(i)))
+            with _on(key[1]):
+                if "master" in shard.slot_names():
+                    shard.set_state(f"p{i}", "master", p.detach().reshape(-1))
+                for slot in slots:
+                    value = torch.zeros(p.numel()) if s is None else s[slot].reshape(-1)
+                    shard.set_state(f"p{i}", slot, value)
+        n = steps.pop() if steps else 0
+        for key, shard in self._shards.items():
+            with _on(key[1]):
+                shard.set_step_count(n)
+        self._note_versions()
+        self._pushed.clear()
+        self._push_hyperparameters(force=True)

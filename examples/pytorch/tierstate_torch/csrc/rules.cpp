@@ -1,0 +1,58 @@
+// SPDX-License-Identifier: Apache-2.0
+// The rules the extension has compositions for, chosen by name: one line per rule.
+#include "shard.hpp"
+
+#include <array>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace tierstate_torch {
+namespace {
+
+struct rule_entry {
+  char const* name;
+  rule_info (*info)();
+  std::unique_ptr<shard> (*on_host)(config const&);
+  std::unique_ptr<shard> (*on_device)(config const&);
+};
+
+constexpr std::array<rule_entry, 4> rules{{
+  {"adam", adam_info, make_adam_shard, make_adam_device_shard},
+  {"adamw", adamw_info, make_adamw_shard, make_adamw_device_shard},
+  {"adam_amsgrad", adam_amsgrad_info, make_adam_amsgrad_shard, make_adam_amsgrad_device_shard},
+  {"adamw_amsgrad", adamw_amsgrad_info, make_adamw_amsgrad_shard, make_adamw_amsgrad_device_shard},
+}};
+
+rule_entry const& find(std::string const& name)
+{
+  for (auto const& r : rules) {
+    if (name == r.name) { return r; }
+  }
+  std::string known;
+  for (auto const& r : rules) { known.append(known.empty() ? "'" : ", '").append(r.name).append("'"); }
+  throw std::invalid_argument("tierstate_torch: no rule '" + name + "' (this build has " + known + ")");
+}
+
+}  // namespace
+
+std::vector<std::string> rule_names()
+{
+  std::vector<std::string> names;
+  for (auto const& r : rules) { names.emplace_back(r.name); }
+  return names;
+}
+
+rule_info rule_table(std::string const& rule) { return find(rule).info(); }
+
+std::unique_ptr<shard> make_shard(config const& c)
+{
+  auto const& r = find(c.rule);
+  if (c.compute == "device") { return r.on_device(c); }
+  if (c.compute != "host") {
+    throw std::invalid_argument("tierstate_torch: compute must be 'host' or 'device', not '" + c.compute + "'");
+  }
+  return r.on_host(c);
+}
+
+}  // namespace tierstate_torch
