@@ -382,12 +382,20 @@ class OffloadedOptimizer {
   /// The engine, or an io_error that says which options choose it.
   [[nodiscard]] io::engine checkpoint_engine(io::engine_options const& eo, checkpoint_options const& o,
                                              std::string const& path) const;
-  /// Where element e of a chunk's rule slots is, for slot arrays that start at `base`.
-  static void state_arrays_at(std::array<std::byte*, rule_type::slots.size()> const& base, std::size_t e,
-                              std::array<void*, rule_type::slots.size()>& out) noexcept
+  /// Points `a`'s master or compensation and rule slots at element e of the chunk whose
+  /// bytes start at `chunk` (a block codec's slot: at the block e starts).
+  void chunk_arrays_at(std::byte* chunk, std::size_t e, update_arrays<Precision, rule_type::slots.size()>& a)
   {
+    auto const& lay = store_.layout();
+    if constexpr (Precision::has_master) {
+      a.master = reinterpret_cast<float*>(chunk + lay.slot_offset(0)) + e;
+    } else if constexpr (Precision::has_compensation) {
+      a.compensation = reinterpret_cast<bf16*>(chunk + lay.slot_offset(0)) + e;
+    }
     [&]<std::size_t... J>(std::index_sequence<J...>) {
-      ((out[J] = detail::codec_address<typename Precision::template state_codec<J>>(base[J], e)), ...);
+      ((a.state[J] = detail::codec_address<typename Precision::template state_codec<J>>(
+          chunk + lay.slot_offset(Precision::leading_slots + J), e)),
+       ...);
     }(std::make_index_sequence<rule_type::slots.size()>{});
   }
   /// Updates elements [b, e) of chunk k (whose bytes start at `chunk`) on this thread. The

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <tierstate/codecs/codec.hpp>
+#include <tierstate/core/concepts.hpp>
 #include <tierstate/core/numeric.hpp>
 
 #include <algorithm>
@@ -63,6 +64,10 @@ struct Precision {
   static constexpr bool has_compensation = std::is_same_v<Master, Compensated>;
   /// The slots the layout keeps before the rule's: the master or the compensation, or none.
   static constexpr std::size_t leading_slots = has_master || has_compensation ? 1 : 0;
+  /// The leading slot, where there is one, and how it is stored: the master in fp32, or the
+  /// compensation in bf16.
+  static constexpr slot leading_slot = has_compensation ? slot::compensation : slot::master;
+  using leading_codec                = std::conditional_t<has_compensation, codecs::bf16, codecs::fp32>;
 
   /// "param/grad/master/state", for example "bf16/bf16/fp32/fp32".
   [[nodiscard]] static std::string name()

@@ -13,23 +13,13 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::launch_c
 {
   if constexpr (placement::on_device) {
     using arrays_t = update_arrays<Precision, rule_type::slots.size()>;
-    constexpr std::size_t first_rule_slot = Precision::leading_slots;
     for (auto const& pc : store_.pieces(k)) {
       auto const& tensor = tensors_[pc.tensor];
       if (grads[pc.tensor].data == nullptr) { continue; }  // no gradient
       arrays_t a;
       a.param = tensor.param + pc.tensor_begin;
       a.grad  = grads[pc.tensor].data + pc.tensor_begin;
-      if constexpr (Precision::has_master) {
-        a.master = reinterpret_cast<float*>(chunk + store_.layout().slot_offset(0)) + pc.chunk_begin;
-      } else if constexpr (Precision::has_compensation) {
-        a.compensation = reinterpret_cast<bf16*>(chunk + store_.layout().slot_offset(0)) + pc.chunk_begin;
-      }
-      std::array<std::byte*, rule_type::slots.size()> state{};
-      for (std::size_t j = 0; j < rule_type::slots.size(); ++j) {
-        state[j] = chunk + store_.layout().slot_offset(first_rule_slot + j);
-      }
-      state_arrays_at(state, pc.chunk_begin, a.state);
+      chunk_arrays_at(chunk, pc.chunk_begin, a);
       if constexpr (has_tensor_phase<rule_type>) {
         a.tensor_state  = tensor_state_for_update(pc.tensor);
         a.shape         = tensor.shape;

@@ -16,18 +16,6 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
     (void)k, (void)chunk, (void)b, (void)e, (void)grads, (void)coefficients, (void)grad_stage, (void)param_stage;
   } else {
     using arrays_t = update_arrays<Precision, rule_type::slots.size()>;
-    constexpr std::size_t first_rule_slot = Precision::leading_slots;
-    float* master       = nullptr;
-    bf16* compensation  = nullptr;
-    if constexpr (Precision::has_master) {
-      master = reinterpret_cast<float*>(chunk + store_.layout().slot_offset(0));
-    } else if constexpr (Precision::has_compensation) {
-      compensation = reinterpret_cast<bf16*>(chunk + store_.layout().slot_offset(0));
-    }
-    std::array<std::byte*, rule_type::slots.size()> state{};
-    for (std::size_t j = 0; j < rule_type::slots.size(); ++j) {
-      state[j] = chunk + store_.layout().slot_offset(first_rule_slot + j);
-    }
     // The pieces (tensor parts) of chunk k that overlap [b, e), each with its tensor's group.
     for (auto const& pc : store_.pieces(k)) {
       std::size_t const lo = std::max(b, pc.chunk_begin);
@@ -39,9 +27,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
       arrays_t a;
       a.param  = update_params_on_device(pc.tensor) ? param_stage + lo : update_params(pc.tensor) + tofs;
       a.grad   = grads[pc.tensor].where == location::device ? grad_stage + lo : grads[pc.tensor].data + tofs;
-      a.master = master != nullptr ? master + lo : nullptr;
-      a.compensation = compensation != nullptr ? compensation + lo : nullptr;
-      state_arrays_at(state, lo, a.state);
+      chunk_arrays_at(chunk, lo, a);
       if constexpr (has_tensor_phase<rule_type>) {
         a.tensor_state  = tensor_state_for_update(pc.tensor);
         a.shape         = tensor.shape;

@@ -14,12 +14,9 @@ tierstate::layout state_store<Precision, Rule, StateTier, Placement>::layout_for
   for (auto const& t : tensors) { extents.push_back({t.name, 0, t.count}); }
   std::vector<slot> slots;
   std::vector<slot_format> formats;
-  if constexpr (Precision::has_master) {
-    slots.push_back(slot::master);
-    formats.push_back({1, sizeof(float)});
-  } else if constexpr (Precision::has_compensation) {
-    slots.push_back(slot::compensation);
-    formats.push_back({1, sizeof(bf16)});
+  if constexpr (Precision::leading_slots == 1) {
+    slots.push_back(Precision::leading_slot);
+    formats.push_back({Precision::leading_codec::block, Precision::leading_codec::block_bytes});
   }
   [&]<std::size_t... J>(std::index_sequence<J...>) {
     ((slots.push_back(Rule::slots[J]), formats.push_back({Precision::template state_codec<J>::block,
@@ -180,12 +177,8 @@ template <class F>
 void state_store<Precision, Rule, StateTier, Placement>::visit_codec(std::size_t si, F&& f)
 {
   constexpr std::size_t first = Precision::leading_slots;
-  if (Precision::has_master && si == 0) {
-    f(std::type_identity<codecs::fp32>{});
-    return;
-  }
-  if (Precision::has_compensation && si == 0) {
-    f(std::type_identity<codecs::bf16>{});
+  if (Precision::leading_slots == 1 && si == 0) {
+    f(std::type_identity<typename Precision::leading_codec>{});
     return;
   }
   [&]<std::size_t... J>(std::index_sequence<J...>) {

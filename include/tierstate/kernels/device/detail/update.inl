@@ -83,6 +83,31 @@ TIERSTATE_HOST_DEVICE T from_float(float x) noexcept
 template <class P, std::size_t J>
 using slot_native_t = native_t<typename P::template state_codec<J>::element_type>;
 
+/// The weight an element's update starts from: its master, its param plus its compensation
+/// (Compensated), or its param. `lead` is the master or the compensation (unused without).
+template <class P, class Param, class Lead>
+TIERSTATE_HOST_DEVICE float load_weight(Param const& param, Lead const& lead) noexcept
+{
+  if constexpr (P::has_master) {
+    return lead;
+  } else if constexpr (P::has_compensation) {
+    return to_float(param) + to_float(lead);
+  } else {
+    return to_float(param);
+  }
+}
+
+/// Where the updated weight goes: the master (when kept), the param (rounded) and, for
+/// Compensated, what the rounding lost (w - param is exact in float).
+template <class P, class Param, class Lead>
+TIERSTATE_HOST_DEVICE void store_weight(float w, Param& param, Lead& lead) noexcept
+{
+  if constexpr (P::has_master) { lead = w; }
+  Param const p = from_float<Param>(w);
+  param         = p;
+  if constexpr (P::has_compensation) { lead = from_float<Param>(w - to_float(p)); }
+}
+
 /// One element: the tuple holds (param, grad, [master or compensation,] slot 0, slot 1, ...)
 /// references.
 template <class R, class P>
@@ -96,23 +121,15 @@ struct update_element {
   template <class Tuple, std::size_t... I>
   TIERSTATE_HOST_DEVICE void run(Tuple&& t, std::index_sequence<I...>) const
   {
-    float w;
-    if constexpr (P::has_master) {
-      w = thrust::get<2>(t);
-    } else if constexpr (P::has_compensation) {
-      w = to_float(thrust::get<0>(t)) + to_float(thrust::get<2>(t));
-    } else {
-      w = to_float(thrust::get<0>(t));
-    }
+    auto&& param  = thrust::get<0>(t);
+    auto&& lead   = thrust::get<P::leading_slots == 1 ? 2 : 0>(t);  // (without a master or a compensation: unused)
+    float w       = load_weight<P>(param, lead);
     float const g = to_float(thrust::get<1>(t));
     float s[slots]{to_float(thrust::get<first + I>(t))...};
 
     R::update(k, w, g, s);
 
-    if constexpr (P::has_master) { thrust::get<2>(t) = w; }
-    param_t const p   = from_float<param_t>(w);
-    thrust::get<0>(t) = p;
-    if constexpr (P::has_compensation) { thrust::get<2>(t) = from_float<param_t>(w - to_float(p)); }
+    store_weight<P>(w, param, lead);
     ((thrust::get<first + I>(t) = from_float<slot_native_t<P, I>>(s[I])), ...);
   }
 
@@ -154,14 +171,7 @@ struct update_block {
     float scratch[Slots][B];
     (load_slot<J>(scratch[J], i, m), ...);
     for (std::size_t e = 0; e < m; ++e) {
-      float w;
-      if constexpr (P::has_master) {
-        w = master[i + e];
-      } else if constexpr (P::has_compensation) {
-        w = to_float(param[i + e]) + to_float(compensation[i + e]);
-      } else {
-        w = to_float(param[i + e]);
-      }
+      float w       = load_weight<P>(param[i + e], lead_at(i + e));
       float const g = to_float(grad[i + e]);
       float s[Slots]{scratch[J][e]...};
       if constexpr (has_tensor_phase<R>) {
@@ -170,13 +180,22 @@ struct update_block {
       } else {
         R::update(k, w, g, s);
       }
-      if constexpr (P::has_master) { master[i + e] = w; }
-      param_t const p = from_float<param_t>(w);
-      param[i + e]    = p;
-      if constexpr (P::has_compensation) { compensation[i + e] = from_float<param_t>(w - to_float(p)); }
+      store_weight<P>(w, param[i + e], lead_at(i + e));
       ((scratch[J][e] = s[J]), ...);
     }
     (store_slot<J>(scratch[J], i, m), ...);
+  }
+
+  /// Element i's master or compensation (without either: its param, unused).
+  TIERSTATE_HOST_DEVICE auto& lead_at(std::size_t i) const noexcept
+  {
+    if constexpr (P::has_master) {
+      return master[i];
+    } else if constexpr (P::has_compensation) {
+      return compensation[i];
+    } else {
+      return param[i];
+    }
   }
 
   template <std::size_t J>
