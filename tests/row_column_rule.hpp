@@ -145,6 +145,20 @@ inline RowColumn::hyperparameters rc_hyper()
   return h;
 }
 
+/// One step over `views`: step(), or a streaming step with the gradients handed over in
+/// backward's order.
+template <class Opt, class View>
+void rc_step(Opt& opt, std::vector<View> const& views, bool streaming)
+{
+  if (streaming) {
+    opt.begin_step();
+    for (std::size_t t = views.size(); t-- > 0;) { opt.grad_ready(t, views[t]); }
+    (void)opt.finish_step();
+  } else {
+    (void)opt.step(views);
+  }
+}
+
 struct rc_result {
   std::vector<std::vector<float>> params, momentum, tensor_state;
   bool operator==(rc_result const&) const = default;

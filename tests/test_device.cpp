@@ -586,13 +586,7 @@ TEMPLATE_LIST_TEST_CASE("a rule with a tensor phase through the device routes gi
         g[t]->upload();
         views.push_back({g[t]->device, g[t]->host.size(), location::device});
       }
-      if (streaming) {
-        opt.begin_step();
-        for (std::size_t t = rc_shapes.size(); t-- > 0;) { opt.grad_ready(t, views[t]); }
-        (void)opt.finish_step();
-      } else {
-        (void)opt.step(views);
-      }
+      rc_step(opt, views, streaming);
     }
     rc_result got;
     for (std::size_t t = 0; t < rc_shapes.size(); ++t) {

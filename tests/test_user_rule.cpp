@@ -245,13 +245,7 @@ struct rc_model {
         for (std::size_t i = 0; i < g[t].size(); ++i) { g[t][i] = convert<typename P::grad_type>(rc_grad(s, t, i)); }
         views.push_back({g[t].data(), g[t].size()});
       }
-      if (streaming) {
-        opt.begin_step();
-        for (std::size_t t = rc_shapes.size(); t-- > 0;) { opt.grad_ready(t, views[t]); }
-        (void)opt.finish_step();
-      } else {
-        (void)opt.step(views);
-      }
+      rc_step(opt, views, streaming);
     }
     (void)opt.flush();
   }
