@@ -12,18 +12,9 @@
 //              for params and gradients on the GPU (transfer/cuda_overlapped.hpp)
 //   Compute    where the rule runs: OnHost<Arch>, or OnDevice (kernels/device/on_device.hpp)
 //
-// The compositions, and what each is for:
-//
-//   state       compute    transfer            params/grads   what it is
-//   PinnedHost  OnHost     Synchronous         host           CPU training, state in RAM
-//   NvmeFile    OnHost     Pipelined<D>        host           CPU training, state on NVMe
-//   Device      OnDevice   CudaOverlapped<D>   device         no offload: the GPU baseline
-//   PinnedHost  OnHost     CudaOverlapped<D>   device         ZeRO-Offload
-//   NvmeFile    OnHost     CudaOverlapped<D>   device         ZeRO-Infinity's optimizer offload
-//   PinnedHost  OnDevice   CudaOverlapped<D>   device         state streamed to the GPU
-//   NvmeFile    OnDevice   CudaOverlapped<D>   device         the same, from NVMe
-//
-// (With OnHost and CudaOverlapped, any tensor's param or gradient may also be on the host.)
+// The compositions and what each is for (CPU training with the state in RAM or on NVMe, the
+// GPU baseline, ZeRO-Offload, ZeRO-Infinity's optimizer offload, the state streamed to the
+// GPU): README.md, "Using it", "On the GPU" and "State on NVMe".
 //
 // Usage: register every parameter tensor (its name, its memory, its element count, where
 // it lives), group tensors that need their own hyper-parameters, then call step() once per
@@ -31,26 +22,10 @@
 // the first step (or the first copy_state): the fp32 master from the params as they are
 // then, the slots zero. From then on the set of tensors is fixed.
 //
-// Thread safety: one thread at a time may call the member functions of one optimizer (a
-// second thread entering any member that changes it while another is inside one is refused
-// with tierstate::logic_error, and nothing changes); grad_ready alone may be called from
-// several threads at once. The optimizer's own threads (and streams) do the work inside
-// step(). Different optimizers are independent.
-//
-// Failures: an invalid option or hyper-parameter throws tierstate::invalid_option before
-// anything changes; a call that breaks the contract (a count that does not match, a null
-// pointer, a duplicate name, memory in the wrong place) throws tierstate::logic_error before
-// anything changes. An exception from the tier (tierstate::io_error for NvmeFile) or the
-// device runtime (tierstate::cuda_error)
-//   - while the state is first made leaves no state: the next call makes it afresh;
-//   - in a step before any chunk was updated (the first read failed) leaves params, state
-//     and step count as they were: the step may be retried;
-//   - in a step after a chunk was updated, or in write_state, leaves the state part old,
-//     part new: the optimizer is then *lost*, and every later step(), copy_state() and
-//     write_state() throws tierstate::state_lost naming the first failure, until the state
-//     is restored (from a checkpoint) or the optimizer rebuilt. It never steps on from a
-//     state that is silently half-updated.
-// The exception is thrown after every transfer in flight has finished.
+// Thread safety (one caller at a time; grad_ready from any thread) and failures (a refused
+// call changes nothing; an I/O or device failure after a step began changing chunks leaves
+// the optimizer *lost*, refusing steps with tierstate::state_lost until a checkpoint is
+// loaded): README.md, "Using it" and "Failures".
 #pragma once
 
 #include <tierstate/checkpoint/format.hpp>
@@ -164,10 +139,8 @@ class OffloadedOptimizer {
 
   /// Group 0 holds every tensor not placed in another group, with `defaults`.
   explicit OffloadedOptimizer(hyperparameters const& defaults = {}, options const& opts = {});
-  /// Waits for a delayed update in flight (its worker uses every member) and stops a streaming
-  /// step's driver. The state store keeps (leaks) the staging memory when the tier's I/O
-  /// engine retired with a transfer the kernel never answered (io::engine::held()): a late
-  /// transfer must not land in freed pages.
+  /// Waits for a delayed update in flight and stops a streaming step's driver. Staging memory
+  /// a never-answered transfer may still reach is leaked on purpose (io::engine::held()).
   ~OffloadedOptimizer() { delayed_.wait(); }
   OffloadedOptimizer(OffloadedOptimizer const&)            = delete;
   OffloadedOptimizer& operator=(OffloadedOptimizer const&) = delete;
@@ -363,8 +336,7 @@ class OffloadedOptimizer {
   /// Queues the device update of chunk k, whose state is device memory at `chunk`.
   void launch_chunk(std::size_t k, std::byte* chunk, std::span<grad_view<grad_type> const> grads,
                     std::vector<coefficients_type> const& coefficients);
-  /// Refuses a slot this composition does not keep, naming it.
-  void check_slot(slot s, char const* call) const;
+  void check_slot(slot s, char const* call) const;  ///< refuses, naming it, a slot not kept
   void flush_before_load();
   /// The checkpoint's regions through write(offset, data, n), in order.
   template <class Write>
@@ -374,7 +346,7 @@ class OffloadedOptimizer {
   template <class Read>
   void read_checkpoint(std::uint64_t file_bytes, std::string const& file, bool verify, PinnedHost& first,
                        PinnedHost& region, PinnedHost& table, PinnedHost& scratch, Read&& read);
-  [[nodiscard]] checkpoint::header make_header() const;
+  [[nodiscard]] checkpoint::header make_header() const;  // (of the layout made, or of `lay`)
   [[nodiscard]] checkpoint::header make_header(layout const& lay) const;
   void check_header(checkpoint::header const& h, layout const& lay, std::string const& path) const;
   /// The checkpoint's engine options: given, or the tier's (see checkpoint_options::io).
@@ -384,20 +356,7 @@ class OffloadedOptimizer {
                                              std::string const& path) const;
   /// Points `a`'s master or compensation and rule slots at element e of the chunk whose
   /// bytes start at `chunk` (a block codec's slot: at the block e starts).
-  void chunk_arrays_at(std::byte* chunk, std::size_t e, update_arrays<Precision, rule_type::slots.size()>& a)
-  {
-    auto const& lay = store_.layout();
-    if constexpr (Precision::has_master) {
-      a.master = reinterpret_cast<float*>(chunk + lay.slot_offset(0)) + e;
-    } else if constexpr (Precision::has_compensation) {
-      a.compensation = reinterpret_cast<bf16*>(chunk + lay.slot_offset(0)) + e;
-    }
-    [&]<std::size_t... J>(std::index_sequence<J...>) {
-      ((a.state[J] = detail::codec_address<typename Precision::template state_codec<J>>(
-          chunk + lay.slot_offset(Precision::leading_slots + J), e)),
-       ...);
-    }(std::make_index_sequence<rule_type::slots.size()>{});
-  }
+  void chunk_arrays_at(std::byte* chunk, std::size_t e, update_arrays<Precision, rule_type::slots.size()>& a);
   /// Updates elements [b, e) of chunk k (whose bytes start at `chunk`) on this thread. The
   /// gradients and params of device tensors are read from, and written to, the chunk's PCIe
   /// staging (`grad_stage`, `param_stage`: chunk_elements each) instead.

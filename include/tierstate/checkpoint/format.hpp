@@ -33,6 +33,8 @@
 // chunk's checksum.
 #pragma once
 
+#include <tierstate/checkpoint/detail/fields.hpp>
+#include <tierstate/checkpoint/error.hpp>
 #include <tierstate/core/error.hpp>
 #include <tierstate/io/request.hpp>  // io::engine_options only: a codec needs no engine, nor liburing
 
@@ -55,27 +57,6 @@
 #include <xxhash.h>
 
 namespace tierstate::inline TIERSTATE_ABI {
-
-/// A checkpoint that cannot be used: corrupt, truncated, of another format, or saved from a
-/// different optimizer. what() names the file and what was wrong (which chunk, which field,
-/// which difference).
-class checkpoint_error : public std::runtime_error {
- public:
-  checkpoint_error(std::string path, std::string const& what)
-    : std::runtime_error(describe(path, what)), path_(std::move(path))
-  {
-  }
-  [[nodiscard]] std::string const& path() const noexcept { return path_; }
-
- private:
-  static std::string describe(std::string const& path, std::string const& what)
-  {
-    std::string text = "tierstate: checkpoint ";
-    text.append(path).append(": ").append(what);
-    return text;
-  }
-  std::string path_;
-};
 
 /// The operations of a save, in the order they happen (for observers: tests, progress bars).
 enum class save_event : std::uint8_t {
@@ -153,82 +134,6 @@ struct header {
   };
   std::vector<tensor_state_entry> tensor_states;
 };
-
-namespace detail {
-
-/// Appends little-endian fields.
-class writer {
- public:
-  template <class T>
-  void put(T v)
-  {
-    static_assert(std::is_trivially_copyable_v<T>);
-    auto const at = bytes_.size();
-    bytes_.resize(at + sizeof(T));
-    std::memcpy(bytes_.data() + at, &v, sizeof(T));
-  }
-  void put(std::string_view s)
-  {
-    put(static_cast<std::uint32_t>(s.size()));
-    auto const at = bytes_.size();
-    bytes_.resize(at + s.size());
-    std::memcpy(bytes_.data() + at, s.data(), s.size());
-  }
-  [[nodiscard]] std::vector<std::byte>& bytes() noexcept { return bytes_; }
-
- private:
-  std::vector<std::byte> bytes_;
-};
-
-/// Reads little-endian fields, each checked against what is left.
-class reader {
- public:
-  reader(std::span<std::byte const> bytes, std::string const& path) : bytes_(bytes), path_(path) {}
-
-  template <class T>
-  T get(char const* field)
-  {
-    static_assert(std::is_trivially_copyable_v<T>);
-    need(sizeof(T), field);
-    T v;
-    std::memcpy(&v, bytes_.data() + pos_, sizeof(T));
-    pos_ += sizeof(T);
-    return v;
-  }
-  std::string str(char const* field)
-  {
-    auto const n = get<std::uint32_t>(field);
-    need(n, field);
-    std::string s(reinterpret_cast<char const*>(bytes_.data() + pos_), n);
-    pos_ += n;
-    return s;
-  }
-  /// A count of entries of at least `min_entry_bytes` each: bounded by what is left.
-  std::uint64_t count(char const* field, std::size_t min_entry_bytes)
-  {
-    auto const n = get<std::uint64_t>(field);
-    if (n > (bytes_.size() - pos_) / min_entry_bytes) {
-      throw checkpoint_error(path_, std::string("header field ") + field + " = " + std::to_string(n) +
-                                      " does not fit in the header's " + std::to_string(bytes_.size()) +
-                                      " bytes (corrupt)");
-    }
-    return n;
-  }
-  [[nodiscard]] std::size_t left() const noexcept { return bytes_.size() - pos_; }
-
- private:
-  void need(std::size_t n, char const* field) const
-  {
-    if (n > bytes_.size() - pos_) {
-      throw checkpoint_error(path_, std::string("the header ends inside field ") + field + " (corrupt or truncated)");
-    }
-  }
-  std::span<std::byte const> bytes_;
-  std::string const& path_;
-  std::size_t pos_ = 0;
-};
-
-}  // namespace detail
 
 /// The header region (H bytes, zero-padded, checksummed).
 inline std::vector<std::byte> encode(header const& h)
