@@ -354,9 +354,6 @@ class OffloadedOptimizer {
   /// The engine, or an io_error that says which options choose it.
   [[nodiscard]] io::engine checkpoint_engine(io::engine_options const& eo, checkpoint_options const& o,
                                              std::string const& path) const;
-  /// Points `a`'s master or compensation and rule slots at element e of the chunk whose
-  /// bytes start at `chunk` (a block codec's slot: at the block e starts).
-  void chunk_arrays_at(std::byte* chunk, std::size_t e, update_arrays<Precision, rule_type::slots.size()>& a);
   /// Updates elements [b, e) of chunk k (whose bytes start at `chunk`) on this thread. The
   /// gradients and params of device tensors are read from, and written to, the chunk's PCIe
   /// staging (`grad_stage`, `param_stage`: chunk_elements each) instead.

@@ -36,6 +36,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace tierstate::inline TIERSTATE_ABI::detail {
@@ -77,6 +78,22 @@ class state_store {
 
   // --- what make made (made() only) -----------------------------------------------------
   [[nodiscard]] tierstate::layout const& layout() const noexcept { return *layout_; }
+  /// Points `a`'s (update_arrays') master or compensation and rule slots at element e of the
+  /// chunk whose bytes start at `chunk` (a block codec's slot: at the block e starts).
+  template <class Arrays>
+  void arrays_at(std::byte* chunk, std::size_t e, Arrays& a) const noexcept
+  {
+    if constexpr (Precision::has_master) {
+      a.master = reinterpret_cast<float*>(chunk + layout_->slot_offset(0)) + e;
+    } else if constexpr (Precision::has_compensation) {
+      a.compensation = reinterpret_cast<bf16*>(chunk + layout_->slot_offset(0)) + e;
+    }
+    [&]<std::size_t... J>(std::index_sequence<J...>) {
+      ((a.state[J] = detail::codec_address<typename Precision::template state_codec<J>>(
+          chunk + layout_->slot_offset(Precision::leading_slots + J), e)),
+       ...);
+    }(std::make_index_sequence<Rule::slots.size()>{});
+  }
   [[nodiscard]] StateTier& tier() noexcept { return *tier_; }
   /// The pieces of chunk k, in chunk order.
   [[nodiscard]] std::span<piece const> pieces(std::size_t k) const noexcept

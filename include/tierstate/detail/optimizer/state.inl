@@ -73,23 +73,6 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::write_te
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
-void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::chunk_arrays_at(std::byte* chunk,
-    std::size_t e, update_arrays<Precision, rule_type::slots.size()>& a)
-{
-  auto const& lay = store_.layout();
-  if constexpr (Precision::has_master) {
-    a.master = reinterpret_cast<float*>(chunk + lay.slot_offset(0)) + e;
-  } else if constexpr (Precision::has_compensation) {
-    a.compensation = reinterpret_cast<bf16*>(chunk + lay.slot_offset(0)) + e;
-  }
-  [&]<std::size_t... J>(std::index_sequence<J...>) {
-    ((a.state[J] = detail::codec_address<typename Precision::template state_codec<J>>(
-        chunk + lay.slot_offset(Precision::leading_slots + J), e)),
-     ...);
-  }(std::make_index_sequence<rule_type::slots.size()>{});
-}
-
-template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 std::size_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::staging_bytes() const noexcept
 {
   return store_.staging_bytes();

@@ -19,7 +19,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::launch_c
       arrays_t a;
       a.param = tensor.param + pc.tensor_begin;
       a.grad  = grads[pc.tensor].data + pc.tensor_begin;
-      chunk_arrays_at(chunk, pc.chunk_begin, a);
+      store_.arrays_at(chunk, pc.chunk_begin, a);
       if constexpr (has_tensor_phase<rule_type>) {
         a.tensor_state  = tensor_state_for_update(pc.tensor);
         a.shape         = tensor.shape;

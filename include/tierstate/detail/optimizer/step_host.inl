@@ -27,7 +27,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
       arrays_t a;
       a.param  = update_params_on_device(pc.tensor) ? param_stage + lo : update_params(pc.tensor) + tofs;
       a.grad   = grads[pc.tensor].where == location::device ? grad_stage + lo : grads[pc.tensor].data + tofs;
-      chunk_arrays_at(chunk, lo, a);
+      store_.arrays_at(chunk, lo, a);
       if constexpr (has_tensor_phase<rule_type>) {
         a.tensor_state  = tensor_state_for_update(pc.tensor);
         a.shape         = tensor.shape;
