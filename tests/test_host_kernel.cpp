@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <utility>
 
@@ -245,6 +246,43 @@ TEMPLATE_LIST_TEST_CASE("host kernel matches the double reference and splits giv
   {
     for (std::size_t const n : {std::size_t{1}, std::size_t{7}, std::size_t{4095}, std::size_t{4097}}) {
       check_against_reference<R, P>(n, unusual_hyperparameters<R>(), 3e-3, 4.0 * scale);
+    }
+  }
+}
+
+TEMPLATE_TEST_CASE("host non-finite check: every special value at every position, nothing finite counted",
+                   "[host][nonfinite]", float, bf16, fp16)
+{
+  using T = TestType;
+  thread_pool pool(3);
+  float const inf = std::numeric_limits<float>::infinity();
+  // The largest finite value of T, its negative, a subnormal, zeros: never found.
+  float const largest = std::is_same_v<T, fp16>   ? 65504.0f
+                        : std::is_same_v<T, bf16> ? 3.3895313892515355e38f
+                                                  : std::numeric_limits<float>::max();
+  for (std::size_t const n : {std::size_t{1}, std::size_t{15}, std::size_t{4097}, std::size_t{40009}}) {
+    std::vector<T> g(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      float const v = i % 4 == 0 ? largest : i % 4 == 1 ? -largest : i % 4 == 2 ? 1e-40f : -0.0f;
+      g[i] = convert<T>(v);
+    }
+    REQUIRE_FALSE(host::any_nonfinite(g.data(), n));
+    REQUIRE_FALSE(host::any_nonfinite(pool, g.data(), n));
+    std::size_t const stride = n > 100 ? 997 : 1;
+    float const nan = std::numeric_limits<float>::quiet_NaN();
+    for (float const special : {inf, -inf, nan, -nan}) {
+      for (std::size_t at = 0; at < n; at += stride) {
+        T const kept = g[at];
+        g[at]        = convert<T>(special);
+        INFO("n " << n << ", position " << at << ", value " << special);
+        CHECK(host::any_nonfinite(g.data(), n));
+        CHECK(host::any_nonfinite(pool, g.data(), n));
+        g[at] = kept;
+      }
+      T const kept = g[n - 1];  // the last element too
+      g[n - 1]     = convert<T>(special);
+      CHECK(host::any_nonfinite(pool, g.data(), n));
+      g[n - 1] = kept;
     }
   }
 }
