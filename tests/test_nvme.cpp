@@ -7,6 +7,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <cctype>
 #include <cerrno>
 #include <csignal>
 #include <cstring>
@@ -586,4 +587,44 @@ TEST_CASE("host memory beyond what the machine has is refused before it is taken
   }
   PinnedHost small(1 << 20);  // what fits is still granted
   CHECK(small.size() == 1 << 20);
+}
+
+TEST_CASE("host memory of a huge page or more is aligned to one and advised into huge pages; less stays in base pages",
+          "[pinned][memory]")
+{
+  std::size_t const huge = detail::huge_page_bytes(std::size_t{1} << 30);
+  std::size_t const odd  = 5 * (std::size_t{1} << 20) + 3;  // not a whole number of pages
+  PinnedHost big(odd);
+  REQUIRE(big.size() == odd);
+  // Zero-filled and writable to its last byte; a move keeps the mapping.
+  CHECK(big.data()[0] == std::byte{0});
+  CHECK(big.data()[odd - 1] == std::byte{0});
+  big.data()[odd - 1] = std::byte{7};
+  PinnedHost moved(std::move(big));
+  CHECK(moved.data()[odd - 1] == std::byte{7});
+  CHECK(big.data() == nullptr);
+  if (huge == 0) {
+    WARN("transparent huge pages are off here (/sys/kernel/mm/transparent_hugepage/enabled): base pages only");
+    return;
+  }
+  CHECK(reinterpret_cast<std::uintptr_t>(moved.data()) % huge == 0);
+  // The kernel's view of the mapping that holds it: advised (the "hg" VmFlag in smaps).
+  auto const at = reinterpret_cast<std::uintptr_t>(moved.data());
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool in_mapping = false, advised = false;
+  while (std::getline(smaps, line)) {
+    auto const dash = line.find('-');
+    if (!line.empty() && std::isxdigit(static_cast<unsigned char>(line[0])) && dash < line.find(' ')) {
+      // A mapping's first line, "start-end perms offset ...".
+      auto const lo = std::stoull(line.substr(0, dash), nullptr, 16);
+      auto const hi = std::stoull(line.substr(dash + 1), nullptr, 16);
+      in_mapping    = lo <= at && at < hi;
+    } else if (in_mapping && line.rfind("VmFlags:", 0) == 0) {
+      advised = line.find(" hg") != std::string::npos;
+    }
+  }
+  CHECK(advised);
+  PinnedHost small(huge / 2);  // less than a huge page: not rounded up to one
+  CHECK(small.size() == huge / 2);
 }
