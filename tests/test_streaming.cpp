@@ -199,6 +199,44 @@ TEST_CASE("a non-finite gradient skips a streaming step, and the reads ahead are
   CHECK(opt.finish_step().step == 2);
 }
 
+TEST_CASE("each gradient is looked at for infs and NaNs as it is handed over: wherever one is, the step is skipped",
+          "[streaming]")
+{
+  // The gate looks at each gradient once it is final, while the others are still to come:
+  // a non-finite value in the first, a middle or the last one handed over, or in the final
+  // micro-batch's view, skips the step; one in an earlier micro-batch's view does not count.
+  auto const o = streaming_options<HostOpt<Bf16Mixed>>(2048, nonfinite_policy::skip_step);
+  nvme_model<Bf16Mixed> m;
+  HostOpt<Bf16Mixed> opt(schedule<HostOpt<Bf16Mixed>>(1), o);
+  register_model(opt, m);
+  m.fill_grads(1);
+  opt.step(m.views());
+  std::size_t const T = m.views().size();
+  std::vector<bf16> early(50000, bf16(std::numeric_limits<float>::quiet_NaN()));
+  for (std::size_t bad = 0; bad <= T; ++bad) {  // bad == T: a NaN only in an earlier micro-batch's view
+    INFO("NaN in the gradient handed over " << bad << "th of " << T);
+    auto const before = snapshot(opt, m);
+    m.fill_grads(2);
+    auto views = m.views();
+    std::size_t const victim = T - 1 - std::min(bad, T - 1);  // backward's order: the last tensor first
+    if (bad < T) { m.grads[victim][views[victim].size / 2] = bf16(-std::numeric_limits<float>::infinity()); }
+    opt.begin_step(1.0, 2);
+    for (std::size_t j = 0; j < T; ++j) {
+      std::size_t const k = T - 1 - j;
+      opt.grad_ready(k, {early.data(), views[k].size, location::host});  // micro-batch 1: NaNs, not final
+      opt.grad_ready(k, views[k]);
+    }
+    auto const r = opt.finish_step();
+    CHECK(r.found_nonfinite == (bad < T));
+    CHECK(r.skipped == (bad < T));
+    if (bad < T) {
+      CHECK(snapshot(opt, m) == before);
+    } else {
+      CHECK(r.step == 2);
+    }
+  }
+}
+
 namespace {
 
 /// A tier with read and write only, which counts the writes (a chunk written back is a

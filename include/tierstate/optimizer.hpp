@@ -307,9 +307,11 @@ class OffloadedOptimizer {
   template <class> friend class routes::detail::tier_io;
   template <class> friend class routes::detail::route_base;
   [[nodiscard]] std::vector<coefficients_type> coefficients_for(double grad_scale) const;
-  /// Non-finite detection and clipping; false when the step must be skipped.
+  /// Non-finite detection and clipping; false when the step must be skipped. `host_found`:
+  /// the host gradients were looked at already (a streaming step), and what that found.
   bool check_and_clip(std::span<grad_view<grad_type> const> grads, double grad_scale,
-                      std::vector<coefficients_type>& coefficients, step_result& result);
+                      std::vector<coefficients_type>& coefficients, step_result& result,
+                      std::optional<bool> host_found = std::nullopt);
   /// The step after its checks: chunks updated in chunk_at() order, each after await_chunk().
   void run_step(std::span<grad_view<grad_type> const> grads,
                 std::vector<coefficients_type>& coefficients, step_result& result);

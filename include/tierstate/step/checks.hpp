@@ -78,14 +78,23 @@ struct step_checks {
     }
   }
 
-  /// Whether any gradient holds an inf or a NaN.
+  /// Whether gradient `g` holds an inf or a NaN, where it is host memory (false where it
+  /// is not): a streaming step looks at each as it is handed over.
+  [[nodiscard]] static bool host_nonfinite(grad_view<Grad> const& g, thread_pool& pool)
+  {
+    return g.where == location::host && g.data != nullptr && host::any_nonfinite(pool, g.data, g.size);
+  }
+
+  /// Whether any gradient holds an inf or a NaN; `host_looked`: the host gradients were
+  /// looked at already (host_nonfinite), only the device gradients are left.
   template <class Device>
-  [[nodiscard]] static bool find_nonfinite(grads_type grads, layout const& lay, thread_pool& pool, Device* dev)
+  [[nodiscard]] static bool find_nonfinite(grads_type grads, layout const& lay, thread_pool& pool, Device* dev,
+                                           bool host_looked = false)
   {
     // Host gradients: one parallel pass over all of them, as laid out.
     auto const& ext = lay.tensors();
     std::atomic<bool> found{false};
-    pool.parallel_for(lay.total_elements(), 16384, [&](std::size_t b, std::size_t e) {
+    pool.parallel_for(host_looked ? 0 : lay.total_elements(), 16384, [&](std::size_t b, std::size_t e) {
       auto t = static_cast<std::size_t>(
         std::upper_bound(ext.begin(), ext.end(), b,
                          [](std::size_t x, tensor_extent const& te) { return x < te.offset + te.count; }) -

@@ -8,7 +8,8 @@
 // The order of an open gate starts as the reverse of registration (backward's order) and
 // then follows the order the previous step's chunks became ready. When the step's checks
 // (non-finite, clipping) need every gradient, the first chunk waits for all of them and the
-// checks run then, once.
+// checks run then, once; while it waits, each host gradient is looked at for infs and NaNs
+// as it becomes final, so that by the last one only that one is left to look at.
 #pragma once
 
 #include <tierstate/core/device_runtime.hpp>
@@ -24,6 +25,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -82,6 +84,7 @@ class streaming_gate {
     arrivals_.assign(T, 0);
     final_.assign(T, 0);
     finals_  = 0;
+    finished_.clear();
     pending_ = std::move(pending);
     ready_.assign(n, 0);
     arrival_.clear();
@@ -139,28 +142,51 @@ class streaming_gate {
 
   /// Blocks until chunk k (whose pieces are `pieces`) may go; the first time, when the checks
   /// need every gradient, until all are in, and then runs check(views, grad_scale,
-  /// coefficients, result), which says false to skip the step. Before a device gradient is
-  /// read, wait(event) orders the reading streams behind it.
-  template <class Check, class Wait>
-  void await(std::size_t k, std::span<chunk_piece const> pieces, step_stats& stats, Check&& check, Wait&& wait)
+  /// coefficients, result, looked), which says false to skip the step. While it waits, each
+  /// gradient is handed to look(view) as it becomes final (whether it holds an inf or a NaN,
+  /// for a host gradient; nullopt where look looks at nothing): `looked` is then whether any
+  /// did, so the check that needs them all is left with the last ones alone. Before a device
+  /// gradient is read, wait(event) orders the reading streams behind it.
+  template <class Check, class Look, class Wait>
+  void await(std::size_t k, std::span<chunk_piece const> pieces, step_stats& stats, Check&& check, Look&& look,
+             Wait&& wait)
   {
     if (!open_) { return; }
     auto const t0 = std::chrono::steady_clock::now();
     std::unique_lock lock(m_);
     if (checks_ && !checked_) {
-      cv_.wait(lock, [&] { return abandoned_ || finals_ == views_.size(); });
-      if (abandoned_) { throw logic_error("the optimizer was destroyed during a streaming step"); }
+      // Looking, on this thread (and the pool it hands work to), at each gradient once it is
+      // final, while backward makes the next ones; until every one is in and looked at.
+      std::optional<bool> looked;
+      double looking   = 0;
+      std::size_t seen = 0;
+      for (;;) {
+        cv_.wait(lock, [&] { return abandoned_ || seen < finished_.size() || finals_ == views_.size(); });
+        if (abandoned_) { throw logic_error("the optimizer was destroyed during a streaming step"); }
+        if (seen == finished_.size()) { break; }
+        std::vector<std::size_t> const batch(finished_.begin() + static_cast<std::ptrdiff_t>(seen), finished_.end());
+        seen = finished_.size();
+        lock.unlock();  // a final view changes no more: it is read without the lock
+        auto const l0 = std::chrono::steady_clock::now();
+        for (std::size_t const t : batch) {
+          if (looked.value_or(false)) { break; }  // found already: the step is skipped anyway
+          std::optional<bool> const f = look(views_[t]);
+          if (f) { looked = looked.value_or(false) || *f; }
+        }
+        looking += seconds_since(l0);
+        lock.lock();
+      }
       checked_ = true;
       lock.unlock();
-      stats.grad_wait_seconds += seconds_since(t0);
+      stats.grad_wait_seconds += seconds_since(t0) - looking;
       if constexpr (DeviceEvents) {  // every gradient's device work first
         for (std::size_t t = 0; t < views_.size(); ++t) {
           if (views_[t].where == location::device && views_[t].data != nullptr) { wait(*grad_events_[t]); }
         }
       }
-      if (!check(std::span<grad_view<Grad> const>(views_), grad_scale_, coefficients_, result_)) {
-        throw skip_step_signal{};
-      }
+      bool const go = check(std::span<grad_view<Grad> const>(views_), grad_scale_, coefficients_, result_, looked);
+      stats.check_seconds += looking;
+      if (!go) { throw skip_step_signal{}; }
       return;
     }
     cv_.wait(lock, [&] { return abandoned_ || ready_[k] != 0; });
@@ -221,6 +247,7 @@ class streaming_gate {
   {
     final_[t] = 1;
     ++finals_;
+    finished_.push_back(t);
     std::size_t const ce    = lay_->chunk_elements();
     auto const& ext         = lay_->tensors()[t];
     std::size_t const first = ext.offset / ce;
@@ -247,6 +274,7 @@ class streaming_gate {
   std::vector<unsigned> arrivals_;      ///< per tensor: grad_ready calls so far
   std::vector<char> final_;             ///< per tensor: gradient final (or absent)
   std::size_t finals_ = 0;
+  std::vector<std::size_t> finished_;   ///< tensors in the order they became final
   std::vector<std::size_t> pending_;     ///< per chunk: its tensors not yet final
   std::vector<char> ready_;              ///< per chunk
   std::vector<std::size_t> arrival_;     ///< chunks in the order they became ready

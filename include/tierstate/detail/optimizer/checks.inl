@@ -10,11 +10,13 @@ template <class Rule, precision Precision, tier StateTier, class Transfer, class
 bool OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_and_clip(
     std::span<grad_view<grad_type> const> grads, double grad_scale,
                                          std::vector<coefficients_type>& coefficients,
-                                         step_result& result)
+                                         step_result& result, std::optional<bool> host_found)
 {
   auto const t0 = std::chrono::steady_clock::now();
   if (opts_.on_nonfinite != nonfinite_policy::ignore) {
-    result.found_nonfinite = checks::find_nonfinite(grads, store_.layout(), pool_, store_.device_if_any());
+    result.found_nonfinite = host_found.value_or(false) ||
+                             checks::find_nonfinite(grads, store_.layout(), pool_, store_.device_if_any(),
+                                                    host_found.has_value());
     if (result.found_nonfinite && opts_.on_nonfinite == nonfinite_policy::skip_step) {
       result.stats.check_seconds = detail::seconds_since(t0);
       return false;

@@ -18,11 +18,14 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::await_ch
   streaming_.await(
     k, store_.pieces(k), stats,
     [this](std::span<grad_view<grad_type> const> views, double grad_scale,
-           std::vector<coefficients_type>& coefficients,
-           step_result& result) {
-      if (!check_and_clip(views, grad_scale, coefficients, result)) { return false; }
+           std::vector<coefficients_type>& coefficients, step_result& result, std::optional<bool> host_found) {
+      if (!check_and_clip(views, grad_scale, coefficients, result, host_found)) { return false; }
       reduce_tensors(views, coefficients);
       return true;
+    },
+    [this](grad_view<grad_type> const& g) -> std::optional<bool> {  // a gradient just handed over
+      if (opts_.on_nonfinite == nonfinite_policy::ignore) { return std::nullopt; }
+      return checks::host_nonfinite(g, pool_);
     },
     [dev = store_.device_if_any()](device::event& e) {  // the streams that read a device gradient wait for it
       if constexpr (placement::device_params) {
