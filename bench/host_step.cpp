@@ -1,31 +1,56 @@
 // SPDX-License-Identifier: Apache-2.0
-// host_step: the host kernel's speed against its memory roofline, measured in one process.
+// host_step: the host step's speed against the limit its memory traffic allows, measured in
+// one process, every comparison interleaved (rep by rep, the order rotating) on the same
+// threads, medians reported.
 //
-// For each rule x precision it times, interleaved and on the same arrays and threads:
-//   step     tierstate::host::update (xsimd);
-//   plain    the straightforward scalar loop of the same rule and precision over
-//            __restrict pointers, as a user would write it;
-//   pattern  the step's exact memory traffic (same arrays, same reads, same in-place
-//            writes) with no arithmetic beyond an add: the roofline.
-// It prints one JSON line per rule x precision with the medians; roofline_ratio is
-// step / pattern. A last line per precision ("variant":"optimizer") times the whole
-// OffloadedOptimizer<AdamW>::step() over a model-like set of tensors the same way. Usage: host_step [--elements N] [--reps R] [--threads T]
-//                                  [--rule NAME] [--precision p/g/m/s]
+// The limit. A step of precision P with S slots reads the gradient, reads and writes the
+// weight (the fp32 master, or the param itself), writes the param (where there is a master)
+// and reads and writes each slot: bytes_per_elem bytes per element. A "traffic loop" moves
+// exactly those bytes and computes nothing but a checksum (every read is folded into it,
+// every write stores a value derived from what was read, so no byte can be dropped), with
+// SIMD loads and stores, block by block (every stream's block loaded, then stored, as the
+// kernel goes; blocks of 32 and 64 elements). It comes in
+//   layouts   separate (one array per stream, as a user's arrays are) and chunked (master
+//             and slots of each chunk side by side, as the optimizer's state is laid out);
+//   memory    4k (base pages, MADV_NOHUGEPAGE) and huge (transparent huge pages, as
+//             PinnedHost allocates);
+//   stores    plain, nt (non-temporal stores for the write-only param) and nt_all
+//             (non-temporal stores for every write: nothing written is read again in a step).
+// A row's limit is the best loop over the same kind of memory as the row's own (a kernel
+// over a user's 4 KiB-page arrays: the best 4k separate loop; the optimizer, whose state is
+// PinnedHost's chunks in huge pages and whose params and gradients are the user's: the best
+// chunked loop over that mix); limit_ratio is the row's speed over it, and a row above 1.03
+// prints a warning on stderr (a limit that is beaten is no bound). Per precision, a "limits"
+// line times every loop for AdamW's traffic and names the best over any memory.
+//
+// Rows (one JSON line each):
+//   variant "kernel"     tierstate::host::update (xsimd) per rule x precision, with `plain`,
+//                        the straightforward scalar loop of the same rule over __restrict
+//                        pointers, as a user would write it;
+//   variant "optimizer"  OffloadedOptimizer<AdamW, P>::step() (PinnedHost) over a model-like
+//                        set of tensors, with its default non-finite check and without: the
+//                        check's extra read of the gradients is in its bytes and its limit;
+//                        check_cost is the checked step's time over the unchecked one's,
+//                        check_byte_ratio what the extra bytes alone would cost.
+//
+//   host_step [--elements N] [--reps R] [--threads T] [--rule NAME] [--precision p/g/m/s]
 #include <tierstate/tierstate.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <array>
+#include <atomic>
 #include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
+#include <functional>
 #include <string>
 #include <system_error>
 #include <vector>
+
+#include <sys/mman.h>
 
 namespace {
 
@@ -33,7 +58,7 @@ using namespace tierstate;
 using clock_type = std::chrono::steady_clock;
 
 struct options {
-  std::size_t elements = std::size_t{1} << 25;
+  std::size_t elements = std::size_t{1} << 24;
   int reps             = 9;
   std::size_t threads  = 0;
   std::string rule;
@@ -90,13 +115,6 @@ options parse(int argc, char** argv)
   return o;
 }
 
-template <class T>
-struct buffer {
-  std::unique_ptr<T[]> data;
-  explicit buffer(std::size_t n) : data(new T[n]) {}
-  T* get() const { return data.get(); }
-};
-
 double seconds_since(clock_type::time_point t0)
 {
   return std::chrono::duration<double>(clock_type::now() - t0).count();
@@ -109,77 +127,384 @@ double median(std::vector<double> v)
   return v.size() % 2 ? v[m] : (v[m - 1] + v[m]) / 2;
 }
 
-/// Runs each of three loops once to warm up, then `reps` times interleaved, rotating the
-/// order every repetition; returns the median seconds of each.
-template <class A, class B, class C>
-std::array<double, 3> interleaved_medians(int reps, A&& a, B&& b, C&& c)
+/// Runs each loop once to warm up, then `reps` times interleaved, rotating the order every
+/// repetition; returns the median seconds of each.
+std::vector<double> interleaved_medians(int reps, std::vector<std::function<void()>> const& loops)
 {
-  a();
-  b();
-  c();
-  std::array<std::vector<double>, 3> t;
+  for (auto const& f : loops) { f(); }
+  std::size_t const n = loops.size();
+  std::vector<std::vector<double>> t(n);
   for (int r = 0; r < reps; ++r) {
-    for (int k = 0; k < 3; ++k) {
-      int const which = (r + k) % 3;
-      auto const t0   = clock_type::now();
-      if (which == 0) {
-        a();
-      } else if (which == 1) {
-        b();
-      } else {
-        c();
-      }
+    for (std::size_t k = 0; k < n; ++k) {
+      std::size_t const which = (static_cast<std::size_t>(r) + k) % n;
+      auto const t0           = clock_type::now();
+      loops[which]();
       t[which].push_back(seconds_since(t0));
     }
   }
-  return {median(t[0]), median(t[1]), median(t[2])};
+  std::vector<double> m;
+  for (auto& v : t) { m.push_back(median(std::move(v))); }
+  return m;
 }
 
-/// The storage type as raw bits for the pattern loop: 16-bit types are added as integers.
-template <class T>
-using raw_t = std::conditional_t<std::is_same_v<T, float>, float, std::uint16_t>;
+// --- memory --------------------------------------------------------------------------------
 
-/// The arrays of one precision, sized for the rule with the most slots.
+/// Anonymous memory in base pages (MADV_NOHUGEPAGE, so that THP "always" does not change
+/// it) or in transparent huge pages (as PinnedHost maps its state), page-aligned.
+class region {
+ public:
+  region(std::size_t bytes, bool huge)
+  {
+    std::size_t const h = huge ? detail::huge_page_bytes(bytes) : 0;
+    mapped_             = h == 0 ? bytes : (bytes + h - 1) / h * h;
+    p_                  = static_cast<std::byte*>(detail::map_anonymous(mapped_, h));
+    if (p_ == nullptr) { throw std::system_error(errno, std::generic_category(), "host_step: mmap"); }
+    if (h == 0) { (void)::madvise(p_, mapped_, MADV_NOHUGEPAGE); }
+    huge_ = h != 0;
+  }
+  ~region() { ::munmap(p_, mapped_); }
+  region(region const&)            = delete;
+  region& operator=(region const&) = delete;
+  template <class T = std::byte>
+  [[nodiscard]] T* get() const noexcept
+  {
+    return reinterpret_cast<T*>(p_);
+  }
+  [[nodiscard]] bool huge() const noexcept { return huge_; }
+
+ private:
+  std::byte* p_       = nullptr;
+  std::size_t mapped_ = 0;
+  bool huge_          = false;
+};
+
+// --- the traffic loops -----------------------------------------------------------------------
+
+enum class stores { plain, nt, nt_all };
+constexpr char const* store_names[] = {"plain", "nt", "nt_all"};
+
+using word_batch = xsimd::batch<std::uint32_t>;
+// Elements per block: every stream's block, then the next block. 32 is a cache line of a
+// 16-bit array and two of an fp32 one (the kernel's own order is one batch of each stream at
+// a time); 64, longer runs per stream. Both are multiples of every batch.
+constexpr std::size_t blocks[] = {32, 64};
+
+/// A non-temporal store of one batch (aligned): past the caches, without reading the line.
+template <class B>
+inline void stream_store(std::uint32_t* p, B const& v) noexcept
+{
+#if XSIMD_WITH_AVX512F
+  if constexpr (B::size == 16) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), v);
+    return;
+  }
+#endif
+#if XSIMD_WITH_AVX
+  if constexpr (B::size == 8) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), v);
+    return;
+  }
+#endif
+#if XSIMD_WITH_SSE2
+  if constexpr (B::size == 4) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), v);
+    return;
+  }
+#endif
+  v.store_aligned(p);
+}
+
+/// Where one step's streams are for a range of elements: byte pointers to element 0 of the
+/// range, and each stream's element size.
+/// The lanes of a checksum batch folded into one word.
+inline std::uint32_t fold(word_batch const& acc) noexcept
+{
+  alignas(64) std::uint32_t lanes[word_batch::size];
+  acc.store_aligned(lanes);
+  std::uint32_t sum = 0;
+  for (std::uint32_t const l : lanes) { sum ^= l; }
+  return sum;
+}
+
+template <std::size_t Slots>
+struct traffic {
+  std::byte* param       = nullptr;
+  std::byte const* grad  = nullptr;
+  std::byte* master      = nullptr;  // null: the param is the weight
+  std::array<std::byte*, Slots> state{};
+  std::size_t param_size = 4, grad_size = 4, state_size = 4;
+};
+
+/// Block `i` (Block elements) of one stream of `Size`-byte elements: its batches, loaded.
+template <std::size_t Size, std::size_t Block>
+struct block_of {
+  static constexpr std::size_t count = Block * Size / 4 / word_batch::size;
+  word_batch v[count];
+
+  TIERSTATE_ALWAYS_INLINE void load(std::byte const* base, std::size_t i, word_batch& acc) noexcept
+  {
+    auto const* w = reinterpret_cast<std::uint32_t const*>(base + i * Size);
+    for (std::size_t j = 0; j < count; ++j) {
+      v[j] = word_batch::load_aligned(w + j * word_batch::size);
+      acc ^= v[j];
+    }
+  }
+  template <bool Stream>
+  TIERSTATE_ALWAYS_INLINE void store(std::byte* base, std::size_t i, word_batch const& add) const noexcept
+  {
+    auto* w = reinterpret_cast<std::uint32_t*>(base + i * Size);
+    for (std::size_t j = 0; j < count; ++j) {
+      if constexpr (Stream) {
+        stream_store(w + j * word_batch::size, v[j] + add);
+      } else {
+        (v[j] + add).store_aligned(w + j * word_batch::size);
+      }
+    }
+  }
+};
+
+/// The bytes of a step over elements [0, n) of `t`, block by block as the kernel goes: every
+/// stream's block loaded, then every written stream's block stored (so no load waits behind
+/// a store to the same address modulo 4 KiB, as it would with a stream stored before the
+/// next is loaded); a tail of less than a block byte by byte. Returns the checksum.
+template <class P, std::size_t Slots, stores S, std::size_t Block>
+std::uint32_t touch(traffic<Slots> const& t, std::size_t n) noexcept
+{
+  constexpr std::size_t ps = sizeof(typename P::param_type), gs = sizeof(typename P::grad_type);
+  constexpr std::size_t ss = sizeof(typename P::state_type);
+  constexpr bool rw_stream = S == stores::nt_all, w_stream = S != stores::plain;
+  word_batch acc(0u);
+  word_batch const one(1u);
+  std::size_t i = 0;
+  for (; i + Block <= n; i += Block) {
+    block_of<gs, Block> g;
+    block_of<P::has_master ? 4 : ps, Block> w;
+    block_of<ss, Block> st[Slots];
+    g.load(t.grad, i, acc);
+    w.load(P::has_master ? t.master : t.param, i, acc);
+    for (std::size_t j = 0; j < Slots; ++j) { st[j].load(t.state[j], i, acc); }
+    w.template store<rw_stream>(P::has_master ? t.master : t.param, i, one);
+    if constexpr (P::has_master) {  // the param is written, not read: from the checksum
+      block_of<ps, Block> out;
+      for (auto& x : out.v) { x = acc; }
+      out.template store<w_stream>(t.param, i, one);
+    }
+    for (std::size_t j = 0; j < Slots; ++j) { st[j].template store<rw_stream>(t.state[j], i, one); }
+  }
+  std::uint32_t sum = fold(acc);
+  auto bytewise = [&](std::byte* p, std::size_t size, bool read, bool write) {
+    for (std::size_t b = i * size; b < n * size; ++b) {
+      auto const v = static_cast<std::uint32_t>(p[b]);
+      if (read) { sum += v; }
+      if (write) { p[b] = static_cast<std::byte>(v + 1); }
+    }
+  };
+  bytewise(const_cast<std::byte*>(t.grad), gs, true, false);
+  if (t.master != nullptr) { bytewise(t.master, 4, true, true); }
+  bytewise(t.param, ps, t.master == nullptr, true);
+  for (std::size_t j = 0; j < Slots; ++j) { bytewise(t.state[j], ss, true, true); }
+  if constexpr (S != stores::plain) { _mm_sfence(); }
+  return sum;
+}
+
+/// The gradients read once more (the non-finite check's traffic).
+template <class G>
+std::uint32_t read_grads(std::byte const* g, std::size_t n) noexcept
+{
+  word_batch acc(0u);
+  std::size_t i = 0;
+  for (; i + 64 <= n; i += 64) { block_of<sizeof(G), 64>().load(g, i, acc); }
+  std::uint32_t sum = fold(acc);
+  for (std::size_t b = i * sizeof(G); b < n * sizeof(G); ++b) { sum += static_cast<std::uint32_t>(g[b]); }
+  return sum;
+}
+
+std::atomic<std::uint32_t> sink{0};  // every checksum ends here: no traffic can be dropped
+
+template <class P>
+constexpr std::size_t bytes_per_element(std::size_t slots)
+{
+  std::size_t b = sizeof(typename P::grad_type);
+  if constexpr (P::has_master) {
+    b += 2 * sizeof(float) + sizeof(typename P::param_type);
+  } else {
+    b += 2 * sizeof(typename P::param_type);
+  }
+  return b + 2 * slots * sizeof(typename P::state_type);
+}
+
+/// One precision's memory: the user's params and gradients (4k), the state as separate
+/// arrays in 4k and in huge pages, and as the optimizer's chunks in huge pages.
 template <class P>
 struct arrays {
   using param_t = typename P::param_type;
   using grad_t  = typename P::grad_type;
   using state_t = typename P::state_type;
   static constexpr std::size_t max_slots = 3;
+  static constexpr std::size_t chunk     = std::size_t{1} << 20;  // the optimizer's default chunk_elements
 
   std::size_t n;
-  buffer<param_t> param;
-  buffer<grad_t> grad;
-  buffer<float> master;
-  std::vector<buffer<state_t>> state;
+  region param, grad;
+  std::array<region, 2> master;                                   // 4k, huge
+  std::array<std::array<std::unique_ptr<region>, max_slots>, 2> state;  // [4k, huge][slot]
+  region chunked;  // huge: per chunk, the master (if any) then max_slots slot arrays
 
-  explicit arrays(std::size_t size, thread_pool& pool)
-    : n(size), param(size), grad(size), master(P::has_master ? size : 1)
+  static std::size_t chunk_count(std::size_t n) { return (n + chunk - 1) / chunk; }
+  static std::size_t chunk_bytes(std::size_t slots) { return chunk * ((P::has_master ? 4 : 0) + slots * sizeof(state_t)); }
+
+  arrays(std::size_t size, thread_pool& pool)
+    : n(size), param(n * sizeof(param_t), false), grad(n * sizeof(grad_t), false),
+      master{region(P::has_master ? n * 4 : 1, false), region(P::has_master ? n * 4 : 1, true)},
+      chunked(chunk_count(n) * chunk_bytes(max_slots), true)
   {
-    for (std::size_t j = 0; j < max_slots; ++j) { state.emplace_back(size); }
+    for (int h = 0; h < 2; ++h) {
+      for (auto& s : state[h]) { s = std::make_unique<region>(n * sizeof(state_t), h == 1); }
+    }
     // First touch from the threads that will use each part.
     pool.parallel_for(n, 4096, [&](std::size_t b, std::size_t e) {
       for (std::size_t i = b; i < e; ++i) {
         float const w = 0.5f + static_cast<float>(i % 1000) * 1e-4f;
-        param.get()[i] = convert<param_t>(w);
-        grad.get()[i] = convert<grad_t>(static_cast<float>(static_cast<int>(i % 201) - 100) * 1e-4f);
-        if constexpr (P::has_master) { master.get()[i] = w; }
-        for (auto& s : state) { s.get()[i] = convert<state_t>(i % 2 ? 1e-4f : 2e-4f); }
+        param.get<param_t>()[i] = convert<param_t>(w);
+        grad.get<grad_t>()[i] = convert<grad_t>(static_cast<float>(static_cast<int>(i % 201) - 100) * 1e-4f);
+        for (int h = 0; h < 2; ++h) {
+          if constexpr (P::has_master) { master[h].template get<float>()[i] = w; }
+          for (auto& s : state[h]) { s->template get<state_t>()[i] = convert<state_t>(i % 2 ? 1e-4f : 2e-4f); }
+        }
       }
     });
+    std::size_t const cb = chunk_count(n) * chunk_bytes(max_slots);
+    pool.parallel_for(cb, 4096, [&](std::size_t b, std::size_t e) { std::memset(chunked.get() + b, 1, e - b); });
   }
 
+  /// The kernel's view of the 4k separate arrays.
   template <class R>
   update_arrays<P, R::slot_count> view()
   {
     update_arrays<P, R::slot_count> a;
-    a.param  = param.get();
-    a.grad   = grad.get();
-    a.master = P::has_master ? master.get() : nullptr;
-    for (std::size_t j = 0; j < R::slot_count; ++j) { a.state[j] = state[j].get(); }
+    a.param  = param.get<param_t>();
+    a.grad   = grad.get<grad_t>();
+    a.master = P::has_master ? master[0].template get<float>() : nullptr;
+    for (std::size_t j = 0; j < R::slot_count; ++j) { a.state[j] = state[0][j]->get(); }
     return a;
   }
+
+  /// Elements [b, e) of the separate arrays (huge: the state in huge pages).
+  template <std::size_t Slots>
+  traffic<Slots> separate(bool huge, std::size_t b) const
+  {
+    traffic<Slots> t;
+    t.param = param.get() + b * sizeof(param_t);
+    t.grad  = grad.get() + b * sizeof(grad_t);
+    t.master = P::has_master ? master[huge].get() + b * 4 : nullptr;
+    for (std::size_t j = 0; j < Slots; ++j) { t.state[j] = state[huge][j]->get() + b * sizeof(state_t); }
+    t.param_size = sizeof(param_t), t.grad_size = sizeof(grad_t), t.state_size = sizeof(state_t);
+    return t;
+  }
+
+  /// Elements [b, e) within chunk k = b / chunk of the chunked state (Slots slots).
+  template <std::size_t Slots>
+  traffic<Slots> in_chunk(std::size_t b) const
+  {
+    std::size_t const k = b / chunk, at = b % chunk;
+    std::byte* base     = chunked.get() + k * chunk_bytes(Slots);
+    traffic<Slots> t    = separate<Slots>(false, b);
+    if constexpr (P::has_master) {
+      t.master = base + at * 4;
+      base += chunk * 4;
+    }
+    for (std::size_t j = 0; j < Slots; ++j) { t.state[j] = base + j * chunk * sizeof(state_t) + at * sizeof(state_t); }
+    return t;
+  }
 };
+
+/// One traffic loop: a layout, a memory and a store kind.
+struct loop_kind {
+  bool chunked      = false;
+  bool huge         = false;
+  stores store      = stores::plain;
+  std::size_t block = 32;
+  [[nodiscard]] std::string name() const
+  {
+    return std::string(chunked ? "chunked_" : "separate_") + (huge ? "huge_" : "4k_") +
+           store_names[static_cast<int>(store)] + "_" + std::to_string(block);
+  }
+};
+
+constexpr std::size_t grain = 1024;  // elements: a multiple of every block
+
+/// The step's traffic over all elements with the pool, as `k` says; `check`: the gradients
+/// are read once more first, in their own pass (the non-finite check's traffic).
+template <class P, std::size_t Slots>
+void run_loop(thread_pool& pool, arrays<P>& arr, loop_kind k, bool check)
+{
+  std::size_t const n = arr.n;
+  if (check) {
+    pool.parallel_for(n, grain, [&](std::size_t b, std::size_t e) {
+      sink.fetch_xor(read_grads<typename P::grad_type>(arr.grad.get() + b * sizeof(typename P::grad_type), e - b),
+                     std::memory_order_relaxed);
+    });
+  }
+  pool.parallel_for(n, grain, [&](std::size_t b, std::size_t e) {
+    std::uint32_t sum = 0;
+    auto go = [&](traffic<Slots> const& t, std::size_t count) {
+      auto with = [&]<std::size_t B>(std::integral_constant<std::size_t, B>) {
+        switch (k.store) {
+          case stores::plain: sum ^= touch<P, Slots, stores::plain, B>(t, count); break;
+          case stores::nt: sum ^= touch<P, Slots, stores::nt, B>(t, count); break;
+          case stores::nt_all: sum ^= touch<P, Slots, stores::nt_all, B>(t, count); break;
+        }
+      };
+      if (k.block == blocks[0]) {
+        with(std::integral_constant<std::size_t, blocks[0]>{});
+      } else {
+        with(std::integral_constant<std::size_t, blocks[1]>{});
+      }
+    };
+    if (!k.chunked) {
+      go(arr.template separate<Slots>(k.huge, b), e - b);
+    } else {
+      for (std::size_t i = b; i < e;) {  // piece by piece, chunk by chunk, as the optimizer goes
+        std::size_t const end = std::min(e, (i / arrays<P>::chunk + 1) * arrays<P>::chunk);
+        go(arr.template in_chunk<Slots>(i), end - i);
+        i = end;
+      }
+    }
+    sink.fetch_xor(sum, std::memory_order_relaxed);
+  });
+}
+
+/// The loop kinds for a memory: separate or chunked; plain stores in both block sizes, nt
+/// (only where there is a write-only param: a master) and nt_all in the short one.
+template <class P>
+std::vector<loop_kind> kinds_for(bool chunked, bool huge)
+{
+  std::vector<loop_kind> k{{chunked, huge, stores::plain, blocks[0]}, {chunked, huge, stores::plain, blocks[1]}};
+  if (P::has_master) { k.push_back({chunked, huge, stores::nt, blocks[0]}); }
+  k.push_back({chunked, huge, stores::nt_all, blocks[0]});
+  return k;
+}
+
+/// The best of `kinds` from their medians: {gelem/s, name}.
+std::pair<double, std::string> best_of(std::vector<loop_kind> const& kinds, std::vector<double> const& seconds,
+                                       std::size_t first, std::size_t n)
+{
+  std::pair<double, std::string> best{0.0, ""};
+  for (std::size_t i = 0; i < kinds.size(); ++i) {
+    double const g = static_cast<double>(n) / seconds[first + i] / 1e9;
+    if (g > best.first) { best = {g, kinds[i].name()}; }
+  }
+  return best;
+}
+
+void warn_if_beaten(char const* what, std::string const& precision, double ratio, std::string const& limit)
+{
+  if (ratio > 1.03) {
+    std::fprintf(stderr,
+                 "host_step: warning: %s (%s) ran at %.3f of its limit (%s): a limit that is beaten by more than "
+                 "noise is no bound; find the loop it lacks\n",
+                 what, precision.c_str(), ratio, limit.c_str());
+  }
+}
 
 /// The straightforward scalar loop: torch's formula, one element at a time, in float.
 template <class R, class P>
@@ -216,58 +541,23 @@ void plain_step(typename P::param_type* __restrict param, typename P::grad_type 
   }
 }
 
-/// The roofline: every array the step reads is read, every array it writes is written in
-/// place, and the only arithmetic is an add per array.
-template <class R, class P>
-void pattern_step(raw_t<typename P::param_type>* __restrict param,
-                  raw_t<typename P::grad_type> const* __restrict grad, float* __restrict master,
-                  raw_t<typename P::state_type>* __restrict s0, raw_t<typename P::state_type>* __restrict s1,
-                  raw_t<typename P::state_type>* __restrict s2, std::size_t b, std::size_t e)
-{
-  using param_raw = raw_t<typename P::param_type>;
-  using state_raw = raw_t<typename P::state_type>;
-  for (std::size_t i = b; i < e; ++i) {
-    if constexpr (P::has_master) {
-      master[i] += 1.0f;
-      param[i] = static_cast<param_raw>(grad[i] + 1);
-    } else {
-      param[i] = static_cast<param_raw>(param[i] + grad[i]);
-    }
-    s0[i] = static_cast<state_raw>(s0[i] + 1);
-    s1[i] = static_cast<state_raw>(s1[i] + 1);
-    if constexpr (R::amsgrad) { s2[i] = static_cast<state_raw>(s2[i] + 1); }
-  }
-}
-
-template <class P>
-constexpr std::size_t bytes_per_element(std::size_t slots)
-{
-  std::size_t b = sizeof(typename P::grad_type);
-  if constexpr (P::has_master) {
-    b += 2 * sizeof(float) + sizeof(typename P::param_type);
-  } else {
-    b += 2 * sizeof(typename P::param_type);
-  }
-  return b + 2 * slots * sizeof(typename P::state_type);
-}
-
 double triad_gb_s(thread_pool& pool, std::size_t n, int reps)
 {
-  buffer<double> a(n), b(n), c(n);
+  region a(n * sizeof(double), false), b(n * sizeof(double), false), c(n * sizeof(double), false);
   pool.parallel_for(n, 4096, [&](std::size_t lo, std::size_t hi) {
     for (std::size_t i = lo; i < hi; ++i) {
-      a.get()[i] = 0.0;
-      b.get()[i] = 1.0;
-      c.get()[i] = 2.0;
+      a.get<double>()[i] = 0.0;
+      b.get<double>()[i] = 1.0;
+      c.get<double>()[i] = 2.0;
     }
   });
   std::vector<double> t;
   for (int r = 0; r < reps; ++r) {
     auto const t0 = clock_type::now();
     pool.parallel_for(n, 4096, [&](std::size_t lo, std::size_t hi) {
-      double* __restrict x       = a.get();
-      double const* __restrict y = b.get();
-      double const* __restrict z = c.get();
+      double* __restrict x       = a.get<double>();
+      double const* __restrict y = b.get<double>();
+      double const* __restrict z = c.get<double>();
       for (std::size_t i = lo; i < hi; ++i) { x[i] = y[i] + 3.0 * z[i]; }
     });
     t.push_back(seconds_since(t0));
@@ -275,73 +565,102 @@ double triad_gb_s(thread_pool& pool, std::size_t n, int reps)
   return 3.0 * sizeof(double) * static_cast<double>(n) / median(t) / 1e9;
 }
 
+/// Per precision: every loop for AdamW's traffic (2 slots), interleaved; returns the best
+/// over any memory in GB/s.
+template <class P>
+double run_limits(options const& o, thread_pool& pool, arrays<P>& arr, double triad)
+{
+  std::vector<loop_kind> kinds;
+  for (bool const chunked : {false, true}) {
+    for (bool const huge : {false, true}) {
+      if (chunked && !huge) { continue; }  // the optimizer's chunks are PinnedHost's: huge
+      auto const k = kinds_for<P>(chunked, huge);
+      kinds.insert(kinds.end(), k.begin(), k.end());
+    }
+  }
+  std::vector<std::function<void()>> loops;
+  for (auto const& k : kinds) { loops.push_back([&, k] { run_loop<P, 2>(pool, arr, k, false); }); }
+  auto const s          = interleaved_medians(o.reps, loops);
+  std::size_t const bpe = bytes_per_element<P>(2);
+  std::string fields;
+  for (std::size_t i = 0; i < kinds.size(); ++i) {
+    char buf[96];
+    std::snprintf(buf, sizeof buf, ",\"%s_gb_s\":%.4g", kinds[i].name().c_str(),
+                  static_cast<double>(arr.n) * static_cast<double>(bpe) / s[i] / 1e9);
+    fields += buf;
+  }
+  auto const [best, best_name] = best_of(kinds, s, 0, arr.n);
+  std::printf("{\"bench\":\"host_step\",\"variant\":\"limits\",\"traffic\":\"adamw\",\"precision\":\"%s\","
+              "\"arch\":\"%s\",\"elements\":%zu,\"threads\":%zu,\"reps\":%d,\"bytes_per_elem\":%zu,"
+              "\"huge_pages\":%s%s,\"best\":\"%s\",\"best_gb_s\":%.4g,\"triad_gb_s\":%.4g}\n",
+              P::name().c_str(), host::arch_name(), arr.n, pool.size(), o.reps, bpe,
+              arr.chunked.huge() ? "true" : "false", fields.c_str(), best_name.c_str(),
+              best * static_cast<double>(bpe), triad);
+  std::fflush(stdout);
+  return best * static_cast<double>(bpe);
+}
+
+/// One rule's kernel over the 4k separate arrays, with the plain loop and the 4k limit.
 template <class R, class P>
-void run(options const& o, thread_pool& pool, arrays<P>& arr, double triad)
+void run_kernel(options const& o, thread_pool& pool, arrays<P>& arr, double best_any_gb_s, double triad)
 {
   if (!o.rule.empty() && o.rule != R::name) { return; }
-  if (!o.precision.empty() && o.precision != P::name()) { return; }
-
   std::size_t const n     = arr.n;
-  std::size_t const grain = 64 * host::batch_size<>;
+  std::size_t const kgrain = 64 * host::batch_size<>;
   auto const a            = arr.template view<R>();
   typename R::hyperparameters h;
   h.lr = 1e-4;
-
-  using param_raw = raw_t<typename P::param_type>;
-  using grad_raw  = raw_t<typename P::grad_type>;
-  using state_raw = raw_t<typename P::state_type>;
-  auto* s2        = R::amsgrad ? arr.state[2].get() : arr.state[1].get();
+  using state_t = typename P::state_type;
+  auto* s2      = arr.state[0][R::amsgrad ? 2 : 1]->template get<state_t>();
 
   std::int64_t step = 0;
-  auto lib = [&] { host::update<R, P>(pool, R::coefficients_for(h, ++step), a, n); };
-  auto plain = [&] {
+  std::vector<std::function<void()>> loops;
+  loops.push_back([&] { host::update<R, P>(pool, R::coefficients_for(h, ++step), a, n); });
+  loops.push_back([&] {
     ++step;
     double const bc1 = 1.0 - std::pow(h.betas[0], static_cast<double>(step));
     double const bc2 = 1.0 - std::pow(h.betas[1], static_cast<double>(step));
-    pool.parallel_for(n, grain, [&](std::size_t b, std::size_t e) {
-      plain_step<R, P>(arr.param.get(), arr.grad.get(), arr.master.get(), arr.state[0].get(),
-                       arr.state[1].get(), s2, b, e, 1.0f, static_cast<float>(h.lr),
-                       static_cast<float>(h.weight_decay), static_cast<float>(h.betas[0]),
-                       static_cast<float>(h.betas[1]), static_cast<float>(h.eps),
+    pool.parallel_for(n, kgrain, [&](std::size_t b, std::size_t e) {
+      plain_step<R, P>(arr.param.template get<typename P::param_type>(), arr.grad.template get<typename P::grad_type>(),
+                       P::has_master ? arr.master[0].template get<float>() : nullptr,
+                       arr.state[0][0]->template get<state_t>(), arr.state[0][1]->template get<state_t>(), s2, b, e,
+                       1.0f, static_cast<float>(h.lr), static_cast<float>(h.weight_decay),
+                       static_cast<float>(h.betas[0]), static_cast<float>(h.betas[1]), static_cast<float>(h.eps),
                        static_cast<float>(h.lr / bc1), static_cast<float>(std::sqrt(bc2)));
     });
-  };
-  auto pattern = [&] {
-    pool.parallel_for(n, grain, [&](std::size_t b, std::size_t e) {
-      pattern_step<R, P>(reinterpret_cast<param_raw*>(arr.param.get()),
-                         reinterpret_cast<grad_raw const*>(arr.grad.get()), arr.master.get(),
-                         reinterpret_cast<state_raw*>(arr.state[0].get()),
-                         reinterpret_cast<state_raw*>(arr.state[1].get()),
-                         reinterpret_cast<state_raw*>(s2), b, e);
-    });
-  };
+  });
+  auto const kinds = kinds_for<P>(false, false);
+  for (auto const& k : kinds) { loops.push_back([&, k] { run_loop<P, R::slot_count>(pool, arr, k, false); }); }
 
-  auto const [s, plain_s, pattern_s] = interleaved_medians(o.reps, lib, plain, pattern);
-  double const gelem   = static_cast<double>(n) / s / 1e9;
-  double const plain_g = static_cast<double>(n) / plain_s / 1e9;
-  double const patt_g  = static_cast<double>(n) / pattern_s / 1e9;
-  std::size_t const bpe = bytes_per_element<P>(R::slot_count);
+  auto const s           = interleaved_medians(o.reps, loops);
+  double const gelem     = static_cast<double>(n) / s[0] / 1e9;
+  double const plain_g   = static_cast<double>(n) / s[1] / 1e9;
+  auto const [limit_g, limit_name] = best_of(kinds, s, 2, n);
+  std::size_t const bpe  = bytes_per_element<P>(R::slot_count);
+  double const gb        = gelem * static_cast<double>(bpe);
   std::printf(
-    "{\"bench\":\"host_step\",\"rule\":\"%s\",\"precision\":\"%s\",\"arch\":\"%s\","
-    "\"elements\":%zu,\"threads\":%zu,\"reps\":%d,\"seconds_per_step\":%.6g,"
-    "\"gelem_per_s\":%.4g,\"bytes_per_elem\":%zu,\"gb_per_s\":%.4g,"
-    "\"plain_gelem_per_s\":%.4g,\"pattern_gelem_per_s\":%.4g,\"roofline_ratio\":%.4f,"
-    "\"plain_ratio\":%.4f,\"triad_gb_s\":%.4g}\n",
-    std::string(R::name).c_str(), P::name().c_str(), host::arch_name(), n, pool.size(), o.reps,
-    s, gelem, bpe, gelem * static_cast<double>(bpe), plain_g, patt_g, gelem / patt_g,
-    gelem / plain_g, triad);
+    "{\"bench\":\"host_step\",\"variant\":\"kernel\",\"rule\":\"%s\",\"precision\":\"%s\",\"arch\":\"%s\","
+    "\"elements\":%zu,\"threads\":%zu,\"reps\":%d,\"memory\":\"4k\",\"seconds_per_step\":%.6g,"
+    "\"gelem_per_s\":%.4g,\"bytes_per_elem\":%zu,\"gb_per_s\":%.4g,\"plain_gelem_per_s\":%.4g,"
+    "\"plain_ratio\":%.4f,\"limit\":\"%s\",\"limit_gb_s\":%.4g,\"limit_ratio\":%.4f,"
+    "\"best_any_memory_gb_s\":%.4g,\"best_any_memory_ratio\":%.4f,\"triad_gb_s\":%.4g}\n",
+    std::string(R::name).c_str(), P::name().c_str(), host::arch_name(), n, pool.size(), o.reps, s[0], gelem, bpe, gb,
+    plain_g, gelem / plain_g, limit_name.c_str(), limit_g * static_cast<double>(bpe), gelem / limit_g, best_any_gb_s,
+    gb / best_any_gb_s, triad);
   std::fflush(stdout);
+  warn_if_beaten((std::string("the ") + std::string(R::name) + " kernel").c_str(), P::name(), gelem / limit_g,
+                 limit_name);
+  warn_if_beaten((std::string("the plain ") + std::string(R::name) + " loop").c_str(), P::name(), plain_g / limit_g,
+                 limit_name);
 }
 
-/// The full OffloadedOptimizer::step() over a model-like set of tensors (state in
-/// PinnedHost), against the bare kernel and the pattern over the same element count,
-/// interleaved: with the non-finite check (the default) and without. With the check, the
-/// step's traffic includes one more read of the gradients: bytes_per_elem counts it and the
-/// pattern makes it too (a read-and-or pass), so roofline_ratio stays "step / the same
-/// traffic"; kernel_ratio compares with the bare kernel, which does not check.
-template <class R, class P>
-void run_optimizer(options const& o, thread_pool& pool, arrays<P>& arr, double triad, bool check)
+/// OffloadedOptimizer<AdamW, P>::step() (PinnedHost) over a model-like set of tensors, with
+/// the non-finite check (the default) and without, interleaved with the bare kernel and the
+/// limit over the optimizer's memory (chunks in huge pages; params and gradients 4k).
+template <class P>
+void run_optimizer(options const& o, thread_pool& pool, arrays<P>& arr, double best_any_gb_s, double triad)
 {
+  using R = AdamW;
   if (!o.rule.empty() && o.rule != R::name) { return; }
   std::size_t const n = arr.n;
   // A transformer-like mix: large matrices, small biases and norms.
@@ -352,76 +671,67 @@ void run_optimizer(options const& o, thread_pool& pool, arrays<P>& arr, double t
     sizes.push_back(s);
     total += s;
   }
-  buffer<typename P::param_type> param(n);
-  buffer<typename P::grad_type> grad(n);
+  region param(n * sizeof(typename P::param_type), false);
+  region grad(n * sizeof(typename P::grad_type), false);
   pool.parallel_for(n, 4096, [&](std::size_t b, std::size_t e) {
     for (std::size_t i = b; i < e; ++i) {
-      param.get()[i] = convert<typename P::param_type>(0.5f + static_cast<float>(i % 1000) * 1e-4f);
-      grad.get()[i]  = arr.grad.get()[i];
+      param.get<typename P::param_type>()[i] =
+        convert<typename P::param_type>(0.5f + static_cast<float>(i % 1000) * 1e-4f);
+      grad.get<typename P::grad_type>()[i] = arr.grad.template get<typename P::grad_type>()[i];
     }
   });
-  typename OffloadedOptimizer<R, P>::options opts;
-  opts.threads      = pool.size();
-  opts.on_nonfinite = check ? nonfinite_policy::skip_step : nonfinite_policy::ignore;
-  OffloadedOptimizer<R, P> opt({}, opts);
+  using Opt = OffloadedOptimizer<R, P>;
+  typename Opt::options checked, unchecked;
+  checked.threads = unchecked.threads = pool.size();
+  checked.on_nonfinite                = nonfinite_policy::skip_step;
+  unchecked.on_nonfinite              = nonfinite_policy::ignore;
+  Opt with_check({}, checked), without({}, unchecked);
   std::vector<grad_view<typename P::grad_type>> views;
   for (std::size_t t = 0, off = 0; t < sizes.size(); off += sizes[t], ++t) {
     std::string name = "t";  // (not "t" + ...: GCC 12 -Wrestrict false positive, bug 105329)
     name += std::to_string(t);
-    opt.add_tensor(std::move(name), param.get() + off, sizes[t]);
-    views.push_back({grad.get() + off, sizes[t], location::host});
+    with_check.add_tensor(name, param.get<typename P::param_type>() + off, sizes[t]);
+    without.add_tensor(std::move(name), param.get<typename P::param_type>() + off, sizes[t]);
+    views.push_back({grad.get<typename P::grad_type>() + off, sizes[t], location::host});
   }
-
-  std::size_t const grain = 64 * host::batch_size<>;
-  auto const a            = arr.template view<R>();
   typename R::hyperparameters h;
-  h.lr = 1e-4;
+  h.lr              = 1e-4;
   std::int64_t step = 0;
-  using param_raw = raw_t<typename P::param_type>;
-  using grad_raw  = raw_t<typename P::grad_type>;
-  using state_raw = raw_t<typename P::state_type>;
-  auto optimizer = [&] { opt.step(views); };
-  auto kernel    = [&] { host::update<R, P>(pool, R::coefficients_for(h, ++step), a, n); };
-  std::atomic<unsigned> sink{0};
-  auto pattern   = [&] {
-    if (check) {
-      // The check's traffic too: one more read of the gradients, an or per element.
-      pool.parallel_for(n, grain, [&](std::size_t b, std::size_t e) {
-        using grad_bits   = std::conditional_t<sizeof(grad_raw) == 4, std::uint32_t, std::uint16_t>;
-        auto const* g     = reinterpret_cast<unsigned char const*>(arr.grad.get());
-        grad_bits acc     = 0;
-        for (std::size_t i = b; i < e; ++i) {
-          grad_bits bits;
-          std::memcpy(&bits, g + i * sizeof(grad_bits), sizeof(grad_bits));
-          acc = static_cast<grad_bits>(acc | bits);
-        }
-        sink.fetch_or(acc, std::memory_order_relaxed);
-      });
-    }
-    pool.parallel_for(n, grain, [&](std::size_t b, std::size_t e) {
-      pattern_step<R, P>(reinterpret_cast<param_raw*>(arr.param.get()),
-                         reinterpret_cast<grad_raw const*>(arr.grad.get()), arr.master.get(),
-                         reinterpret_cast<state_raw*>(arr.state[0].get()),
-                         reinterpret_cast<state_raw*>(arr.state[1].get()),
-                         reinterpret_cast<state_raw*>(arr.state[1].get()), b, e);
-    });
-  };
-  auto const [s, kernel_s, pattern_s] = interleaved_medians(o.reps, optimizer, kernel, pattern);
-  double const gelem    = static_cast<double>(n) / s / 1e9;
-  double const kernel_g = static_cast<double>(n) / kernel_s / 1e9;
-  double const patt_g   = static_cast<double>(n) / pattern_s / 1e9;
-  std::size_t const bpe = bytes_per_element<P>(R::slot_count) + (check ? sizeof(typename P::grad_type) : 0);
-  std::printf(
-    "{\"bench\":\"host_step\",\"variant\":\"optimizer\",\"rule\":\"%s\",\"precision\":\"%s\","
-    "\"arch\":\"%s\",\"elements\":%zu,\"tensors\":%zu,\"chunk_elements\":%zu,\"threads\":%zu,"
-    "\"reps\":%d,\"nonfinite_check\":%s,\"pattern_reads_grads_twice\":%s,\"seconds_per_step\":%.6g,\"gelem_per_s\":%.4g,"
-    "\"bytes_per_elem\":%zu,\"gb_per_s\":%.4g,\"kernel_gelem_per_s\":%.4g,"
-    "\"pattern_gelem_per_s\":%.4g,\"roofline_ratio\":%.4f,\"kernel_ratio\":%.4f,"
-    "\"triad_gb_s\":%.4g}\n",
-    std::string(R::name).c_str(), P::name().c_str(), host::arch_name(), n, sizes.size(),
-    opts.chunk_elements, pool.size(), o.reps, check ? "true" : "false", check ? "true" : "false", s, gelem, bpe, gelem * static_cast<double>(bpe),
-    kernel_g, patt_g, gelem / patt_g, gelem / kernel_g, triad);
-  std::fflush(stdout);
+  auto const a      = arr.template view<R>();
+  auto const kinds  = kinds_for<P>(true, true);
+  std::vector<std::function<void()>> loops;
+  loops.push_back([&] { with_check.step(views); });
+  loops.push_back([&] { without.step(views); });
+  loops.push_back([&] { host::update<R, P>(pool, R::coefficients_for(h, ++step), a, n); });
+  for (auto const& k : kinds) { loops.push_back([&, k] { run_loop<P, 2>(pool, arr, k, true); }); }
+  for (auto const& k : kinds) { loops.push_back([&, k] { run_loop<P, 2>(pool, arr, k, false); }); }
+  auto const s = interleaved_medians(o.reps, loops);
+
+  std::size_t const bpe = bytes_per_element<P>(2);
+  double const kernel_g = static_cast<double>(n) / s[2] / 1e9;
+  for (bool const check : {true, false}) {
+    double const sec                 = s[check ? 0 : 1];
+    double const gelem               = static_cast<double>(n) / sec / 1e9;
+    auto const [limit_g, limit_name] = best_of(kinds, s, check ? 3 : 3 + kinds.size(), n);
+    std::size_t const bytes          = bpe + (check ? sizeof(typename P::grad_type) : 0);
+    double const gb                  = gelem * static_cast<double>(bytes);
+    std::printf(
+      "{\"bench\":\"host_step\",\"variant\":\"optimizer\",\"rule\":\"%s\",\"precision\":\"%s\",\"arch\":\"%s\","
+      "\"elements\":%zu,\"tensors\":%zu,\"chunk_elements\":%zu,\"threads\":%zu,\"reps\":%d,"
+      "\"memory\":\"state huge, params and grads 4k\",\"nonfinite_check\":%s,\"seconds_per_step\":%.6g,"
+      "\"gelem_per_s\":%.4g,\"bytes_per_elem\":%zu,\"gb_per_s\":%.4g,\"kernel_gelem_per_s\":%.4g,"
+      "\"kernel_ratio\":%.4f,\"limit\":\"%s%s\",\"limit_gb_s\":%.4g,\"limit_ratio\":%.4f,"
+      "\"best_any_memory_gb_s\":%.4g,\"best_any_memory_ratio\":%.4f,\"check_cost\":%.4f,"
+      "\"check_byte_ratio\":%.4f,\"triad_gb_s\":%.4g}\n",
+      std::string(R::name).c_str(), P::name().c_str(), host::arch_name(), n, sizes.size(), checked.chunk_elements,
+      pool.size(), o.reps, check ? "true" : "false", sec, gelem, bytes, gb, kernel_g, gelem / kernel_g,
+      limit_name.c_str(), check ? "+grad_read" : "", limit_g * static_cast<double>(bytes), gelem / limit_g,
+      best_any_gb_s, gb / best_any_gb_s, s[0] / s[1],
+      static_cast<double>(bpe + sizeof(typename P::grad_type)) / static_cast<double>(bpe), triad);
+    std::fflush(stdout);
+    warn_if_beaten(check ? "the optimizer's checked step" : "the optimizer's unchecked step", P::name(),
+                   gelem / limit_g, limit_name);
+  }
 }
 
 template <class P>
@@ -429,12 +739,12 @@ void run_precision(options const& o, thread_pool& pool, double triad)
 {
   if (!o.precision.empty() && o.precision != P::name()) { return; }
   arrays<P> arr(o.elements, pool);
-  run<Adam, P>(o, pool, arr, triad);
-  run<AdamW, P>(o, pool, arr, triad);
-  run<AdamAmsgrad, P>(o, pool, arr, triad);
-  run<AdamWAmsgrad, P>(o, pool, arr, triad);
-  run_optimizer<AdamW, P>(o, pool, arr, triad, true);
-  run_optimizer<AdamW, P>(o, pool, arr, triad, false);
+  double const best = run_limits<P>(o, pool, arr, triad);
+  run_kernel<Adam, P>(o, pool, arr, best, triad);
+  run_kernel<AdamW, P>(o, pool, arr, best, triad);
+  run_kernel<AdamAmsgrad, P>(o, pool, arr, best, triad);
+  run_kernel<AdamWAmsgrad, P>(o, pool, arr, best, triad);
+  run_optimizer<P>(o, pool, arr, best, triad);
 }
 
 }  // namespace
