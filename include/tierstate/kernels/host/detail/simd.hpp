@@ -98,20 +98,58 @@ TIERSTATE_ALWAYS_INLINE int_batch<A> load_u16(std::uint16_t const* p) noexcept
   }
 }
 
-/// Stores int32 lanes, each in [0, 65535], as uint16.
+#if XSIMD_WITH_AVX
+/// The 16-bit values of one batch (Stream: a non-temporal store, `p` aligned to the batch's
+/// bytes; see can_stream_16).
+template <bool Stream>
+TIERSTATE_ALWAYS_INLINE void put_256(void* p, __m256i const& v) noexcept
+{
+  if constexpr (Stream) {
+    _mm256_stream_si256(static_cast<__m256i*>(p), v);
+  } else {
+    _mm256_storeu_si256(static_cast<__m256i*>(p), v);
+  }
+}
+#endif
+#if XSIMD_WITH_SSE2
+template <bool Stream>
+TIERSTATE_ALWAYS_INLINE void put_128(void* p, __m128i const& v) noexcept
+{
+  if constexpr (Stream) {
+    _mm_stream_si128(static_cast<__m128i*>(p), v);
+  } else {
+    _mm_storeu_si128(static_cast<__m128i*>(p), v);
+  }
+}
+#endif
+
+/// Orders the non-temporal stores before the stores that follow (another thread may read the
+/// values once it sees those).
+TIERSTATE_ALWAYS_INLINE void stream_fence() noexcept
+{
+#if XSIMD_WITH_SSE2
+  _mm_sfence();
+#endif
+}
+
+/// Whether batches of 16-bit values store non-temporally on A (AVX-512 and AVX2: a batch
+/// of them is 32 or 16 bytes, one vector store; SSE's 8 bytes are not).
 template <class A>
+inline constexpr bool can_stream_16 = is_avx512<A> || is_avx2<A>;
+
+/// Stores int32 lanes, each in [0, 65535], as uint16.
+template <class A, bool Stream = false>
 TIERSTATE_ALWAYS_INLINE void store_u16(std::uint16_t* p, int_batch<A> const& x) noexcept
 {
 #if XSIMD_WITH_AVX512F
   if constexpr (is_avx512<A>) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(x));
+    put_256<Stream>(p, _mm512_cvtepi32_epi16(x));
   } else
 #endif
 #if XSIMD_WITH_AVX2
   if constexpr (is_avx2<A>) {
     __m256i const v = x;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                     _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+    put_128<Stream>(p, _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
   } else
 #endif
 #if XSIMD_WITH_SSE2
@@ -216,10 +254,14 @@ TIERSTATE_ALWAYS_INLINE float_batch<A> load_as_float(T const* p) noexcept
   }
 }
 
-/// Stores one float batch as T, rounding to nearest even.
-template <class A, class T>
+/// Stores one float batch as T, rounding to nearest even. Stream (16-bit T where
+/// can_stream_16<A>; `p` aligned to the batch's bytes): a non-temporal store, past the caches
+/// without reading the line first, for values that are written and not read again soon;
+/// the caller fences (_mm_sfence) before another thread may read them.
+template <class A, class T, bool Stream = false>
 TIERSTATE_ALWAYS_INLINE void store_rounded(T* p, float_batch<A> const& x) noexcept
 {
+  static_assert(!Stream || (sizeof(T) == 2 && can_stream_16<A>));
   if constexpr (std::is_same_v<T, float>) {
     x.store_unaligned(p);
   } else if constexpr (std::is_same_v<T, bf16>) {
@@ -230,23 +272,23 @@ TIERSTATE_ALWAYS_INLINE void store_rounded(T* p, float_batch<A> const& x) noexce
       // category 0x20) take the portable path, so the bits never depend on the instruction.
       __m512 const v = x;
       if (_mm512_fpclass_ps_mask(v, 0x20) == 0) [[likely]] {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+        put_256<Stream>(p, (__m256i)_mm512_cvtneps_pbh(v));
         return;
       }
     }
 #endif
-    store_u16<A>(reinterpret_cast<std::uint16_t*>(p), float_to_bf16<A>(x));
+    store_u16<A, Stream>(reinterpret_cast<std::uint16_t*>(p), float_to_bf16<A>(x));
   } else {
     static_assert(std::is_same_v<T, fp16>);
     constexpr int round = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 #if XSIMD_WITH_AVX512F
     if constexpr (is_avx512<A>) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, round));
+      put_256<Stream>(p, _mm512_cvtps_ph(x, round));
     } else
 #endif
 #if XSIMD_WITH_AVX && defined(__F16C__)
     if constexpr (std::is_base_of_v<xsimd::avx, A>) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, round));
+      put_128<Stream>(p, _mm256_cvtps_ph(x, round));
     } else
 #endif
 #if XSIMD_WITH_SSE2 && defined(__F16C__)
@@ -256,7 +298,7 @@ TIERSTATE_ALWAYS_INLINE void store_rounded(T* p, float_batch<A> const& x) noexce
 #endif
     {
       (void)round;
-      store_u16<A>(reinterpret_cast<std::uint16_t*>(p), float_to_fp16_portable<A>(x));
+      store_u16<A, Stream>(reinterpret_cast<std::uint16_t*>(p), float_to_fp16_portable<A>(x));
     }
   }
 }
