@@ -15,6 +15,8 @@
 #include <memory>
 #include <utility>
 
+#include <sys/mman.h>
+
 using namespace tierstate;
 using namespace tierstate::test;
 
@@ -285,4 +287,63 @@ TEMPLATE_TEST_CASE("host non-finite check: every special value at every position
       g[n - 1] = kept;
     }
   }
+}
+
+namespace {
+
+/// One 4 KiB page to use, followed by 15 inaccessible ones: the kernels' prefetches, 8 pages
+/// ahead, land in them.
+class page_before_a_guard {
+ public:
+  page_before_a_guard()
+  {
+    void* p = ::mmap(nullptr, 16 * 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    REQUIRE(p != MAP_FAILED);
+    p_ = static_cast<std::byte*>(p);
+    REQUIRE(::mprotect(p_ + 4096, 15 * 4096, PROT_NONE) == 0);
+  }
+  ~page_before_a_guard() { ::munmap(p_, 16 * 4096); }
+  page_before_a_guard(page_before_a_guard const&)            = delete;
+  page_before_a_guard& operator=(page_before_a_guard const&) = delete;
+  template <class T>
+  [[nodiscard]] T* get() const noexcept
+  {
+    return reinterpret_cast<T*>(p_);
+  }
+
+ private:
+  std::byte* p_ = nullptr;
+};
+
+}  // namespace
+
+TEST_CASE("host kernels: the prefetches ahead of a stream never fault past its memory, nor change a bit",
+          "[host][prefetch]")
+{
+  constexpr std::size_t n = 1024;  // every array exactly its page
+  page_before_a_guard param, grad, m, v;
+  std::vector<float> param2(n), grad2(n), m2(n, 0.0f), v2(n, 0.0f);
+  for (std::size_t i = 0; i < n; ++i) {
+    param.get<float>()[i] = param2[i] = init_value(i);
+    grad.get<float>()[i] = grad2[i] = 1e-3f * static_cast<float>(static_cast<int>(i % 17) - 8);
+    m.get<float>()[i] = v.get<float>()[i] = 0.0f;
+  }
+  REQUIRE_FALSE(host::any_nonfinite(grad.get<float>(), n));
+  grad.get<float>()[n - 1] = std::numeric_limits<float>::infinity();
+  REQUIRE(host::any_nonfinite(grad.get<float>(), n));
+  grad.get<float>()[n - 1] = grad2[n - 1];
+
+  update_arrays<Fp32, 2> guarded, plain;
+  guarded.param = param.get<float>(), guarded.grad = grad.get<float>();
+  guarded.state = {m.get<float>(), v.get<float>()};
+  plain.param = param2.data(), plain.grad = grad2.data(), plain.state = {m2.data(), v2.data()};
+  AdamW::hyperparameters h;
+  thread_pool pool(2);
+  for (std::int64_t step = 1; step <= 3; ++step) {
+    host::update<AdamW, Fp32>(pool, AdamW::coefficients_for(h, step), guarded, n);
+    host::update<AdamW, Fp32>(pool, AdamW::coefficients_for(h, step), plain, n);
+  }
+  CHECK(std::memcmp(param.get<float>(), param2.data(), n * sizeof(float)) == 0);
+  CHECK(std::memcmp(m.get<float>(), m2.data(), n * sizeof(float)) == 0);
+  CHECK(std::memcmp(v.get<float>(), v2.data(), n * sizeof(float)) == 0);
 }

@@ -16,6 +16,7 @@
 #include <tierstate/core/error.hpp>
 #include <tierstate/core/precision.hpp>
 #include <tierstate/core/thread_pool.hpp>
+#include <tierstate/kernels/host/detail/prefetch.hpp>
 #include <tierstate/kernels/host/detail/simd.hpp>
 #include <tierstate/rules/rule.hpp>
 

@@ -46,6 +46,20 @@ struct lane_place {
   std::size_t row = 0, column = 0, lanes = 0;
 };
 
+/// Every stream of `a` read some pages ahead of element i (prefetch_ahead), where a batch
+/// from i crosses a multiple of 1024 elements: once per 4 KiB page of the 4-byte streams,
+/// twice of the 2-byte ones.
+template <class P, class Arch, std::size_t Slots>
+TIERSTATE_ALWAYS_INLINE void prefetch_streams(update_arrays<P, Slots> const& a, std::size_t i) noexcept
+{
+  constexpr std::size_t n = xsimd::batch<float, Arch>::size, every = 1024;
+  if (i % every >= n) { return; }
+  prefetch_page_ahead(a.grad + i);
+  prefetch_page_ahead(P::has_master ? static_cast<void const*>(a.master + i) : static_cast<void const*>(a.param + i));
+  if constexpr (P::has_compensation) { prefetch_page_ahead(a.compensation + i); }
+  for_each_slot<Slots>([&](auto j) { prefetch_page_ahead(static_cast<slot_element_t<P, j> const*>(a.state[j]) + i); });
+}
+
 /// One batch at element i: load, update, store (element codecs only). StreamParam: the
 /// param's store is non-temporal (see stream_params).
 template <class R, class P, class Arch, std::size_t Slots, bool StreamParam = false>
@@ -186,7 +200,10 @@ TIERSTATE_ALWAYS_INLINE void update_elements(typename R::coefficients const& k, 
       // same bits), then streamed batches, then the tail.
       std::size_t const head = std::min(end - i, (vec - at % vec) % vec / sizeof(param_t));
       if (head > 0) { update_tail<R, P, Arch>(kl, al, i, head); }
-      for (i += head; i + n <= end; i += n) { update_batch<R, P, Arch, Slots, true>(kl, al, i); }
+      for (i += head; i + n <= end; i += n) {
+        prefetch_streams<P, Arch>(al, i);
+        update_batch<R, P, Arch, Slots, true>(kl, al, i);
+      }
       stream_fence();  // the streamed stores before whatever the caller does next
       if (i < end) { update_tail<R, P, Arch>(kl, al, i, end - i); }
       return;
@@ -199,7 +216,10 @@ TIERSTATE_ALWAYS_INLINE void update_elements(typename R::coefficients const& k, 
       std::size_t const at  = al.tensor_offset + i;
       lane_place place{at / cols, at % cols, n};
       std::size_t const row_end = std::min(end, i + (cols - place.column));
-      for (; i + n <= row_end; i += n, place.column += n) { update_batch<R, P, Arch>(kl, al, i, place); }
+      for (; i + n <= row_end; i += n, place.column += n) {
+        prefetch_streams<P, Arch>(al, i);
+        update_batch<R, P, Arch>(kl, al, i, place);
+      }
       if (i < row_end) {
         place.lanes = row_end - i;
         update_tail<R, P, Arch>(kl, al, i, row_end - i, place);
@@ -207,7 +227,10 @@ TIERSTATE_ALWAYS_INLINE void update_elements(typename R::coefficients const& k, 
       }
     }
   } else {
-    for (; i + n <= end; i += n) { update_batch<R, P, Arch>(kl, al, i); }
+    for (; i + n <= end; i += n) {
+      prefetch_streams<P, Arch>(al, i);
+      update_batch<R, P, Arch>(kl, al, i);
+    }
     if (i < end) { update_tail<R, P, Arch>(kl, al, i, end - i); }
   }
 }
