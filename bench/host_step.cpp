@@ -15,7 +15,10 @@
 //   memory    4k (base pages, MADV_NOHUGEPAGE) and huge (transparent huge pages, as
 //             PinnedHost allocates);
 //   stores    plain, nt (non-temporal stores for the write-only param) and nt_all
-//             (non-temporal stores for every write: nothing written is read again in a step).
+//             (non-temporal stores for every write: nothing written is read again in a step);
+//   prefetch  none, or "_pf": every read stream prefetched 8 pages ahead once per 1024
+//             elements, as the kernels do (a hardware prefetcher starts cold at each 4 KiB
+//             page, and a VM pays a two-level page walk there: worth 10-30% over 4k pages).
 // A row's limit is the best loop over the same kind of memory as the row's own (a kernel
 // over a user's 4 KiB-page arrays: the best 4k separate loop; the optimizer, whose state is
 // PinnedHost's chunks in huge pages and whose params and gradients are the user's: the best
@@ -31,7 +34,9 @@
 //                        set of tensors, with its default non-finite check and without: the
 //                        check's extra read of the gradients is in its bytes and its limit;
 //                        check_cost is the checked step's time over the unchecked one's,
-//                        check_byte_ratio what the extra bytes alone would cost.
+//                        check_byte_ratio what the extra bytes alone would cost, and
+//                        check_cost_limit what they cost the best loops (a separate read
+//                        pass runs at the read-only bandwidth).
 //
 //   host_step [--elements N] [--reps R] [--threads T] [--rule NAME] [--precision p/g/m/s]
 #include <tierstate/tierstate.hpp>
@@ -184,10 +189,10 @@ enum class stores { plain, nt, nt_all };
 constexpr char const* store_names[] = {"plain", "nt", "nt_all"};
 
 using word_batch = xsimd::batch<std::uint32_t>;
-// Elements per block: every stream's block, then the next block. 32 is a cache line of a
-// 16-bit array and two of an fp32 one (the kernel's own order is one batch of each stream at
-// a time); 64, longer runs per stream. Both are multiples of every batch.
-constexpr std::size_t blocks[] = {32, 64};
+// Elements per block: every stream's block, then the next block. 16 is the kernel's own order on
+// AVX-512 (one batch of each stream at a time: half a vector of a 16-bit stream); 32 a cache
+// line of a 16-bit array and two of an fp32 one; 64, longer runs per stream.
+constexpr std::size_t blocks[] = {16, 32, 64};
 
 /// A non-temporal store of one batch (aligned): past the caches, without reading the line.
 template <class B>
@@ -217,9 +222,10 @@ inline void stream_store(std::uint32_t* p, B const& v) noexcept
 /// Where one step's streams are for a range of elements: byte pointers to element 0 of the
 /// range, and each stream's element size.
 /// The lanes of a checksum batch folded into one word.
-inline std::uint32_t fold(word_batch const& acc) noexcept
+template <class B>
+inline std::uint32_t fold(B const& acc) noexcept
 {
-  alignas(64) std::uint32_t lanes[word_batch::size];
+  alignas(64) std::uint32_t lanes[B::size];
   acc.store_aligned(lanes);
   std::uint32_t sum = 0;
   for (std::uint32_t const l : lanes) { sum ^= l; }
@@ -235,29 +241,53 @@ struct traffic {
   std::size_t param_size = 4, grad_size = 4, state_size = 4;
 };
 
-/// Block `i` (Block elements) of one stream of `Size`-byte elements: its batches, loaded.
+/// Half a word_batch: a block of 16 elements of a 2-byte stream (32 bytes), as the kernel
+/// loads it.
+using half_batch = xsimd::make_sized_batch_t<std::uint32_t, word_batch::size / 2>;
+
+/// The checksums of a loop: one per batch width.
+struct checksums {
+  word_batch full = word_batch(0u);
+  half_batch half = half_batch(0u);
+  template <class B>
+  B& of() noexcept
+  {
+    if constexpr (std::is_same_v<B, word_batch>) {
+      return full;
+    } else {
+      return half;
+    }
+  }
+};
+
+/// Block `i` (Block elements) of one stream of `Size`-byte elements: its batches, loaded
+/// (whole vectors, or one half vector where the block is that small).
 template <std::size_t Size, std::size_t Block>
 struct block_of {
-  static constexpr std::size_t count = Block * Size / 4 / word_batch::size;
-  word_batch v[count];
+  static constexpr std::size_t words = Block * Size / 4;
+  using batch                        = std::conditional_t<(words >= word_batch::size), word_batch, half_batch>;
+  static constexpr std::size_t count = words / batch::size;
+  static_assert(count * batch::size == words, "a block is whole vectors or one half vector");
+  batch v[count];
 
-  TIERSTATE_ALWAYS_INLINE void load(std::byte const* base, std::size_t i, word_batch& acc) noexcept
+  TIERSTATE_ALWAYS_INLINE void load(std::byte const* base, std::size_t i, checksums& acc) noexcept
   {
     auto const* w = reinterpret_cast<std::uint32_t const*>(base + i * Size);
     for (std::size_t j = 0; j < count; ++j) {
-      v[j] = word_batch::load_aligned(w + j * word_batch::size);
-      acc ^= v[j];
+      v[j] = batch::load_aligned(w + j * batch::size);
+      acc.of<batch>() ^= v[j];
     }
   }
   template <bool Stream>
-  TIERSTATE_ALWAYS_INLINE void store(std::byte* base, std::size_t i, word_batch const& add) const noexcept
+  TIERSTATE_ALWAYS_INLINE void store(std::byte* base, std::size_t i) const noexcept
   {
     auto* w = reinterpret_cast<std::uint32_t*>(base + i * Size);
+    batch const one(1u);
     for (std::size_t j = 0; j < count; ++j) {
       if constexpr (Stream) {
-        stream_store(w + j * word_batch::size, v[j] + add);
+        stream_store(w + j * batch::size, v[j] + one);
       } else {
-        (v[j] + add).store_aligned(w + j * word_batch::size);
+        (v[j] + one).store_aligned(w + j * batch::size);
       }
     }
   }
@@ -267,31 +297,37 @@ struct block_of {
 /// stream's block loaded, then every written stream's block stored (so no load waits behind
 /// a store to the same address modulo 4 KiB, as it would with a stream stored before the
 /// next is loaded); a tail of less than a block byte by byte. Returns the checksum.
-template <class P, std::size_t Slots, stores S, std::size_t Block>
+template <class P, std::size_t Slots, stores S, std::size_t Block, bool Prefetch>
 std::uint32_t touch(traffic<Slots> const& t, std::size_t n) noexcept
 {
   constexpr std::size_t ps = sizeof(typename P::param_type), gs = sizeof(typename P::grad_type);
   constexpr std::size_t ss = sizeof(typename P::state_type);
   constexpr bool rw_stream = S == stores::nt_all, w_stream = S != stores::plain;
-  word_batch acc(0u);
-  word_batch const one(1u);
+  checksums acc;
   std::size_t i = 0;
   for (; i + Block <= n; i += Block) {
+    if constexpr (Prefetch) {  // as the kernel does: each read stream 8 pages ahead, per 1024 elements
+      if (i % 1024 < Block) {
+        host::detail::prefetch_page_ahead(t.grad + i * gs);
+        host::detail::prefetch_page_ahead(P::has_master ? t.master + i * 4 : t.param + i * ps);
+        for (std::size_t j = 0; j < Slots; ++j) { host::detail::prefetch_page_ahead(t.state[j] + i * ss); }
+      }
+    }
     block_of<gs, Block> g;
     block_of<P::has_master ? 4 : ps, Block> w;
     block_of<ss, Block> st[Slots];
     g.load(t.grad, i, acc);
     w.load(P::has_master ? t.master : t.param, i, acc);
     for (std::size_t j = 0; j < Slots; ++j) { st[j].load(t.state[j], i, acc); }
-    w.template store<rw_stream>(P::has_master ? t.master : t.param, i, one);
+    w.template store<rw_stream>(P::has_master ? t.master : t.param, i);
     if constexpr (P::has_master) {  // the param is written, not read: from the checksum
       block_of<ps, Block> out;
-      for (auto& x : out.v) { x = acc; }
-      out.template store<w_stream>(t.param, i, one);
+      for (auto& x : out.v) { x = acc.of<typename block_of<ps, Block>::batch>(); }
+      out.template store<w_stream>(t.param, i);
     }
-    for (std::size_t j = 0; j < Slots; ++j) { st[j].template store<rw_stream>(t.state[j], i, one); }
+    for (std::size_t j = 0; j < Slots; ++j) { st[j].template store<rw_stream>(t.state[j], i); }
   }
-  std::uint32_t sum = fold(acc);
+  std::uint32_t sum = fold(acc.full) ^ fold(acc.half);
   auto bytewise = [&](std::byte* p, std::size_t size, bool read, bool write) {
     for (std::size_t b = i * size; b < n * size; ++b) {
       auto const v = static_cast<std::uint32_t>(p[b]);
@@ -308,13 +344,18 @@ std::uint32_t touch(traffic<Slots> const& t, std::size_t n) noexcept
 }
 
 /// The gradients read once more (the non-finite check's traffic).
-template <class G>
+template <class G, bool Prefetch>
 std::uint32_t read_grads(std::byte const* g, std::size_t n) noexcept
 {
-  word_batch acc(0u);
+  checksums acc;
   std::size_t i = 0;
-  for (; i + 64 <= n; i += 64) { block_of<sizeof(G), 64>().load(g, i, acc); }
-  std::uint32_t sum = fold(acc);
+  for (; i + 64 <= n; i += 64) {
+    if constexpr (Prefetch) {
+      if (i % 1024 < 64) { host::detail::prefetch_page_ahead(g + i * sizeof(G)); }
+    }
+    block_of<sizeof(G), 64>().load(g, i, acc);
+  }
+  std::uint32_t sum = fold(acc.full);
   for (std::size_t b = i * sizeof(G); b < n * sizeof(G); ++b) { sum += static_cast<std::uint32_t>(g[b]); }
   return sum;
 }
@@ -417,16 +458,18 @@ struct arrays {
   }
 };
 
-/// One traffic loop: a layout, a memory and a store kind.
+/// One traffic loop: a layout, a memory, a store kind, a block size, and whether each read
+/// stream is prefetched some pages ahead (as the kernels do, host/detail/prefetch.hpp).
 struct loop_kind {
   bool chunked      = false;
   bool huge         = false;
   stores store      = stores::plain;
   std::size_t block = 32;
+  bool prefetch     = false;
   [[nodiscard]] std::string name() const
   {
     return std::string(chunked ? "chunked_" : "separate_") + (huge ? "huge_" : "4k_") +
-           store_names[static_cast<int>(store)] + "_" + std::to_string(block);
+           store_names[static_cast<int>(store)] + "_" + std::to_string(block) + (prefetch ? "_pf" : "");
   }
 };
 
@@ -440,7 +483,9 @@ void run_loop(thread_pool& pool, arrays<P>& arr, loop_kind k, bool check)
   std::size_t const n = arr.n;
   if (check) {
     pool.parallel_for(n, grain, [&](std::size_t b, std::size_t e) {
-      sink.fetch_xor(read_grads<typename P::grad_type>(arr.grad.get() + b * sizeof(typename P::grad_type), e - b),
+      auto const* g = arr.grad.get() + b * sizeof(typename P::grad_type);
+      sink.fetch_xor(k.prefetch ? read_grads<typename P::grad_type, true>(g, e - b)
+                                : read_grads<typename P::grad_type, false>(g, e - b),
                      std::memory_order_relaxed);
     });
   }
@@ -448,16 +493,25 @@ void run_loop(thread_pool& pool, arrays<P>& arr, loop_kind k, bool check)
     std::uint32_t sum = 0;
     auto go = [&](traffic<Slots> const& t, std::size_t count) {
       auto with = [&]<std::size_t B>(std::integral_constant<std::size_t, B>) {
-        switch (k.store) {
-          case stores::plain: sum ^= touch<P, Slots, stores::plain, B>(t, count); break;
-          case stores::nt: sum ^= touch<P, Slots, stores::nt, B>(t, count); break;
-          case stores::nt_all: sum ^= touch<P, Slots, stores::nt_all, B>(t, count); break;
+        auto with_prefetch = [&]<bool F>(std::bool_constant<F>) {
+          switch (k.store) {
+            case stores::plain: sum ^= touch<P, Slots, stores::plain, B, F>(t, count); break;
+            case stores::nt: sum ^= touch<P, Slots, stores::nt, B, F>(t, count); break;
+            case stores::nt_all: sum ^= touch<P, Slots, stores::nt_all, B, F>(t, count); break;
+          }
+        };
+        if (k.prefetch) {
+          with_prefetch(std::true_type{});
+        } else {
+          with_prefetch(std::false_type{});
         }
       };
       if (k.block == blocks[0]) {
         with(std::integral_constant<std::size_t, blocks[0]>{});
-      } else {
+      } else if (k.block == blocks[1]) {
         with(std::integral_constant<std::size_t, blocks[1]>{});
+      } else {
+        with(std::integral_constant<std::size_t, blocks[2]>{});
       }
     };
     if (!k.chunked) {
@@ -473,14 +527,21 @@ void run_loop(thread_pool& pool, arrays<P>& arr, loop_kind k, bool check)
   });
 }
 
-/// The loop kinds for a memory: separate or chunked; plain stores in both block sizes, nt
-/// (only where there is a write-only param: a master) and nt_all in the short one.
+/// The loop kinds for a memory: separate or chunked; plain stores in both block sizes and nt
+/// (only where there is a write-only param: a master) in the short one, each without and
+/// with prefetching; nt_all in the short one.
 template <class P>
 std::vector<loop_kind> kinds_for(bool chunked, bool huge)
 {
-  std::vector<loop_kind> k{{chunked, huge, stores::plain, blocks[0]}, {chunked, huge, stores::plain, blocks[1]}};
-  if (P::has_master) { k.push_back({chunked, huge, stores::nt, blocks[0]}); }
-  k.push_back({chunked, huge, stores::nt_all, blocks[0]});
+  std::vector<loop_kind> k;
+  for (bool const prefetch : {false, true}) {
+    for (std::size_t const b : blocks) { k.push_back({chunked, huge, stores::plain, b, prefetch}); }
+    if (P::has_master) {
+      k.push_back({chunked, huge, stores::nt, blocks[0], prefetch});
+      k.push_back({chunked, huge, stores::nt, blocks[1], prefetch});
+    }
+  }
+  k.push_back({chunked, huge, stores::nt_all, blocks[1], false});
   return k;
 }
 
@@ -709,6 +770,11 @@ void run_optimizer(options const& o, thread_pool& pool, arrays<P>& arr, double b
 
   std::size_t const bpe = bytes_per_element<P>(2);
   double const kernel_g = static_cast<double>(n) / s[2] / 1e9;
+  // What the check's pass costs the best loops: the best checked loop's time over the best
+  // unchecked one's. A separate read pass runs at the read-only bandwidth, which on many
+  // machines is well below what a mixed read/write stream gets: this, not the byte ratio,
+  // is what a check before any update can reach.
+  double const check_cost_limit = best_of(kinds, s, 3 + kinds.size(), n).first / best_of(kinds, s, 3, n).first;
   for (bool const check : {true, false}) {
     double const sec                 = s[check ? 0 : 1];
     double const gelem               = static_cast<double>(n) / sec / 1e9;
@@ -722,12 +788,12 @@ void run_optimizer(options const& o, thread_pool& pool, arrays<P>& arr, double b
       "\"gelem_per_s\":%.4g,\"bytes_per_elem\":%zu,\"gb_per_s\":%.4g,\"kernel_gelem_per_s\":%.4g,"
       "\"kernel_ratio\":%.4f,\"limit\":\"%s%s\",\"limit_gb_s\":%.4g,\"limit_ratio\":%.4f,"
       "\"best_any_memory_gb_s\":%.4g,\"best_any_memory_ratio\":%.4f,\"check_cost\":%.4f,"
-      "\"check_byte_ratio\":%.4f,\"triad_gb_s\":%.4g}\n",
+      "\"check_byte_ratio\":%.4f,\"check_cost_limit\":%.4f,\"triad_gb_s\":%.4g}\n",
       std::string(R::name).c_str(), P::name().c_str(), host::arch_name(), n, sizes.size(), checked.chunk_elements,
       pool.size(), o.reps, check ? "true" : "false", sec, gelem, bytes, gb, kernel_g, gelem / kernel_g,
       limit_name.c_str(), check ? "+grad_read" : "", limit_g * static_cast<double>(bytes), gelem / limit_g,
       best_any_gb_s, gb / best_any_gb_s, s[0] / s[1],
-      static_cast<double>(bpe + sizeof(typename P::grad_type)) / static_cast<double>(bpe), triad);
+      static_cast<double>(bpe + sizeof(typename P::grad_type)) / static_cast<double>(bpe), check_cost_limit, triad);
     std::fflush(stdout);
     warn_if_beaten(check ? "the optimizer's checked step" : "the optimizer's unchecked step", P::name(),
                    gelem / limit_g, limit_name);
