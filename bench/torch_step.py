@@ -3,9 +3,9 @@
 DeepSpeed's CPU Adam, all timed interleaved in one process; then the overlap_backward
 streaming step against the plain one.
 
-    python bench/torch_step.py [--elements N] [--reps R] [--path DIR] [--dtypes float32,bfloat16]
-                               [--only NAME,...] [--overlap-elements N] [--overlap-width W]
-                               [--overlap-batch B]
+    python bench/torch_step.py [--elements N] [--reps R] [--placements K] [--path DIR]
+                               [--dtypes float32,bfloat16] [--only NAME,...]
+                               [--overlap-elements N] [--overlap-width W] [--overlap-batch B]
 
 Part 1, the step (one JSON line per row and dtype). --elements parameters (default 2^26) of
 a transformer-like mix (1024x1024 and 4096x1024 matrices and their vectors) and one set of
@@ -14,8 +14,16 @@ gradient tensors are shared (every row only reads them, but for the GradScaler r
 which multiplies them in place by 1.0): at 2^26 fp32 elements the eight rows hold about
 6.5 GiB. All optimizers are made first, each is warmed up with one step (which makes its
 state), then each of the --reps rounds steps every optimizer once, the order rotated by one
-each round, so that a change in the machine's load falls on every row alike. A row's
-`median_seconds` is the median over its rounds of the timed region:
+each round, so that a change in the machine's load falls on every row alike.
+
+Where a row's memory lies matters as much as the load: on the development VM, two
+torch.optim.AdamW(fused=True) over two copies of the same params, timed interleaved in one
+process, differed by up to 1.22x, run after run, and tierstate against torch fused moved
+from 0.78x to 1.2x between processes. So all of this is done --placements times (default 3),
+every row made anew each time, their params copied (and their state made) in the order of
+the rows rotated by one each time, and freed after. A row's `median_seconds` is the median
+over all its rounds of the timed region, its `ratio_to_torch_fused` the median over the
+placements of its median over torch_fused's in the same placement (`placement_ratios`):
 - torch_single_tensor, torch_foreach, torch_fused: opt.step() of torch.optim.AdamW with
   foreach=False, foreach=True, fused=True;
 - torch_fused_gradscaler: torch's fused AdamW with the inf/NaN protection a torch user gets
@@ -33,8 +41,8 @@ each round, so that a change in the machine's load falls on every row alike. A r
   TORCH_EXTENSIONS_DIR: `op_first_use_seconds` is how long that first use took, build
   included where it was not cached; `import_seconds` the import); otherwise the row says
   "skipped" and why.
-Every row uses lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1. `ratio_to_torch_fused`
-is median_seconds / torch_fused's median in the same run; `samples` are the rounds' seconds.
+Every row uses lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1. `samples` are the
+rounds' seconds, placement after placement.
 `keeps` says what state the row keeps besides the params (for bf16 params: torch keeps
 bf16 moments and no master; tierstate an fp32 master and fp32 moments; DeepSpeedCPUAdam,
 with its default fp32_optimizer_states=True, fp32 moments and no master: it rounds the
@@ -215,9 +223,12 @@ def op_cached(name: str) -> bool | None:
         return None
 
 
-def step_rows(wanted: set[str], dtype: torch.dtype, elements: int, scratch: str) -> tuple[list[Row], list[dict]]:
-    """Part 1's optimizers, made over copies of one set of params, sharing the gradients."""
-    base, grads = make_tensors(elements, dtype)
+def step_rows(wanted: set[str], base: list[torch.Tensor], grads: list[torch.Tensor], scratch: str,
+              rotation: int) -> tuple[list[Row], list[dict]]:
+    """Part 1's optimizers, made over copies of one set of params, sharing the gradients; made
+    (their params copied) in the order of STEP_ROWS rotated by `rotation`, so that across
+    placements each row's memory is allocated early and late."""
+    dtype = base[0].dtype
     size = base[0].element_size()
     low = dtype != torch.float32
 
@@ -244,12 +255,7 @@ def step_rows(wanted: set[str], dtype: torch.dtype, elements: int, scratch: str)
         opt = torch.optim.AdamW(params, **kw, **HYPER)
         rows.append(Row(name, opt, params, opt.step, torch_keeps, torch_state, torch_traffic))
 
-    if "torch_single_tensor" in wanted:
-        add_torch("torch_single_tensor", foreach=False)
-    if "torch_foreach" in wanted:
-        add_torch("torch_foreach", foreach=True)
-    add_torch("torch_fused", fused=True)
-    if "torch_fused_gradscaler" in wanted:
+    def add_gradscaler() -> None:
         params = copies()
         opt = torch.optim.AdamW(params, fused=True, **HYPER)
         scaler = torch.amp.GradScaler("cpu", init_scale=1.0)
@@ -270,13 +276,7 @@ def step_rows(wanted: set[str], dtype: torch.dtype, elements: int, scratch: str)
         rows.append(Row(name, opt, params, opt.step, ts_keeps, ts_state, ts_traffic + (size if checked else 0),
                         extra={"on_nonfinite": "skip_step" if checked else "ignore"}))
 
-    if "tierstate_pinned" in wanted:
-        add_tierstate("tierstate_pinned", True, tier="pinned")
-    if "tierstate_pinned_unchecked" in wanted:
-        add_tierstate("tierstate_pinned_unchecked", False, tier="pinned", on_nonfinite="ignore")
-    if "tierstate_nvme" in wanted:
-        add_tierstate("tierstate_nvme", True, tier="nvme", path=scratch)
-    if "deepspeed_cpu_adam" in wanted:
+    def add_deepspeed() -> None:
         params = copies()
         opt, info = deepspeed_optimizer(params)
         if opt is None:
@@ -286,6 +286,22 @@ def step_rows(wanted: set[str], dtype: torch.dtype, elements: int, scratch: str)
             keeps = "fp32 moments, no master" + (" (the update is rounded into the params)" if low else "")
             rows.append(Row("deepspeed_cpu_adam", opt, params, opt.step, keeps, 8,
                             2 * size + size + 16, extra=info))  # p r/w, g r, fp32 m and v r/w
+
+    makers: dict[str, Callable[[], None]] = {
+        "torch_single_tensor": lambda: add_torch("torch_single_tensor", foreach=False),
+        "torch_foreach": lambda: add_torch("torch_foreach", foreach=True),
+        "torch_fused": lambda: add_torch("torch_fused", fused=True),
+        "torch_fused_gradscaler": add_gradscaler,
+        "tierstate_pinned": lambda: add_tierstate("tierstate_pinned", True, tier="pinned"),
+        "tierstate_pinned_unchecked": lambda: add_tierstate("tierstate_pinned_unchecked", False, tier="pinned",
+                                                            on_nonfinite="ignore"),
+        "tierstate_nvme": lambda: add_tierstate("tierstate_nvme", True, tier="nvme", path=scratch),
+        "deepspeed_cpu_adam": add_deepspeed,
+    }
+    names = [n for n in STEP_ROWS if n in wanted or n == "torch_fused"]
+    k = rotation % len(names)
+    for n in names[k:] + names[:k]:
+        makers[n]()
     return rows, skipped
 
 
@@ -377,37 +393,59 @@ def r6(x: float) -> float:
 
 def step_part(args: argparse.Namespace, wanted: set[str], name: str, scratch: str,
               emit: Callable[[dict], None]) -> None:
-    """Part 1 for one dtype: makes the rows, times them interleaved, prints them, frees them."""
+    """Part 1 for one dtype: for each of --placements, makes the rows (their memory allocated
+    in a rotated order), times them interleaved and frees them; then prints each row over all
+    placements."""
     start = loadavg()
-    rows, skipped = step_rows(wanted, getattr(torch, name), args.elements, scratch)
-    run_step_rows(rows, args.reps)
+    base, grads = make_tensors(args.elements, getattr(torch, name))
+    samples: dict[str, list[float]] = {}
+    ratios: dict[str, list[float]] = {}
+    info: dict[str, dict[str, Any]] = {}  # what a row is, and its tier's bytes in its last step
+    diffs: dict[str, float] = {}
+    skipped: list[dict] = []
+    for placement in range(args.placements):
+        rows, skipped = step_rows(wanted, base, grads, scratch, placement)
+        run_step_rows(rows, args.reps)
+        fused = next(r for r in rows if r.name == "torch_fused")
+        for r in rows:
+            samples.setdefault(r.name, []).extend(r.samples)
+            ratios.setdefault(r.name, []).append(median(r.samples) / median(fused.samples))
+            diffs[r.name] = max(diffs.get(r.name, 0.0),
+                                max(float((p.detach().float() - q.detach().float()).abs().max())
+                                    for p, q in zip(r.params, fused.params)))
+            stats = getattr(r.opt, "last_step", None)
+            stats = stats if isinstance(stats, dict) else {}
+            prev = info.get(r.name, {})
+            info[r.name] = {"tensors": len(r.params), "keeps": r.keeps, "state_bytes": r.state_bytes,
+                            "traffic_bytes": r.traffic_bytes, "extra": r.extra, "stats": stats,
+                            "skipped_steps": prev.get("skipped_steps", 0) + r.skipped_steps}
+        for r in rows:
+            if isinstance(r.opt, tierstate_torch.AdamW):
+                r.opt.close()  # the pinned memory and the scratch file now, not at garbage collection
+        del rows, fused, r
+        gc.collect()
     end = loadavg()
-    fused = next(r for r in rows if r.name == "torch_fused")
-    reference = median(fused.samples)
-    for r in rows:
-        if r.name not in wanted:
+    for row_name in STEP_ROWS:
+        if row_name not in wanted or row_name not in info:
             continue
-        s = median(r.samples)
-        diff = max(float((p.detach().float() - q.detach().float()).abs().max())
-                   for p, q in zip(r.params, fused.params))
-        row = {"optimizer": r.name, "param_dtype": name, "elements": args.elements,
-               "tensors": len(r.params), "median_seconds": r6(s),
-               "min_seconds": r6(min(r.samples)), "elements_per_second": round(args.elements / s),
-               "ratio_to_torch_fused": round(s / reference, 3), "keeps": r.keeps,
-               "state_bytes_per_element": r.state_bytes, "traffic_bytes_per_element": r.traffic_bytes,
-               "max_abs_diff_to_torch_fused": float(f"{diff:.3g}"), **r.extra}
-        last = getattr(r.opt, "last_step", None)
-        if r.name.startswith("tierstate") and isinstance(last, dict):
-            row["tier_bytes_read_per_element"] = round(last.get("tier_bytes_read", 0) / args.elements, 3)
-            row["tier_bytes_written_per_element"] = round(last.get("tier_bytes_written", 0) / args.elements, 3)
-            row["skipped_steps"] = r.skipped_steps
-        row.update({"samples": [round(x, 4) for x in r.samples], "loadavg_start": start, "loadavg_end": end})
+        r, xs = info[row_name], samples[row_name]
+        s = median(xs)
+        row = {"optimizer": row_name, "param_dtype": name, "elements": args.elements,
+               "tensors": r["tensors"], "placements": args.placements, "median_seconds": r6(s),
+               "min_seconds": r6(min(xs)), "elements_per_second": round(args.elements / s),
+               "ratio_to_torch_fused": round(median(ratios[row_name]), 3),
+               "placement_ratios": [round(x, 3) for x in ratios[row_name]], "keeps": r["keeps"],
+               "state_bytes_per_element": r["state_bytes"], "traffic_bytes_per_element": r["traffic_bytes"],
+               "max_abs_diff_to_torch_fused": float(f"{diffs[row_name]:.3g}"), **r["extra"]}
+        if row_name.startswith("tierstate"):
+            stats = r["stats"]
+            row["tier_bytes_read_per_element"] = round(stats.get("tier_bytes_read", 0) / args.elements, 3)
+            row["tier_bytes_written_per_element"] = round(stats.get("tier_bytes_written", 0) / args.elements, 3)
+            row["skipped_steps"] = r["skipped_steps"]
+        row.update({"samples": [round(x, 4) for x in xs], "loadavg_start": start, "loadavg_end": end})
         emit(row)
-    for s in skipped:
-        emit({**s, "param_dtype": name, "elements": args.elements, "loadavg_start": start, "loadavg_end": end})
-    for r in rows:
-        if isinstance(r.opt, tierstate_torch.AdamW):
-            r.opt.close()  # the pinned memory and the scratch file now, not at garbage collection
+    for sk in skipped:
+        emit({**sk, "param_dtype": name, "elements": args.elements, "loadavg_start": start, "loadavg_end": end})
 
 
 def overlap_part(args: argparse.Namespace, wanted: set[str], name: str, emit: Callable[[dict], None]) -> None:
@@ -462,7 +500,9 @@ def overlap_part(args: argparse.Namespace, wanted: set[str], name: str, emit: Ca
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--elements", type=int, default=1 << 26, help="part 1's params per row (default 2^26)")
-    ap.add_argument("--reps", type=int, default=5, help="timed rounds, after one warm-up round (default 5)")
+    ap.add_argument("--reps", type=int, default=5, help="timed rounds per placement, after one warm-up round (default 5)")
+    ap.add_argument("--placements", type=int, default=3,
+                    help="part 1: times every row is made anew, its memory allocated in a rotated order (default 3)")
     ap.add_argument("--path", help="the NvmeFile tier's directory (default: a fresh one under /tmp)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="param dtypes (default float32,bfloat16)")
     ap.add_argument("--only", help="comma-separated rows to run (default: all): " + ", ".join(STEP_ROWS + OVERLAP_ROWS))
@@ -471,6 +511,8 @@ def main() -> int:
     ap.add_argument("--overlap-width", type=int, default=2048, help="part 2's layer width (default 2048)")
     ap.add_argument("--overlap-batch", type=int, default=256, help="part 2's input rows (default 256)")
     args = ap.parse_args()
+    if args.placements < 1 or args.reps < 1:
+        ap.error(f"--placements and --reps must be at least 1 (got {args.placements} and {args.reps})")
     every = STEP_ROWS + OVERLAP_ROWS
     wanted = set(every) if not args.only else {n.strip() for n in args.only.split(",") if n.strip()}
     unknown = wanted - set(every)

@@ -188,6 +188,22 @@ torch_venv() {
   return 0
 }
 
+# with_hugetlb_pages N COMMAND...: COMMAND with N more hugetlb pages reserved where this may
+# (root), given back after it. nvme_step's fio references need their buffers in huge pages,
+# as the library's staging is (bench/nvme_step.cpp, fio_buffer_options): 132 pages (264 MiB,
+# two jobs of 32 x 4 MiB, whatever the model's size). A system-wide setting, for the
+# command's run alone.
+with_hugetlb_pages() {
+  local extra=$1 pages rc
+  shift
+  pages=$(cat /proc/sys/vm/nr_hugepages)
+  { echo $((pages + extra)) >/proc/sys/vm/nr_hugepages; } 2>/dev/null
+  "$@"
+  rc=$?
+  { echo "$pages" >/proc/sys/vm/nr_hugepages; } 2>/dev/null
+  return $rc
+}
+
 # run_torch_bench ARGS...: bench/torch_step.py against torch.optim.AdamW's implementations,
 # with the extension at its default flags (-O3 -march=native), built into
 # build-pytorch/torch_extensions_bench the first time (PyTorch's cache reuses it after).
@@ -315,16 +331,8 @@ run_stage() {
       [ -x build-gcc-native/bench/host_step ] && [ -x build-gcc-native/bench/nvme_step ] ||
         { configure gcc-native g++ -Darch=native && meson compile -C build-gcc-native; } || return 1
       build-gcc-native/bench/host_step --rule adamw || return 1
-      # nvme_step's fio references need their buffers in huge pages, as the library's staging
-      # is (bench/nvme_step.cpp, fio_buffer_options): 132 hugetlb pages (264 MiB), reserved for
-      # its run where this may (root) and given back after it.
-      local pages rc
-      pages=$(cat /proc/sys/vm/nr_hugepages)
-      { echo $((pages + 132)) >/proc/sys/vm/nr_hugepages; } 2>/dev/null
-      build-gcc-native/bench/nvme_step --elements 20971520 ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"}
-      rc=$?
-      { echo "$pages" >/proc/sys/vm/nr_hugepages; } 2>/dev/null
-      return $rc ;;
+      with_hugetlb_pages 132 build-gcc-native/bench/nvme_step --elements 20971520 \
+        ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} ;;
     # Opt-in (named only): the benchmarks at the sizes and repetitions whose JSON lines go into
     # issue notes. host_step at 2^27 elements, 15 reps; nvme_step's two sizes over 20 steps;
     # torch_step at 2^26 elements, 11 reps (the pytorch stage's environment, made if missing,
@@ -333,9 +341,12 @@ run_stage() {
     bench-long)
       [ -x build-gcc-native/bench/host_step ] && [ -x build-gcc-native/bench/nvme_step ] ||
         { configure gcc-native g++ -Darch=native && meson compile -C build-gcc-native; } || return 1
-      build-gcc-native/bench/host_step --elements 134217728 --reps 15 &&
-        build-gcc-native/bench/nvme_step --steps 20 ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} &&
-        torch_venv deepspeed && run_torch_bench --elements 67108864 --reps 11 ;;
+      # DeepSpeed's ds_io (the environment's bin/) is one more nvme_step reference where its
+      # aio op builds (it needs libaio-dev; skipped with the reason if not).
+      build-gcc-native/bench/host_step --elements 134217728 --reps 15 && torch_venv deepspeed &&
+        PATH="$venv_path/bin:$PATH" with_hugetlb_pages 132 build-gcc-native/bench/nvme_step --steps 20 \
+          ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} &&
+        run_torch_bench --elements 67108864 --reps 11 ;;
     *) echo "unknown stage $name (stages: ${all_stages[*]} ${extra_stages[*]})"; return 1 ;;
   esac
 }
