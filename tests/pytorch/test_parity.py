@@ -188,6 +188,10 @@ class Parity(unittest.TestCase):
                     losses = train(model, opt, data, schedule(opt))
                     self.assert_parity(ref_losses, losses, ref_model, model)
                     self.assertEqual(opt.step_count(), STEPS)
+                    # What the last step spent where: the default check looked at every gradient.
+                    for key in ("check_seconds", "compute_seconds", "wait_seconds", "total_seconds"):
+                        self.assertGreaterEqual(opt.last_step[key], 0.0, key)
+                    self.assertGreater(opt.last_step["check_seconds"], 0.0)
                     if tier == "nvme":
                         self.assertIn("NvmeFile", opt.composition()[0])
                         self.assertGreater(opt.last_step["tier_bytes_read"], 0)

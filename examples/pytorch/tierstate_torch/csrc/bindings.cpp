@@ -47,6 +47,7 @@ namespace {
   d["grad_norm"]          = r.grad_norm;
   d["tier_bytes_read"]    = r.tier_bytes_read;
   d["tier_bytes_written"] = r.tier_bytes_written;
+  d["check_seconds"]      = r.check_seconds;
   d["compute_seconds"]    = r.compute_seconds;
   d["wait_seconds"]       = r.wait_seconds;
   d["grad_wait_seconds"]  = r.grad_wait_seconds;

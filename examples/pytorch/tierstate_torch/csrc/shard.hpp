@@ -66,6 +66,7 @@ struct result {
   double grad_norm     = 0;
   std::uint64_t tier_bytes_read    = 0;
   std::uint64_t tier_bytes_written = 0;
+  double check_seconds   = 0;
   double compute_seconds = 0;
   double wait_seconds    = 0;
   double grad_wait_seconds = 0;

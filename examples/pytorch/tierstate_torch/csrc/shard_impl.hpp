@@ -44,6 +44,7 @@ namespace detail {
   o.grad_norm          = r.grad_norm;
   o.tier_bytes_read    = r.stats.tier_bytes_read;
   o.tier_bytes_written = r.stats.tier_bytes_written;
+  o.check_seconds      = r.stats.check_seconds;
   o.compute_seconds    = r.stats.compute_seconds;
   o.wait_seconds       = r.stats.wait_seconds;
   o.grad_wait_seconds  = r.stats.grad_wait_seconds;
