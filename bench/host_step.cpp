@@ -219,8 +219,6 @@ inline void stream_store(std::uint32_t* p, B const& v) noexcept
   v.store_aligned(p);
 }
 
-/// Where one step's streams are for a range of elements: byte pointers to element 0 of the
-/// range, and each stream's element size.
 /// The lanes of a checksum batch folded into one word.
 template <class B>
 inline std::uint32_t fold(B const& acc) noexcept
@@ -232,13 +230,14 @@ inline std::uint32_t fold(B const& acc) noexcept
   return sum;
 }
 
+/// Where one step's streams are for a range of elements: byte pointers to element 0 of the
+/// range (each stream's element size is the precision's).
 template <std::size_t Slots>
 struct traffic {
   std::byte* param       = nullptr;
   std::byte const* grad  = nullptr;
   std::byte* master      = nullptr;  // null: the param is the weight
   std::array<std::byte*, Slots> state{};
-  std::size_t param_size = 4, grad_size = 4, state_size = 4;
 };
 
 /// Half a word_batch: a block of 16 elements of a 2-byte stream (32 bytes), as the kernel
@@ -438,7 +437,6 @@ struct arrays {
     t.grad  = grad.get() + b * sizeof(grad_t);
     t.master = P::has_master ? master[huge].get() + b * 4 : nullptr;
     for (std::size_t j = 0; j < Slots; ++j) { t.state[j] = state[huge][j]->get() + b * sizeof(state_t); }
-    t.param_size = sizeof(param_t), t.grad_size = sizeof(grad_t), t.state_size = sizeof(state_t);
     return t;
   }
 
