@@ -52,6 +52,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <vector>
 
@@ -72,7 +73,7 @@ struct options {
 
 constexpr char const* usage_text =
   "usage: host_step [--elements N >= 1] [--reps R (1..10000)] [--threads T (0..4096)] "
-  "[--rule adam|adamw|adam_amsgrad|adamw_amsgrad] [--precision PARAM/GRAD/MASTER/STATE] [--help]\n";
+  "[--rule adam|adamw|adam_amsgrad|adamw_amsgrad|sgd_momentum|lion] [--precision PARAM/GRAD/MASTER/STATE] [--help]\n";
 
 [[noreturn]] void usage_error(std::string const& what)
 {
@@ -111,6 +112,11 @@ options parse(int argc, char** argv)
       o.threads = number(i, "--threads", 0, 4096);
     } else if (a == "--rule" && i + 1 < argc) {
       o.rule = argv[++i];
+      std::string_view const known[] = {Adam::name, AdamW::name, AdamAmsgrad::name, AdamWAmsgrad::name,
+                                        SGDMomentum::name, Lion::name};
+      if (std::find(std::begin(known), std::end(known), o.rule) == std::end(known)) {
+        usage_error("--rule " + o.rule + ": not a rule this bench runs");
+      }
     } else if (a == "--precision" && i + 1 < argc) {
       o.precision = argv[++i];
     } else {
@@ -600,6 +606,37 @@ void plain_step(typename P::param_type* __restrict param, typename P::grad_type 
   }
 }
 
+/// The plain scalar loop of a one-slot rule (SGD with momentum, Lion), written as a user
+/// would write it.
+template <class R, class P>
+void plain_one_slot_step(typename P::param_type* __restrict param, typename P::grad_type const* __restrict grad,
+                         float* __restrict master, typename P::state_type* __restrict s, std::size_t b,
+                         std::size_t e, typename R::hyperparameters const& h, bool first)
+{
+  using state_t  = typename P::state_type;
+  auto const lr  = static_cast<float>(h.lr);
+  auto const wd  = static_cast<float>(h.weight_decay);
+  for (std::size_t i = b; i < e; ++i) {
+    float w  = P::has_master ? master[i] : convert<float>(param[i]);
+    float g  = convert<float>(grad[i]);
+    float si = convert<float>(s[i]);
+    if constexpr (std::is_same_v<R, Lion>) {
+      auto const b1 = static_cast<float>(h.betas[0]), b2 = static_cast<float>(h.betas[1]);
+      float const c = b1 * si + (1.0f - b1) * g;
+      w             = w * (1.0f - lr * wd) - lr * static_cast<float>((c > 0.0f) - (c < 0.0f));
+      si            = b2 * si + (1.0f - b2) * g;
+    } else {
+      auto const mom = static_cast<float>(h.momentum);
+      g += wd * w;
+      si = first ? g : mom * si + (1.0f - static_cast<float>(h.dampening)) * g;
+      w -= lr * (h.nesterov ? g + mom * si : si);
+    }
+    s[i] = convert<state_t>(si);
+    if constexpr (P::has_master) { master[i] = w; }
+    param[i] = convert<typename P::param_type>(w);
+  }
+}
+
 double triad_gb_s(thread_pool& pool, std::size_t n, int reps)
 {
   region a(n * sizeof(double), false), b(n * sizeof(double), false), c(n * sizeof(double), false);
@@ -670,12 +707,21 @@ void run_kernel(options const& o, thread_pool& pool, arrays<P>& arr, double best
   typename R::hyperparameters h;
   h.lr = 1e-4;
   using state_t = typename P::state_type;
-  auto* s2      = arr.state[0][R::amsgrad ? 2 : 1]->template get<state_t>();
+  auto* s2      = arr.state[0][R::slot_count - 1]->template get<state_t>();
 
   std::int64_t step = 0;
   std::vector<std::function<void()>> loops;
   loops.push_back([&] { host::update<R, P>(pool, R::coefficients_for(h, ++step), a, n); });
-  loops.push_back([&] {
+  if constexpr (R::slot_count == 1) {
+    loops.push_back([&] {
+      bool const first = ++step == 1;
+      pool.parallel_for(n, kgrain, [&](std::size_t b, std::size_t e) {
+        plain_one_slot_step<R, P>(arr.param.template get<typename P::param_type>(),
+                                  arr.grad.template get<typename P::grad_type>(),
+                                  P::has_master ? arr.master[0].template get<float>() : nullptr, s2, b, e, h, first);
+      });
+    });
+  } else loops.push_back([&] {
     ++step;
     double const bc1 = 1.0 - std::pow(h.betas[0], static_cast<double>(step));
     double const bc2 = 1.0 - std::pow(h.betas[1], static_cast<double>(step));
@@ -808,6 +854,8 @@ void run_precision(options const& o, thread_pool& pool, double triad)
   run_kernel<AdamW, P>(o, pool, arr, best, triad);
   run_kernel<AdamAmsgrad, P>(o, pool, arr, best, triad);
   run_kernel<AdamWAmsgrad, P>(o, pool, arr, best, triad);
+  run_kernel<SGDMomentum, P>(o, pool, arr, best, triad);
+  run_kernel<Lion, P>(o, pool, arr, best, triad);
   run_optimizer<P>(o, pool, arr, best, triad);
 }
 

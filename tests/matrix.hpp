@@ -66,8 +66,10 @@ using kernel_precisions =
 /// (rule, precision) pairs of the optimizer-against-the-bare-kernel test.
 using rules_x_precisions =
   pick<std::tuple<std::pair<AdamW, Bf16Mixed>, std::pair<Adam, Fp32>, std::pair<AdamWAmsgrad, Fp16Mixed>,
-                  std::pair<AdamW, Bf16MixedBf16State>>,
-       std::tuple<std::pair<AdamW, Bf16Mixed>, std::pair<AdamWAmsgrad, Fp16Mixed>>>;
+                  std::pair<AdamW, Bf16MixedBf16State>, std::pair<SGDMomentum, Bf16Mixed>, std::pair<Lion, Fp32>,
+                  std::pair<Lion, Bf16MixedBf16State>>,
+       std::tuple<std::pair<AdamW, Bf16Mixed>, std::pair<AdamWAmsgrad, Fp16Mixed>, std::pair<SGDMomentum, Fp32>,
+                  std::pair<Lion, Bf16Mixed>>>;
 
 /// Whole host compositions (the refusal twins, the two-thread race).
 using host_compositions =

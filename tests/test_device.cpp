@@ -10,6 +10,7 @@
 #include "device_matrix.hpp"
 #include "nvme_support.hpp"
 #include "row_column_rule.hpp"
+#include "rule_references.hpp"
 #include "throttled.hpp"
 
 #include <catch2/catch.hpp>
@@ -160,9 +161,9 @@ void check_rule()
     INFO(R::name << " " << P::name() << " n=" << n);
     CHECK(kernel_mismatches<R, P>(n, 5, h) == 0);
   }
-  h.maximize = true;
-  h.betas    = {0.3, 0.5};  // torch's lerp from the far end: the other branch of the rule
-  INFO(R::name << " " << P::name() << " maximize, beta1 0.3");
+  h = unusual_hyperparameters<R>();  // maximize, and each rule's other branches
+  h.lr = 3e-3;
+  INFO(R::name << " " << P::name() << " maximize, beta1 0.3 or Nesterov");
   CHECK(kernel_mismatches<R, P>(4097, 7, h) == 0);
 }
 
@@ -176,6 +177,8 @@ TEMPLATE_LIST_TEST_CASE("the device kernel under Thrust's host backend gives the
   check_rule<AdamW, TestType>();
   check_rule<AdamAmsgrad, TestType>();
   check_rule<AdamWAmsgrad, TestType>();
+  check_rule<SGDMomentum, TestType>();
+  check_rule<Lion, TestType>();
 }
 
 TEST_CASE("the device kernel refuses missing arrays, and finds non-finite values", "[device][kernel]")

@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// Against values made by PyTorch itself (tests/golden/make_golden.py): the fp32 host kernel
-// after 120 steps with a changing learning rate, for Adam and AdamW with and without
-// weight decay, amsgrad and maximize.
+// Against values made by PyTorch itself (tests/golden/make_golden.py and
+// make_golden_sgd_lion.py): the fp32 host kernel after 120 steps with a changing learning
+// rate, for Adam and AdamW with and without weight decay, amsgrad and maximize; for
+// torch.optim.SGD with momentum, dampening, Nesterov, weight decay and maximize; for Lion as
+// its paper's update, written out in torch.
 #include "support.hpp"
 
 #include <catch2/catch.hpp>
@@ -64,7 +66,70 @@ void run_case(golden_case const& c, std::size_t threads)
   CHECK(bad == 0);
 }
 
+/// A one-slot rule's case: its hyper-parameters in table order, lr left out (it changes).
+struct one_slot_case {
+  char const* name;
+  char const* rule;
+  double lr_max;
+  std::vector<double> hyperparameters;
+  int steps;
+  std::vector<float> param, slot;
+};
+
+std::vector<one_slot_case> const golden_one_slot = {
+#include "golden/sgd_lion_golden.inc"
+};
+
+template <class R>
+void run_one_slot_case(one_slot_case const& c, std::size_t threads)
+{
+  std::size_t const n = c.param.size();
+  std::vector<float> w(n), grad(n), s(n, 0.0f);
+  for (std::size_t i = 0; i < n; ++i) { w[i] = init_value(i); }
+  update_arrays<Fp32, 1> a;
+  a.param    = w.data();
+  a.grad     = grad.data();
+  a.state[0] = s.data();
+
+  std::vector<double> values{c.lr_max};
+  values.insert(values.end(), c.hyperparameters.begin(), c.hyperparameters.end());
+  auto h = hyperparameters_from_values<R>(values);
+  thread_pool pool(threads);
+  double path = 0.0;  // how far the first element travelled: SGD's errors grow with it
+  for (int t = 1; t <= c.steps; ++t) {
+    for (std::size_t i = 0; i < n; ++i) { grad[i] = grad_value(i, t); }
+    h.lr = lr_at(c.lr_max, t, c.steps);
+    float const before = w[0];
+    host::update<R, Fp32>(pool, R::coefficients_for(h, t), a, n);
+    path += std::abs(static_cast<double>(w[0]) - before);
+  }
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    bad += !(std::abs(static_cast<double>(w[i]) - c.param[i]) <= 1e-5 * (std::abs(c.param[i]) + c.lr_max + path));
+    bad += !(std::abs(static_cast<double>(s[i]) - c.slot[i]) <= 1e-5 * (std::abs(c.slot[i]) + 1e-9));
+  }
+  INFO(c.name << " with " << threads << " threads");
+  CHECK(bad == 0);
+}
+
 }  // namespace
+
+TEST_CASE("SGD with momentum and Lion reproduce torch after 120 steps", "[golden]")
+{
+  REQUIRE(golden_one_slot.size() == 7);
+  for (auto const& c : golden_one_slot) {
+    REQUIRE(c.param.size() == 37);
+    std::string_view const rule = c.rule;
+    for (std::size_t const threads : {1u, 2u}) {
+      if (rule == "sgd_momentum") {
+        run_one_slot_case<SGDMomentum>(c, threads);
+      } else {
+        REQUIRE(rule == "lion");
+        run_one_slot_case<Lion>(c, threads);
+      }
+    }
+  }
+}
 
 TEST_CASE("the host kernel reproduces torch.optim after 120 steps", "[golden]")
 {

@@ -63,7 +63,14 @@ typename R::hyperparameters group_hyperparameters(int g, int t)
   typename R::hyperparameters h;
   h.lr           = lr_at(g == 0 ? 1e-2 : 3e-3, t, 40);
   h.weight_decay = g == 0 ? 0.05 : 0.0;  // e.g. no decay for norms and biases
-  if (g == 1) { h.betas = {0.8, 0.99}; }
+  if (g == 1) {
+    if constexpr (requires { h.betas; }) {
+      h.betas = {0.8, 0.99};
+    } else {
+      h.momentum  = 0.5;
+      h.dampening = 0.2;
+    }
+  }
   return h;
 }
 

@@ -252,4 +252,108 @@ TEST_CASE("the rule's text gives the same bits on float and on SIMD batches", "[
   check_scalar_equals_simd<AdamW, Bf16Mixed>();
   check_scalar_equals_simd<AdamAmsgrad, Fp16Mixed>();
   check_scalar_equals_simd<AdamWAmsgrad, Bf16MixedBf16State>();
+  check_scalar_equals_simd<SGDMomentum, Fp16Mixed>();
+  check_scalar_equals_simd<SGDMomentum, Bf16MixedBf16State>();
+  check_scalar_equals_simd<Lion, Fp32>();
+  check_scalar_equals_simd<Lion, Bf16Mixed>();
+}
+
+TEST_CASE("SGD with momentum: torch.optim.SGD's defaults and refusals, and its one combination", "[rules][sgd]")
+{
+  double const nan = std::numeric_limits<double>::quiet_NaN();
+  SGDMomentum::hyperparameters h;
+  CHECK(h.lr == 1e-3);
+  CHECK(h.momentum == 0.9);  // torch's default, 0, keeps no buffer
+  CHECK(h.dampening == 0.0);
+  CHECK(h.weight_decay == 0.0);
+  CHECK_FALSE(h.nesterov);
+  CHECK_FALSE(h.maximize);
+  CHECK_NOTHROW(SGDMomentum::validate(h));
+  STATIC_REQUIRE(SGDMomentum::slots[0].name() == "momentum_buffer");
+
+  auto refused = [](SGDMomentum::hyperparameters const& x, std::string const& option, std::string const& value) {
+    require_refused<SGDMomentum>(x, option, value);
+  };
+  auto x = h;
+  x.lr   = -0.1;
+  refused(x, "sgd_momentum.lr", "-0.1");
+  x          = h;
+  x.momentum = 0.0;
+  refused(x, "sgd_momentum.momentum", "0");
+  x.momentum = -0.5;
+  refused(x, "sgd_momentum.momentum", "-0.5");
+  x.momentum = 1.5;  // torch sets no upper bound
+  CHECK_NOTHROW(SGDMomentum::validate(x));
+  x              = h;
+  x.weight_decay = -1e-4;
+  refused(x, "sgd_momentum.weight_decay", "-1e-04");
+  x           = h;
+  x.dampening = nan;
+  refused(x, "sgd_momentum.dampening", "nan");
+  x.dampening = -2.0;  // torch accepts any dampening
+  CHECK_NOTHROW(SGDMomentum::validate(x));
+  x.nesterov = true;
+  refused(x, "sgd_momentum.dampening", "-2");
+  try {
+    SGDMomentum::validate(x);
+  } catch (invalid_option const& e) {
+    CHECK(std::string(e.what()).find("Nesterov momentum requires a momentum and zero dampening") != std::string::npos);
+  }
+  x.dampening = 0.0;
+  CHECK_NOTHROW(SGDMomentum::validate(x));
+
+  // A checkpoint's values go through the same checks, the combination included.
+  auto v = hyperparameter_values<SGDMomentum>(x);
+  CHECK(v == std::array<double, 6>{1e-3, 0.9, 0.0, 0.0, 1.0, 0.0});
+  v[2] = 0.5;
+  CHECK_THROWS_AS(hyperparameters_from_values<SGDMomentum>(v), invalid_option);
+
+  // The buffer starts as the gradient on the first step, whatever the dampening.
+  x = h;
+  x.dampening = 0.5;
+  x.lr        = 0.5;
+  float w = 1.0f, s[1] = {0.0f};
+  SGDMomentum::update(SGDMomentum::coefficients_for(x, 1), w, 2.0f, s);
+  CHECK(s[0] == 2.0f);
+  CHECK(w == 0.0f);
+  SGDMomentum::update(SGDMomentum::coefficients_for(x, 2), w, 2.0f, s);
+  CHECK(s[0] == 0.9f * 2.0f + 1.0f);
+  CHECK_THROWS_AS(SGDMomentum::coefficients_for(h, 0), invalid_option);
+  CHECK_THROWS_AS(SGDMomentum::coefficients_for(h, 1, 0.0), invalid_option);
+}
+
+TEST_CASE("Lion: lion-pytorch's defaults and refusals, and its sign step", "[rules][lion]")
+{
+  Lion::hyperparameters h;
+  CHECK(h.lr == 1e-4);
+  CHECK(h.betas == std::array<double, 2>{0.9, 0.99});
+  CHECK(h.weight_decay == 0.0);
+  CHECK_NOTHROW(Lion::validate(h));
+  auto x = h;
+  x.lr   = -1.0;
+  require_refused<Lion>(x, "lion.lr", "-1");
+  x          = h;
+  x.betas[0] = 1.5;
+  require_refused<Lion>(x, "lion.betas[0]", "1.5");
+  x.betas[0] = 1.0;  // the reference admits [0, 1]
+  CHECK_NOTHROW(Lion::validate(x));
+  x.betas[1] = -0.1;
+  require_refused<Lion>(x, "lion.betas[1]", "-0.1");
+  x              = h;
+  x.weight_decay = -0.1;
+  require_refused<Lion>(x, "lion.weight_decay", "-0.1");
+
+  // Every weight moves by exactly lr (after the decay), whatever the gradient's size; a
+  // zero interpolation (and a NaN, as torch.sign) moves nothing.
+  x.weight_decay = 0.5;
+  x.lr           = 0.25;
+  auto const k   = Lion::coefficients_for(x, 1);
+  for (float const g : {1e-6f, -300.0f, 0.0f}) {
+    float w = 2.0f, s[1] = {0.0f};
+    Lion::update(k, w, g, s);
+    CHECK(w == 2.0f * (1.0f - 0.125f) - (g > 0 ? 0.25f : (g < 0 ? -0.25f : 0.0f)));
+    CHECK(s[0] == static_cast<float>(0.01 * g));
+  }
+  CHECK(math::sign(std::numeric_limits<float>::quiet_NaN()) == 0.0f);
+  CHECK(math::sign(-0.0f) == 0.0f);
 }

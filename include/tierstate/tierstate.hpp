@@ -27,7 +27,9 @@
 #include <tierstate/kernels/host/update.hpp>
 #include <tierstate/optimizer.hpp>
 #include <tierstate/rules/adam.hpp>
+#include <tierstate/rules/lion.hpp>
 #include <tierstate/rules/rule.hpp>
+#include <tierstate/rules/sgd.hpp>
 #include <tierstate/tiers/device.hpp>
 #include <tierstate/tiers/nvme_file.hpp>
 #include <tierstate/tiers/pinned_host.hpp>

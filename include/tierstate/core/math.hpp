@@ -38,6 +38,11 @@ struct ops<float> {
     if (a != a) { return a; }
     return (a >= b) ? a : b;
   }
+  /// torch.sign: 1, -1, or 0 for a zero of either sign and for NaN (torch's `(0 < a) - (a < 0)`).
+  TIERSTATE_HOST_DEVICE static float sign(float a) noexcept
+  {
+    return a > 0.0f ? 1.0f : (a < 0.0f ? -1.0f : 0.0f);
+  }
   /// p[0] (a float holds one value; `lanes` is 1).
   TIERSTATE_HOST_DEVICE static float load(float const* p, std::size_t) noexcept { return *p; }
 };
@@ -62,6 +67,13 @@ template <class V>
 TIERSTATE_HOST_DEVICE V load(float const* p, std::size_t lanes) noexcept
 {
   return ops<V>::load(p, lanes);
+}
+
+/// torch.sign, element-wise: 1, -1, or 0 for zeros and NaN.
+template <class V>
+TIERSTATE_HOST_DEVICE V sign(V const& a) noexcept
+{
+  return ops<V>::sign(a);
 }
 
 /// Element-wise maximum that propagates NaN from either side (torch.maximum).

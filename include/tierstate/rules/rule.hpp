@@ -18,6 +18,11 @@
 //   - `update(coefficients, weight, grad, state)`: the per-element math, a template over the
 //     value type, so that the same text runs on float, on xsimd batches and on the device.
 //
+// A rule whose numbers constrain each other (torch.optim.SGD: Nesterov needs a momentum and
+// zero dampening) adds `validate_combination(hyperparameters const&)`, which throws
+// tierstate::invalid_option naming one of them; it runs after the table's ranges, wherever
+// they are checked.
+//
 // A rule may add a *tensor phase*: statistics over each whole tensor before its update (a
 // row and column factor, a trust ratio), with state of its own per tensor that persists
 // across steps and that checkpoints keep. It declares
@@ -58,24 +63,32 @@
 
 namespace tierstate::inline TIERSTATE_ABI {
 
-/// The values one hyper-parameter may take: [lo, hi] (hi itself excluded when hi_open), or,
-/// for a flag, exactly 0 and 1. NaN is never one of them.
+/// The values one hyper-parameter may take: [lo, hi] (hi itself excluded when hi_open, lo
+/// when lo_open), or, for a flag, exactly 0 and 1. NaN is never one of them.
 struct value_range {
   double lo     = -std::numeric_limits<double>::infinity();
   double hi     = std::numeric_limits<double>::infinity();
   bool hi_open  = false;
   bool flag     = false;
+  bool lo_open  = false;
 
   [[nodiscard]] constexpr bool admits(double v) const noexcept
   {
     if (flag) { return v == 0.0 || v == 1.0; }
-    return lo <= v && (hi_open ? v < hi : v <= hi);
+    return (lo_open ? lo < v : lo <= v) && (hi_open ? v < hi : v <= hi);
   }
 
   /// [lo, +inf]
   [[nodiscard]] static constexpr value_range at_least(double lo) noexcept { return {lo}; }
   /// [lo, hi)
   [[nodiscard]] static constexpr value_range half_open(double lo, double hi) noexcept { return {lo, hi, true}; }
+  /// (lo, +inf]
+  [[nodiscard]] static constexpr value_range above(double lo) noexcept
+  {
+    return {lo, std::numeric_limits<double>::infinity(), false, false, true};
+  }
+  /// [lo, hi]
+  [[nodiscard]] static constexpr value_range closed(double lo, double hi) noexcept { return {lo, hi}; }
   /// 0 or 1 (a bool)
   [[nodiscard]] static constexpr value_range boolean() noexcept { return {0.0, 1.0, false, true}; }
 };
@@ -192,7 +205,8 @@ template <class R>
 inline constexpr bool has_tensor_phase = detail::rule_declares_tensor_phase<R>;
 
 /// Throws tierstate::invalid_option ("<rule>.<name> = <value>: <why>") for the first number
-/// of `h`, in table order, that its row's range does not admit.
+/// of `h`, in table order, that its row's range does not admit; then for a combination the
+/// rule's validate_combination refuses, if it has one.
 template <rule R>
 void validate_hyperparameters(typename R::hyperparameters const& h)
 {
@@ -203,6 +217,7 @@ void validate_hyperparameters(typename R::hyperparameters const& h)
                            std::string(row.why));
     }
   }
+  if constexpr (requires { R::validate_combination(h); }) { R::validate_combination(h); }
 }
 
 /// The numbers of `h`, in table order: what a checkpoint records per group.
@@ -234,6 +249,7 @@ template <rule R>
     }
     row.set(h, v[i]);
   }
+  if constexpr (requires { R::validate_combination(h); }) { R::validate_combination(h); }
   return h;
 }
 

@@ -336,6 +336,12 @@ struct ops<xsimd::batch<float, A>> {
     return xsimd::select(a == a, xsimd::select(a >= b, a, b), a);
   }
 
+  TIERSTATE_ALWAYS_INLINE static V sign(V const& a) noexcept
+  {
+    // Ordered comparisons: a NaN lane is neither > 0 nor < 0, so it gives 0, as torch.sign.
+    return xsimd::select(a > V(0.0f), V(1.0f), xsimd::select(a < V(0.0f), V(-1.0f), V(0.0f)));
+  }
+
   TIERSTATE_ALWAYS_INLINE static V load(float const* p, std::size_t lanes) noexcept
   {
     if (lanes >= V::size) [[likely]] { return V::load_unaligned(p); }

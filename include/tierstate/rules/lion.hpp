@@ -1,0 +1,109 @@
+// SPDX-License-Identifier: Apache-2.0
+// Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), with the
+// semantics of the lion-pytorch reference: decoupled weight decay, then a sign update from an
+// interpolation of the momentum and the gradient, then the momentum's own decay.
+//
+//   g = grad / grad_scale,  negated when maximize (an addition of tierstate's, as torch.optim
+//       has it everywhere)
+//   c = beta1 * m + (1 - beta1) * g
+//   w = w * (1 - lr * weight_decay) - lr * sign(c)        (sign(0) = 0, as torch.sign)
+//   m = beta2 * m + (1 - beta2) * g
+//
+// One slot, `exp_avg`, as lion-pytorch names it. Each product that feeds an add is an
+// explicit fma: beta * m is rounded, then (1 - beta) * g is added in one fused step, as
+// torch's `mul_(beta).add_(g, alpha=1 - beta)` does; the decay and the step are fused into
+// one rounding where the reference rounds twice (the difference is within float rounding).
+#pragma once
+
+#include <tierstate/core/concepts.hpp>
+#include <tierstate/core/error.hpp>
+#include <tierstate/core/math.hpp>
+#include <tierstate/rules/rule.hpp>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace tierstate::inline TIERSTATE_ABI {
+
+struct Lion {
+  static constexpr std::string_view name = "lion";
+  static constexpr std::array<slot, 1> slots{slot::exp_avg};
+  static constexpr std::size_t slot_count = slots.size();
+
+  /// lion-pytorch's arguments and defaults.
+  struct hyperparameters {
+    double lr                   = 1e-4;
+    std::array<double, 2> betas = {0.9, 0.99};
+    double weight_decay         = 0.0;
+    bool maximize               = false;
+  };
+
+  /// The table (rules/rule.hpp): a checkpoint records lr, beta1, beta2, weight_decay,
+  /// maximize, in this order.
+  static constexpr std::array<hyperparameter<hyperparameters>, 5> hyperparameter_table{{
+    {"lr", [](hyperparameters const& h) noexcept { return h.lr; },
+     [](hyperparameters& h, double v) noexcept { h.lr = v; }, value_range::at_least(0.0),
+     "the learning rate must be >= 0"},
+    {"betas[0]", [](hyperparameters const& h) noexcept { return h.betas[0]; },
+     [](hyperparameters& h, double v) noexcept { h.betas[0] = v; }, value_range::closed(0.0, 1.0),
+     "beta1 must be in [0, 1]"},
+    {"betas[1]", [](hyperparameters const& h) noexcept { return h.betas[1]; },
+     [](hyperparameters& h, double v) noexcept { h.betas[1] = v; }, value_range::closed(0.0, 1.0),
+     "beta2 must be in [0, 1]"},
+    {"weight_decay", [](hyperparameters const& h) noexcept { return h.weight_decay; },
+     [](hyperparameters& h, double v) noexcept { h.weight_decay = v; }, value_range::at_least(0.0),
+     "weight decay must be >= 0"},
+    {"maximize", [](hyperparameters const& h) noexcept { return h.maximize ? 1.0 : 0.0; },
+     [](hyperparameters& h, double v) noexcept { h.maximize = v != 0.0; }, value_range::boolean(),
+     "must be 0 or 1"},
+  }};
+
+  struct coefficients {
+    float grad_mul;  ///< 1 / grad_scale, negated when maximize
+    float decay;     ///< 1 - lr * weight_decay
+    float neg_lr;
+    float beta1, one_minus_beta1;
+    float beta2, one_minus_beta2;
+  };
+
+  static void validate(hyperparameters const& h) { validate_hyperparameters<Lion>(h); }
+
+  /// Lion keeps no bias correction: `step` is only checked.
+  [[nodiscard]] static coefficients coefficients_for(hyperparameters const& h, std::int64_t step,
+                                                     double grad_scale = 1.0)
+  {
+    validate(h);
+    if (step < 1) { throw invalid_option(std::string(name) + ".step", detail::to_text(step), "steps are counted from 1"); }
+    if (!(grad_scale > 0.0) || !std::isfinite(grad_scale)) {
+      throw invalid_option(std::string(name) + ".grad_scale", detail::to_text(grad_scale),
+                           "the gradient scale must be finite and > 0");
+    }
+    float const inv = static_cast<float>(1.0 / grad_scale);
+    coefficients k{};
+    k.grad_mul        = h.maximize ? -inv : inv;
+    k.decay           = static_cast<float>(1.0 - h.lr * h.weight_decay);
+    k.neg_lr          = static_cast<float>(-h.lr);
+    k.beta1           = static_cast<float>(h.betas[0]);
+    k.one_minus_beta1 = static_cast<float>(1.0 - h.betas[0]);
+    k.beta2           = static_cast<float>(h.betas[1]);
+    k.one_minus_beta2 = static_cast<float>(1.0 - h.betas[1]);
+    return k;
+  }
+
+  template <class V>
+  TIERSTATE_HOST_DEVICE static void update(coefficients const& k, V& w, V g, V (&state)[1]) noexcept
+  {
+    V& m         = state[0];
+    g            = math::fma(g, V(k.grad_mul), V(0.0f));  // an fma, not a product: see rules/adam.hpp
+    V const c    = math::fma(g, V(k.one_minus_beta1), V(k.beta1) * m);
+    w            = math::fma(w, V(k.decay), V(k.neg_lr) * math::sign(c));
+    m            = math::fma(g, V(k.one_minus_beta2), V(k.beta2) * m);
+  }
+};
+
+static_assert(rule<Lion>);
+
+}  // namespace tierstate
