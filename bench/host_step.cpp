@@ -73,7 +73,7 @@ struct options {
 
 constexpr char const* usage_text =
   "usage: host_step [--elements N >= 1] [--reps R (1..10000)] [--threads T (0..4096)] "
-  "[--rule adam|adamw|adam_amsgrad|adamw_amsgrad|sgd_momentum|lion] [--precision PARAM/GRAD/MASTER/STATE] [--help]\n";
+  "[--rule adam|adamw|adam_amsgrad|adamw_amsgrad|sgd|sgd_momentum|lion] [--precision PARAM/GRAD/MASTER/STATE] [--help]\n";
 
 [[noreturn]] void usage_error(std::string const& what)
 {
@@ -113,7 +113,7 @@ options parse(int argc, char** argv)
     } else if (a == "--rule" && i + 1 < argc) {
       o.rule = argv[++i];
       std::string_view const known[] = {Adam::name, AdamW::name, AdamAmsgrad::name, AdamWAmsgrad::name,
-                                        SGDMomentum::name, Lion::name};
+                                        SGD::name, SGDMomentum::name, Lion::name};
       if (std::find(std::begin(known), std::end(known), o.rule) == std::end(known)) {
         usage_error("--rule " + o.rule + ": not a rule this bench runs");
       }
@@ -320,7 +320,7 @@ std::uint32_t touch(traffic<Slots> const& t, std::size_t n) noexcept
     }
     block_of<gs, Block> g;
     block_of<P::has_master ? 4 : ps, Block> w;
-    block_of<ss, Block> st[Slots];
+    block_of<ss, Block> st[Slots == 0 ? 1 : Slots];  // (a zero-length array is not C++)
     g.load(t.grad, i, acc);
     w.load(P::has_master ? t.master : t.param, i, acc);
     for (std::size_t j = 0; j < Slots; ++j) { st[j].load(t.state[j], i, acc); }
@@ -606,8 +606,8 @@ void plain_step(typename P::param_type* __restrict param, typename P::grad_type 
   }
 }
 
-/// The plain scalar loop of a one-slot rule (SGD with momentum, Lion), written as a user
-/// would write it.
+/// The plain scalar loop of a rule with at most one slot (SGD, SGD with momentum, Lion),
+/// written as a user would write it.
 template <class R, class P>
 void plain_one_slot_step(typename P::param_type* __restrict param, typename P::grad_type const* __restrict grad,
                          float* __restrict master, typename P::state_type* __restrict s, std::size_t b,
@@ -619,8 +619,10 @@ void plain_one_slot_step(typename P::param_type* __restrict param, typename P::g
   for (std::size_t i = b; i < e; ++i) {
     float w  = P::has_master ? master[i] : convert<float>(param[i]);
     float g  = convert<float>(grad[i]);
-    float si = convert<float>(s[i]);
-    if constexpr (std::is_same_v<R, Lion>) {
+    float si = R::slot_count == 1 ? convert<float>(s[i]) : 0.0f;
+    if constexpr (std::is_same_v<R, SGD>) {
+      w -= lr * (g + wd * w);
+    } else if constexpr (std::is_same_v<R, Lion>) {
       auto const b1 = static_cast<float>(h.betas[0]), b2 = static_cast<float>(h.betas[1]);
       float const c = b1 * si + (1.0f - b1) * g;
       w             = w * (1.0f - lr * wd) - lr * static_cast<float>((c > 0.0f) - (c < 0.0f));
@@ -631,7 +633,7 @@ void plain_one_slot_step(typename P::param_type* __restrict param, typename P::g
       si = first ? g : mom * si + (1.0f - static_cast<float>(h.dampening)) * g;
       w -= lr * (h.nesterov ? g + mom * si : si);
     }
-    s[i] = convert<state_t>(si);
+    if constexpr (R::slot_count == 1) { s[i] = convert<state_t>(si); }
     if constexpr (P::has_master) { master[i] = w; }
     param[i] = convert<typename P::param_type>(w);
   }
@@ -707,12 +709,13 @@ void run_kernel(options const& o, thread_pool& pool, arrays<P>& arr, double best
   typename R::hyperparameters h;
   h.lr = 1e-4;
   using state_t = typename P::state_type;
-  auto* s2      = arr.state[0][R::slot_count - 1]->template get<state_t>();
+  state_t* s2   = nullptr;  // the last slot
+  if constexpr (R::slot_count > 0) { s2 = arr.state[0][R::slot_count - 1]->template get<state_t>(); }
 
   std::int64_t step = 0;
   std::vector<std::function<void()>> loops;
   loops.push_back([&] { host::update<R, P>(pool, R::coefficients_for(h, ++step), a, n); });
-  if constexpr (R::slot_count == 1) {
+  if constexpr (R::slot_count <= 1) {
     loops.push_back([&] {
       bool const first = ++step == 1;
       pool.parallel_for(n, kgrain, [&](std::size_t b, std::size_t e) {
@@ -854,6 +857,7 @@ void run_precision(options const& o, thread_pool& pool, double triad)
   run_kernel<AdamW, P>(o, pool, arr, best, triad);
   run_kernel<AdamAmsgrad, P>(o, pool, arr, best, triad);
   run_kernel<AdamWAmsgrad, P>(o, pool, arr, best, triad);
+  run_kernel<SGD, P>(o, pool, arr, best, triad);
   run_kernel<SGDMomentum, P>(o, pool, arr, best, triad);
   run_kernel<Lion, P>(o, pool, arr, best, triad);
   run_optimizer<P>(o, pool, arr, best, triad);

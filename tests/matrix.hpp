@@ -67,9 +67,9 @@ using kernel_precisions =
 using rules_x_precisions =
   pick<std::tuple<std::pair<AdamW, Bf16Mixed>, std::pair<Adam, Fp32>, std::pair<AdamWAmsgrad, Fp16Mixed>,
                   std::pair<AdamW, Bf16MixedBf16State>, std::pair<SGDMomentum, Bf16Mixed>, std::pair<Lion, Fp32>,
-                  std::pair<Lion, Bf16MixedBf16State>>,
+                  std::pair<Lion, Bf16MixedBf16State>, std::pair<SGD, Fp32>, std::pair<SGD, Bf16Mixed>>,
        std::tuple<std::pair<AdamW, Bf16Mixed>, std::pair<AdamWAmsgrad, Fp16Mixed>, std::pair<SGDMomentum, Fp32>,
-                  std::pair<Lion, Bf16Mixed>>>;
+                  std::pair<Lion, Bf16Mixed>, std::pair<SGD, Bf16Mixed>>>;
 
 /// Whole host compositions (the refusal twins, the two-thread race).
 using host_compositions =

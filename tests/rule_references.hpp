@@ -59,6 +59,20 @@ struct reference_model<SGDMomentum> {
 };
 
 template <>
+struct reference_model<SGD> {
+  SGD::hyperparameters h;
+  bool bf16_state;  // (no state to round)
+  reference_model(SGD::hyperparameters const& hp, bool bf16) : h(hp), bf16_state(bf16) {}
+
+  void step(reference_element& e, float grad, double lr, int, double scale) const
+  {
+    double g = static_cast<double>(grad) / scale;
+    if (h.maximize) { g = -g; }
+    e.w -= lr * (g + h.weight_decay * e.w);
+  }
+};
+
+template <>
 struct reference_model<Lion> {
   Lion::hyperparameters h;
   bool bf16_state;
@@ -98,9 +112,11 @@ typename R::hyperparameters unusual_hyperparameters()
     h.eps   = 1e-6;
   } else if constexpr (requires { h.betas; }) {
     h.betas = {0.3, 0.9};
-  } else {
+  } else if constexpr (R::slot_count == 1) {
     h.momentum = 0.8;
     h.nesterov = true;
+  } else {
+    h.dampening = 0.5;  // no effect without momentum, as in torch
   }
   return h;
 }
@@ -113,6 +129,7 @@ typename R::hyperparameters unusual_hyperparameters_2()
   if constexpr (requires { h.dampening; }) {
     h.nesterov  = false;
     h.dampening = 0.3;
+    h.maximize  = false;
   }
   return h;
 }

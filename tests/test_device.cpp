@@ -177,6 +177,7 @@ TEMPLATE_LIST_TEST_CASE("the device kernel under Thrust's host backend gives the
   check_rule<AdamW, TestType>();
   check_rule<AdamAmsgrad, TestType>();
   check_rule<AdamWAmsgrad, TestType>();
+  check_rule<SGD, TestType>();
   check_rule<SGDMomentum, TestType>();
   check_rule<Lion, TestType>();
 }

@@ -219,9 +219,11 @@ using rules_x_precisions = matrix::pick<
              combo<AdamWAmsgrad, Bf16Mixed>, combo<AdamWAmsgrad, Fp16Mixed>,
              combo<AdamWAmsgrad, Bf16MixedBf16State>, combo<SGDMomentum, Fp32>, combo<SGDMomentum, Bf16Mixed>,
              combo<SGDMomentum, Fp16Mixed>, combo<SGDMomentum, Bf16MixedBf16State>, combo<Lion, Fp32>,
-             combo<Lion, Bf16Mixed>, combo<Lion, Fp16Mixed>, combo<Lion, Bf16MixedBf16State>>,
+             combo<Lion, Bf16Mixed>, combo<Lion, Fp16Mixed>, combo<Lion, Bf16MixedBf16State>, combo<SGD, Fp32>,
+             combo<SGD, Bf16Mixed>, combo<SGD, Fp16Mixed>>,
   std::tuple<combo<Adam, Fp32>, combo<AdamW, Bf16Mixed>, combo<AdamAmsgrad, Fp16Mixed>,
-             combo<AdamWAmsgrad, Bf16MixedBf16State>, combo<SGDMomentum, Bf16MixedBf16State>, combo<Lion, Fp16Mixed>>>;
+             combo<AdamWAmsgrad, Bf16MixedBf16State>, combo<SGDMomentum, Bf16MixedBf16State>, combo<Lion, Fp16Mixed>,
+             combo<SGD, Bf16Mixed>>>;
 
 }  // namespace
 

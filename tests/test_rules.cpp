@@ -223,11 +223,15 @@ void check_scalar_equals_simd()
     auto const k = R::coefficients_for(h, t, 4.0);
     host::update_range<R, P>(k, a, 0, n);
     for (std::size_t i = 0; i < n; ++i) {
-      float st[R::slot_count];
-      for (std::size_t j = 0; j < R::slot_count; ++j) { st[j] = s[j][i]; }
+      slot_values<float, R::slot_count> st{};
+      if constexpr (R::slot_count > 0) {
+        for (std::size_t j = 0; j < R::slot_count; ++j) { st[j] = s[j][i]; }
+      }
       R::update(k, w[i], static_cast<float>(convert<float>(grad[i])), st);
-      for (std::size_t j = 0; j < R::slot_count; ++j) {
-        s[j][i] = static_cast<float>(convert<state_t>(st[j]));  // stored as the state type
+      if constexpr (R::slot_count > 0) {
+        for (std::size_t j = 0; j < R::slot_count; ++j) {
+          s[j][i] = static_cast<float>(convert<state_t>(st[j]));  // stored as the state type
+        }
       }
     }
   }
@@ -252,6 +256,8 @@ TEST_CASE("the rule's text gives the same bits on float and on SIMD batches", "[
   check_scalar_equals_simd<AdamW, Bf16Mixed>();
   check_scalar_equals_simd<AdamAmsgrad, Fp16Mixed>();
   check_scalar_equals_simd<AdamWAmsgrad, Bf16MixedBf16State>();
+  check_scalar_equals_simd<SGD, Fp32>();
+  check_scalar_equals_simd<SGD, Fp16Mixed>();
   check_scalar_equals_simd<SGDMomentum, Fp16Mixed>();
   check_scalar_equals_simd<SGDMomentum, Bf16MixedBf16State>();
   check_scalar_equals_simd<Lion, Fp32>();
@@ -320,6 +326,38 @@ TEST_CASE("SGD with momentum: torch.optim.SGD's defaults and refusals, and its o
   CHECK(s[0] == 0.9f * 2.0f + 1.0f);
   CHECK_THROWS_AS(SGDMomentum::coefficients_for(h, 0), invalid_option);
   CHECK_THROWS_AS(SGDMomentum::coefficients_for(h, 1, 0.0), invalid_option);
+}
+
+TEST_CASE("SGD without momentum: no slot, torch's defaults, and momentum refused by name", "[rules][sgd]")
+{
+  STATIC_REQUIRE(SGD::slots.size() == 0);
+  STATIC_REQUIRE(rule<SGD>);
+  SGD::hyperparameters h;  // torch.optim.SGD's defaults exactly
+  CHECK(h.lr == 1e-3);
+  CHECK(h.momentum == 0.0);
+  CHECK(h.dampening == 0.0);
+  CHECK_NOTHROW(SGD::validate(h));
+  auto x     = h;
+  x.momentum = 0.9;
+  require_refused<SGD>(x, "sgd.momentum", "0.9");
+  x          = h;
+  x.nesterov = true;  // torch: Nesterov needs a momentum
+  require_refused<SGD>(x, "sgd.nesterov", "1");
+  x           = h;
+  x.dampening = 0.5;  // accepted, and without momentum it changes nothing, as in torch
+  CHECK_NOTHROW(SGD::validate(x));
+  // The two SGD rules name their numbers alike, in the same order: a trainer picks one by
+  // the value of momentum, and a checkpoint of either records the same six values.
+  for (std::size_t i = 0; i < 6; ++i) {
+    CHECK(SGD::hyperparameter_table[i].name == SGDMomentum::hyperparameter_table[i].name);
+  }
+  x.lr           = 0.5;
+  x.weight_decay = 0.5;
+  x.maximize     = true;
+  float w        = 2.0f;
+  no_slots none;
+  SGD::update(SGD::coefficients_for(x, 7, 2.0), w, 3.0f, none);
+  CHECK(w == 2.0f - 0.5f * (-1.5f + 0.5f * 2.0f));
 }
 
 TEST_CASE("Lion: lion-pytorch's defaults and refusals, and its sign step", "[rules][lion]")

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // A user's rule with everything but its per-element update: the sentence names it.
-// expect: tierstate: a rule needs `template <class V> static void update(coefficients const&, V& weight, V grad, V (&state)[slots.size()])`, callable with V = float (rules/rule.hpp)
+// expect: tierstate: a rule needs `template <class V> static void update(coefficients const&, V& weight, V grad, V (&state)[slots.size()])` (`no_slots&` without slots), callable with V = float (rules/rule.hpp)
 #include <tierstate/tierstate.hpp>
 
 #include <array>

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // A rule that counts its slots instead of naming them (the state API and checkpoints name
 // each one): refused with the sentence that says what slots must be.
-// expect: tierstate: a rule needs `static constexpr std::array<tierstate::slot, N> slots` (N >= 1): the state arrays it keeps besides the master, in the order `update` receives them (rules/rule.hpp)
+// expect: tierstate: a rule needs `static constexpr std::array<tierstate::slot, N> slots` (N >= 0): the state arrays it keeps besides the master, in the order `update` receives them (rules/rule.hpp)
 #include <tierstate/tierstate.hpp>
 
 #include <array>

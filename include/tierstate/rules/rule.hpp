@@ -4,9 +4,9 @@
 //
 // A rule is a small struct (rules/adam.hpp is one):
 //   - `name`: a short identifier ("adamw"), which checkpoints record;
-//   - `slots`: a std::array<slot, N> (N >= 1) of the state arrays it keeps besides the
-//     master, in the order `update` receives them, each with its own name: the library's
-//     (slot::exp_avg) or the rule's (slot{"momentum_buffer"}), as torch.optim names it;
+//   - `slots`: a std::array<slot, N> of the state arrays it keeps besides the master, in the
+//     order `update` receives them, each with its own name: the library's (slot::exp_avg) or
+//     the rule's (slot{"momentum_buffer"}), as torch.optim names it. N may be 0 (plain SGD);
 //   - `hyperparameters`: a struct with torch.optim's defaults;
 //   - `hyperparameter_table`: a std::array<hyperparameter<hyperparameters>, M>, one row per
 //     number: its name as torch.optim spells it ("lr", "betas[0]"), how to read and set it,
@@ -17,6 +17,7 @@
 //     step, grad_scale)`;
 //   - `update(coefficients, weight, grad, state)`: the per-element math, a template over the
 //     value type, so that the same text runs on float, on xsimd batches and on the device.
+//     `state` is a `V (&)[N]`, which is `slot_values<V, N>&`; without slots, a `no_slots&`.
 //
 // A rule whose numbers constrain each other (torch.optim.SGD: Nesterov needs a momentum and
 // zero dampening) adds `validate_combination(hyperparameters const&)`, which throws
@@ -103,6 +104,25 @@ struct hyperparameter {
   std::string_view why;  ///< why a value outside the range is refused, in torch's words
 };
 
+/// What a rule without slots receives as its state (a zero-length array is not C++).
+struct no_slots {};
+
+namespace detail {
+template <class V, std::size_t N>
+struct slot_values_of {
+  using type = V[N];
+};
+template <class V>
+struct slot_values_of<V, 0> {
+  using type = no_slots;
+};
+}  // namespace detail
+
+/// The state argument of a rule's `update`: V[N] for N slots (so `V (&state)[N]` is the same
+/// type), tierstate::no_slots for none.
+template <class V, std::size_t N>
+using slot_values = typename detail::slot_values_of<V, N>::type;
+
 /// Where the values of one call of a tensor-phase rule's `update` lie in their tensor: one
 /// row, consecutive columns (lane l is column `column + l`), and that tensor's state after
 /// this step's passes.
@@ -129,7 +149,7 @@ struct is_hyperparameter_table<std::array<hyperparameter<H>, N>, H> : std::true_
 template <class T>
 struct is_slot_array : std::false_type {};
 template <std::size_t N>
-struct is_slot_array<std::array<slot, N>> : std::bool_constant<(N > 0)> {};
+struct is_slot_array<std::array<slot, N>> : std::true_type {};
 
 // The parts of the `rule` concept, each named for the sentence detail::checked_rule says
 // when it is missing.
@@ -169,7 +189,7 @@ concept rule_has_coefficients =
   } && std::is_trivially_copyable_v<typename R::coefficients>;
 template <class R>
 concept rule_updates_float = requires(typename R::coefficients const& k, float& w, float g,
-                                      float (&s)[R::slots.size()]) { R::update(k, w, g, s); };
+                                      slot_values<float, R::slots.size()>& s) { R::update(k, w, g, s); };
 
 /// Whether R says it has a tensor phase (see the file comment).
 template <class R>
@@ -186,7 +206,7 @@ concept rule_has_tensor_phase =
   } && (R::reduce_passes >= 1);
 template <class R>
 concept rule_updates_float_at =
-  requires(typename R::coefficients const& k, float& w, float g, float (&s)[R::slots.size()],
+  requires(typename R::coefficients const& k, float& w, float g, slot_values<float, R::slots.size()>& s,
            tensor_position<float> const& at) { R::update(k, w, g, s, at); };
 /// The update as the rule's kind needs it: with a tensor_position for a tensor-phase rule.
 template <class R>
@@ -280,7 +300,7 @@ struct checked_rule {
                        "which checkpoints record (rules/rule.hpp)");
   static constexpr bool has_slots = !named || rule_has_slots<R>;
   static_assert(has_slots, "tierstate: a rule needs `static constexpr std::array<tierstate::slot, N> slots` "
-                           "(N >= 1): the state arrays it keeps besides the master, in the order `update` "
+                           "(N >= 0): the state arrays it keeps besides the master, in the order `update` "
                            "receives them (rules/rule.hpp)");
   static constexpr bool slotted = named && has_slots && rule_slots_distinct<R>;
   static_assert(!(named && has_slots) || slotted,
@@ -311,7 +331,8 @@ struct checked_rule {
   static constexpr bool updates = !(before_update && phased) || rule_updates<R>;
   static_assert(updates || rule_declares_tensor_phase<R>,
                 "tierstate: a rule needs `template <class V> static void update(coefficients const&, "
-                "V& weight, V grad, V (&state)[slots.size()])`, callable with V = float (rules/rule.hpp)");
+                "V& weight, V grad, V (&state)[slots.size()])` (`no_slots&` without slots), callable with V = float "
+                "(rules/rule.hpp)");
   static_assert(updates || !rule_declares_tensor_phase<R>,
                 "tierstate: a rule with a tensor phase needs `template <class V> static void update(coefficients "
                 "const&, V& weight, V grad, V (&state)[slots.size()], tensor_position<V> const&)`, callable with "

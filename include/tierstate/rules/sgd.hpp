@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// SGD with momentum, with torch.optim.SGD's exact semantics (single-tensor path):
+// SGD, with torch.optim.SGD's exact semantics (single-tensor path), in two rules:
+// SGD (momentum 0: no slot) and SGDMomentum (one slot, momentum_buffer).
 //
 //   g   = grad / grad_scale,  negated when maximize
 //   g   = g + weight_decay * w                      (only when weight_decay != 0)
@@ -9,7 +10,9 @@
 //   w   = w - lr * g
 //
 // torch keeps no buffer at all when momentum is 0; here the slots are fixed at compile time,
-// so this rule, which keeps `momentum_buffer`, refuses momentum 0 by name. Each product that
+// so SGDMomentum, which keeps `momentum_buffer`, refuses momentum 0 by name, and SGD refuses
+// any other. Both have the same table (torch's six numbers), so a trainer switches between
+// them by the value of momentum; a checkpoint of one is refused by the other, by name. Each product that
 // feeds an add is an explicit fma, in the order torch's CPU kernels round: buf * momentum is
 // rounded, then (1 - dampening) * g is added to it in one fused step, as `add_` with an alpha
 // computes it.
@@ -28,6 +31,104 @@
 
 namespace tierstate::inline TIERSTATE_ABI {
 
+namespace detail {
+
+/// torch.optim.SGD's numbers, as both SGD rules hold them.
+struct sgd_hyperparameters {
+  double lr           = 1e-3;
+  double momentum     = 0.0;
+  double dampening    = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov       = false;
+  bool maximize       = false;
+};
+
+/// Both rules' table, the momentum row apart: a checkpoint records lr, momentum, dampening,
+/// weight_decay, nesterov, maximize, in this order. torch accepts any dampening.
+template <class H>
+constexpr std::array<hyperparameter<H>, 6> sgd_table(value_range momentum, std::string_view momentum_why)
+{
+  return {{
+    {"lr", [](H const& h) noexcept { return h.lr; }, [](H& h, double v) noexcept { h.lr = v; },
+     value_range::at_least(0.0), "the learning rate must be >= 0"},
+    {"momentum", [](H const& h) noexcept { return h.momentum; }, [](H& h, double v) noexcept { h.momentum = v; },
+     momentum, momentum_why},
+    {"dampening", [](H const& h) noexcept { return h.dampening; }, [](H& h, double v) noexcept { h.dampening = v; },
+     value_range{}, "dampening must be a number"},
+    {"weight_decay", [](H const& h) noexcept { return h.weight_decay; },
+     [](H& h, double v) noexcept { h.weight_decay = v; }, value_range::at_least(0.0), "weight decay must be >= 0"},
+    {"nesterov", [](H const& h) noexcept { return h.nesterov ? 1.0 : 0.0; },
+     [](H& h, double v) noexcept { h.nesterov = v != 0.0; }, value_range::boolean(), "must be 0 or 1"},
+    {"maximize", [](H const& h) noexcept { return h.maximize ? 1.0 : 0.0; },
+     [](H& h, double v) noexcept { h.maximize = v != 0.0; }, value_range::boolean(), "must be 0 or 1"},
+  }};
+}
+
+/// torch's one refused combination: Nesterov without a momentum, or with dampening.
+inline void sgd_validate_combination(std::string_view rule, sgd_hyperparameters const& h)
+{
+  if (h.nesterov && !(h.momentum > 0.0)) {
+    throw invalid_option(std::string(rule) + ".nesterov", "1", "Nesterov momentum requires a momentum and zero dampening");
+  }
+  if (h.nesterov && h.dampening != 0.0) {
+    throw invalid_option(std::string(rule) + ".dampening", detail::to_text(h.dampening),
+                         "Nesterov momentum requires a momentum and zero dampening");
+  }
+}
+
+/// The checks every rule's coefficients_for makes of the step and the gradient scale.
+inline void sgd_check_step(std::string_view rule, std::int64_t step, double grad_scale)
+{
+  if (step < 1) { throw invalid_option(std::string(rule) + ".step", detail::to_text(step), "steps are counted from 1"); }
+  if (!(grad_scale > 0.0) || !std::isfinite(grad_scale)) {
+    throw invalid_option(std::string(rule) + ".grad_scale", detail::to_text(grad_scale),
+                         "the gradient scale must be finite and > 0");
+  }
+}
+
+}  // namespace detail
+
+/// torch.optim.SGD(momentum=0), its default: no slot; only the master (or the fp32 param).
+struct SGD {
+  static constexpr std::string_view name = "sgd";
+  static constexpr std::array<slot, 0> slots{};
+  static constexpr std::size_t slot_count = 0;
+
+  /// torch.optim.SGD's arguments and defaults.
+  using hyperparameters = detail::sgd_hyperparameters;
+  static constexpr auto hyperparameter_table = detail::sgd_table<hyperparameters>(
+    value_range::closed(0.0, 0.0),
+    "momentum must be 0 for a rule without slots (a momentum buffer is kept by SGDMomentum)");
+  static void validate_combination(hyperparameters const& h) { detail::sgd_validate_combination(name, h); }
+
+  struct coefficients {
+    float grad_mul;      ///< 1 / grad_scale, negated when maximize
+    float weight_decay;  ///< 0 disables the term
+    float neg_lr;
+  };
+
+  static void validate(hyperparameters const& h) { validate_hyperparameters<SGD>(h); }
+
+  [[nodiscard]] static coefficients coefficients_for(hyperparameters const& h, std::int64_t step,
+                                                     double grad_scale = 1.0)
+  {
+    validate(h);
+    detail::sgd_check_step(name, step, grad_scale);
+    float const inv = static_cast<float>(1.0 / grad_scale);
+    return {h.maximize ? -inv : inv, static_cast<float>(h.weight_decay), static_cast<float>(-h.lr)};
+  }
+
+  template <class V>
+  TIERSTATE_HOST_DEVICE static void update(coefficients const& k, V& w, V g, no_slots&) noexcept
+  {
+    g = math::fma(g, V(k.grad_mul), V(0.0f));  // an fma, not a product: see rules/adam.hpp
+    if (k.weight_decay != 0.0f) { g = math::fma(w, V(k.weight_decay), g); }
+    w = math::fma(g, V(k.neg_lr), w);
+  }
+};
+
+static_assert(rule<SGD>);
+
 /// torch.optim.SGD(momentum > 0): one slot, momentum_buffer.
 struct SGDMomentum {
   static constexpr std::string_view name = "sgd_momentum";
@@ -36,47 +137,13 @@ struct SGDMomentum {
 
   /// torch.optim.SGD's arguments and defaults, except momentum: torch's default, 0, keeps no
   /// buffer, which this rule exists to keep.
-  struct hyperparameters {
-    double lr           = 1e-3;
-    double momentum     = 0.9;
-    double dampening    = 0.0;
-    double weight_decay = 0.0;
-    bool nesterov       = false;
-    bool maximize       = false;
+  struct hyperparameters : detail::sgd_hyperparameters {
+    hyperparameters() noexcept { momentum = 0.9; }
   };
-
-  /// The table (rules/rule.hpp): a checkpoint records the values in this order (lr, momentum,
-  /// dampening, weight_decay, nesterov, maximize). torch accepts any dampening.
-  static constexpr std::array<hyperparameter<hyperparameters>, 6> hyperparameter_table{{
-    {"lr", [](hyperparameters const& h) noexcept { return h.lr; },
-     [](hyperparameters& h, double v) noexcept { h.lr = v; }, value_range::at_least(0.0),
-     "the learning rate must be >= 0"},
-    {"momentum", [](hyperparameters const& h) noexcept { return h.momentum; },
-     [](hyperparameters& h, double v) noexcept { h.momentum = v; }, value_range::above(0.0),
-     "momentum must be > 0 for a rule that keeps a momentum buffer (momentum 0 keeps none: "
-     "torch.optim.SGD(momentum=0) is a rule without slots)"},
-    {"dampening", [](hyperparameters const& h) noexcept { return h.dampening; },
-     [](hyperparameters& h, double v) noexcept { h.dampening = v; }, value_range{},
-     "dampening must be a number"},
-    {"weight_decay", [](hyperparameters const& h) noexcept { return h.weight_decay; },
-     [](hyperparameters& h, double v) noexcept { h.weight_decay = v; }, value_range::at_least(0.0),
-     "weight decay must be >= 0"},
-    {"nesterov", [](hyperparameters const& h) noexcept { return h.nesterov ? 1.0 : 0.0; },
-     [](hyperparameters& h, double v) noexcept { h.nesterov = v != 0.0; }, value_range::boolean(),
-     "must be 0 or 1"},
-    {"maximize", [](hyperparameters const& h) noexcept { return h.maximize ? 1.0 : 0.0; },
-     [](hyperparameters& h, double v) noexcept { h.maximize = v != 0.0; }, value_range::boolean(),
-     "must be 0 or 1"},
-  }};
-
-  /// torch's one refused combination.
-  static void validate_combination(hyperparameters const& h)
-  {
-    if (h.nesterov && h.dampening != 0.0) {
-      throw invalid_option(std::string(name) + ".dampening", detail::to_text(h.dampening),
-                           "Nesterov momentum requires a momentum and zero dampening");
-    }
-  }
+  static constexpr auto hyperparameter_table = detail::sgd_table<hyperparameters>(
+    value_range::above(0.0),
+    "momentum must be > 0 for a rule that keeps a momentum buffer (momentum 0 keeps none: that is SGD)");
+  static void validate_combination(hyperparameters const& h) { detail::sgd_validate_combination(name, h); }
 
   struct coefficients {
     float grad_mul;      ///< 1 / grad_scale, negated when maximize
@@ -94,11 +161,7 @@ struct SGDMomentum {
                                                      double grad_scale = 1.0)
   {
     validate(h);
-    if (step < 1) { throw invalid_option(std::string(name) + ".step", detail::to_text(step), "steps are counted from 1"); }
-    if (!(grad_scale > 0.0) || !std::isfinite(grad_scale)) {
-      throw invalid_option(std::string(name) + ".grad_scale", detail::to_text(grad_scale),
-                           "the gradient scale must be finite and > 0");
-    }
+    detail::sgd_check_step(name, step, grad_scale);
     float const inv = static_cast<float>(1.0 / grad_scale);
     coefficients k{};
     k.grad_mul            = h.maximize ? -inv : inv;

@@ -125,7 +125,7 @@ struct update_element {
     auto&& lead   = thrust::get<P::leading_slots == 1 ? 2 : 0>(t);  // (without a master or a compensation: unused)
     float w       = load_weight<P>(param, lead);
     float const g = to_float(thrust::get<1>(t));
-    float s[slots]{to_float(thrust::get<first + I>(t))...};
+    slot_values<float, slots> s{to_float(thrust::get<first + I>(t))...};
 
     R::update(k, w, g, s);
 
@@ -156,7 +156,7 @@ struct update_block {
   grad_t const* grad;
   float* master;
   param_t* compensation;
-  void* state[Slots];
+  void* state[Slots == 0 ? 1 : Slots];
   std::size_t n;
   float const* tensor_state;  ///< a tensor-phase rule: its tensor's state, shape and element 0's index
   tensor_shape shape;
@@ -168,12 +168,12 @@ struct update_block {
   template <std::size_t... J>
   TIERSTATE_HOST_DEVICE void run(std::size_t i, std::size_t m, std::index_sequence<J...>) const
   {
-    float scratch[Slots][B];
+    float scratch[Slots == 0 ? 1 : Slots][B];
     (load_slot<J>(scratch[J], i, m), ...);
     for (std::size_t e = 0; e < m; ++e) {
       float w       = load_weight<P>(param[i + e], lead_at(i + e));
       float const g = to_float(grad[i + e]);
-      float s[Slots]{scratch[J][e]...};
+      slot_values<float, Slots> s{scratch[J][e]...};
       if constexpr (has_tensor_phase<R>) {
         std::size_t const at = tensor_offset + i + e;
         R::update(k, w, g, s, tensor_position<float>{tensor_state, shape, at / shape.columns, at % shape.columns, 1});

@@ -80,7 +80,7 @@ TIERSTATE_ALWAYS_INLINE void update_batch(typename R::coefficients const& k,
     w = detail::load_as_float<Arch>(a.param + i);
   }
   V const g = detail::load_as_float<Arch>(a.grad + i);
-  V s[Slots];
+  slot_values<V, Slots> s;
   for_each_slot<Slots>([&](auto j) {
     s[j] = detail::load_as_float<Arch>(static_cast<slot_element_t<P, j> const*>(a.state[j]) + i);
   });
@@ -118,7 +118,7 @@ void update_tail(typename R::coefficients const& k, update_arrays<P, Slots> cons
   alignas(64) grad_t grad[n]   = {};
   alignas(64) float master[n]  = {};
   alignas(64) bf16 compensation[n] = {};
-  alignas(64) std::byte state[Slots][n * sizeof(float)] = {};
+  alignas(64) std::byte state[Slots == 0 ? 1 : Slots][n * sizeof(float)] = {};
 
   update_arrays<P, Slots> t;
   t.param = param;
@@ -156,13 +156,15 @@ void update_tail(typename R::coefficients const& k, update_arrays<P, Slots> cons
 /// written for float alone does not).
 template <class R, class Arch>
 concept updates_plain_batches = requires(typename R::coefficients const& k, xsimd::batch<float, Arch>& w,
-                                         xsimd::batch<float, Arch> g, xsimd::batch<float, Arch> (&s)[R::slots.size()]) {
+                                         xsimd::batch<float, Arch> g,
+                                         slot_values<xsimd::batch<float, Arch>, R::slots.size()>& s) {
   R::update(k, w, g, s);
 };
 template <class R, class Arch>
 concept updates_positioned_batches =
   requires(typename R::coefficients const& k, xsimd::batch<float, Arch>& w, xsimd::batch<float, Arch> g,
-           xsimd::batch<float, Arch> (&s)[R::slots.size()], tensor_position<xsimd::batch<float, Arch>> const& at) {
+           slot_values<xsimd::batch<float, Arch>, R::slots.size()>& s,
+           tensor_position<xsimd::batch<float, Arch>> const& at) {
     R::update(k, w, g, s, at);
   };
 template <class R, class Arch>
@@ -254,7 +256,7 @@ void update_blocks(typename R::coefficients const& k, update_arrays<P, Slots> co
 {
   constexpr std::size_t B = tierstate::detail::state_block_v<P, Slots>;
   using SP                = scratch_precision_t<P, Slots>;
-  alignas(64) float scratch[Slots][B];
+  alignas(64) float scratch[Slots == 0 ? 1 : Slots][B];
   for (std::size_t i = begin; i < end; i += B) {
     std::size_t const m = std::min(B, end - i);
     update_arrays<SP, Slots> t;
