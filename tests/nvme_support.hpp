@@ -83,8 +83,15 @@ void register_model(Opt& opt, M& m)
   }
   typename Opt::hyperparameters h;
   h.lr           = 3e-3;
-  h.betas        = {0.8, 0.99};
   h.weight_decay = 0.0;
+  if constexpr (requires { h.betas; }) {
+    h.betas = {0.8, 0.99};
+  } else if constexpr (Opt::rule_type::slots.size() == 1) {  // SGD with momentum
+    h.momentum  = 0.5;
+    h.dampening = 0.1;
+  } else {
+    h.maximize = true;
+  }
   opt.add_group(h, {"t1", "t4"});
 }
 

@@ -87,7 +87,7 @@ std::size_t kernel_mismatches(std::size_t n, int steps, typename R::hyperparamet
       a.param  = param.data();
       a.grad   = grad.data();
       a.master = P::has_master ? master.data() : nullptr;
-      for (std::size_t j = 0; j < S; ++j) { a.state[j] = state[j].data(); }
+      for (std::size_t j = 0; j != S; ++j) { a.state[j] = state[j].data(); }
       return a;
     }
   };
@@ -109,12 +109,12 @@ std::size_t kernel_mismatches(std::size_t n, int steps, typename R::hyperparamet
   mirrored<grad_t> d_grad(start.grad);
   mirrored<float> d_master(start.master);
   std::vector<std::unique_ptr<mirrored<state_t>>> d_state;
-  for (std::size_t j = 0; j < S; ++j) { d_state.push_back(std::make_unique<mirrored<state_t>>(start.state[j])); }
+  for (std::size_t j = 0; j != S; ++j) { d_state.push_back(std::make_unique<mirrored<state_t>>(start.state[j])); }
   update_arrays<P, S> on_device;
   on_device.param  = d_param.device;
   on_device.grad   = d_grad.device;
   on_device.master = P::has_master ? d_master.device : nullptr;
-  for (std::size_t j = 0; j < S; ++j) { on_device.state[j] = d_state[j]->device; }
+  for (std::size_t j = 0; j != S; ++j) { on_device.state[j] = d_state[j]->device; }
   thread_pool pool(2);
   device::stream s;
   for (int t = 1; t <= steps; ++t) {
@@ -134,7 +134,7 @@ std::size_t kernel_mismatches(std::size_t n, int steps, typename R::hyperparamet
   arrays device_side;
   device_side.param  = d_param.download();
   device_side.master = d_master.download();
-  for (std::size_t j = 0; j < S; ++j) { device_side.state.push_back(d_state[j]->download()); }
+  for (std::size_t j = 0; j != S; ++j) { device_side.state.push_back(d_state[j]->download()); }
   // The same bits; two NaNs count as the same (CUDA's conversions make the canonical NaN,
   // tierstate's keep the payload).
   auto same = [](auto a, auto b) {
@@ -145,7 +145,7 @@ std::size_t kernel_mismatches(std::size_t n, int steps, typename R::hyperparamet
   for (std::size_t i = 0; i < n; ++i) {
     bool ok = same(host_side.param[i], device_side.param[i]);
     if constexpr (P::has_master) { ok = ok && same(host_side.master[i], device_side.master[i]); }
-    for (std::size_t j = 0; j < S; ++j) { ok = ok && same(host_side.state[j][i], device_side.state[j][i]); }
+    for (std::size_t j = 0; j != S; ++j) { ok = ok && same(host_side.state[j][i], device_side.state[j][i]); }
     bad += ok ? 0 : 1;
   }
   return bad;

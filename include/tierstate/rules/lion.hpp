@@ -44,21 +44,15 @@ struct Lion {
   /// The table (rules/rule.hpp): a checkpoint records lr, beta1, beta2, weight_decay,
   /// maximize, in this order.
   static constexpr std::array<hyperparameter<hyperparameters>, 5> hyperparameter_table{{
-    {"lr", [](hyperparameters const& h) noexcept { return h.lr; },
-     [](hyperparameters& h, double v) noexcept { h.lr = v; }, value_range::at_least(0.0),
-     "the learning rate must be >= 0"},
-    {"betas[0]", [](hyperparameters const& h) noexcept { return h.betas[0]; },
-     [](hyperparameters& h, double v) noexcept { h.betas[0] = v; }, value_range::closed(0.0, 1.0),
-     "beta1 must be in [0, 1]"},
-    {"betas[1]", [](hyperparameters const& h) noexcept { return h.betas[1]; },
-     [](hyperparameters& h, double v) noexcept { h.betas[1] = v; }, value_range::closed(0.0, 1.0),
-     "beta2 must be in [0, 1]"},
-    {"weight_decay", [](hyperparameters const& h) noexcept { return h.weight_decay; },
-     [](hyperparameters& h, double v) noexcept { h.weight_decay = v; }, value_range::at_least(0.0),
-     "weight decay must be >= 0"},
-    {"maximize", [](hyperparameters const& h) noexcept { return h.maximize ? 1.0 : 0.0; },
-     [](hyperparameters& h, double v) noexcept { h.maximize = v != 0.0; }, value_range::boolean(),
-     "must be 0 or 1"},
+    number_row<hyperparameters, &hyperparameters::lr>("lr", value_range::at_least(0.0),
+                                                      "the learning rate must be >= 0"),
+    element_row<hyperparameters, &hyperparameters::betas, 0>("betas[0]", value_range::closed(0.0, 1.0),
+                                                             "beta1 must be in [0, 1]"),
+    element_row<hyperparameters, &hyperparameters::betas, 1>("betas[1]", value_range::closed(0.0, 1.0),
+                                                             "beta2 must be in [0, 1]"),
+    number_row<hyperparameters, &hyperparameters::weight_decay>("weight_decay", value_range::at_least(0.0),
+                                                                "weight decay must be >= 0"),
+    flag_row<hyperparameters, &hyperparameters::maximize>("maximize"),
   }};
 
   struct coefficients {

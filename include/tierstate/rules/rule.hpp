@@ -10,8 +10,9 @@
 //   - `hyperparameters`: a struct with torch.optim's defaults;
 //   - `hyperparameter_table`: a std::array<hyperparameter<hyperparameters>, M>, one row per
 //     number: its name as torch.optim spells it ("lr", "betas[0]"), how to read and set it,
-//     the values it may take and, in torch's words, why others are refused. Validation, the
-//     values a checkpoint records (in table order) and the PyTorch bindings come from it;
+//     the values it may take and, in torch's words, why others are refused (number_row,
+//     element_row and flag_row make a row from a member). Validation, the values a
+//     checkpoint records (in table order) and the PyTorch bindings come from it;
 //   - `coefficients`: everything an update needs for one step (trivially copyable: it goes
 //     to the device as it is), made once per step by `coefficients_for(hyperparameters,
 //     step, grad_scale)`;
@@ -104,6 +105,32 @@ struct hyperparameter {
   std::string_view why;  ///< why a value outside the range is refused, in torch's words
 };
 
+/// A row for a number member of H (`&H::lr`).
+template <class H, auto Member>
+[[nodiscard]] constexpr hyperparameter<H> number_row(std::string_view name, value_range range,
+                                                     std::string_view why) noexcept
+{
+  return {name, [](H const& h) noexcept { return static_cast<double>(h.*Member); },
+          [](H& h, double v) noexcept { h.*Member = v; }, range, why};
+}
+
+/// A row for element I of an array member of H (`&H::betas`, 0 for "betas[0]").
+template <class H, auto Member, std::size_t I>
+[[nodiscard]] constexpr hyperparameter<H> element_row(std::string_view name, value_range range,
+                                                      std::string_view why) noexcept
+{
+  return {name, [](H const& h) noexcept { return static_cast<double>((h.*Member)[I]); },
+          [](H& h, double v) noexcept { (h.*Member)[I] = v; }, range, why};
+}
+
+/// A row for a bool member of H: 0 or 1.
+template <class H, auto Member>
+[[nodiscard]] constexpr hyperparameter<H> flag_row(std::string_view name) noexcept
+{
+  return {name, [](H const& h) noexcept { return h.*Member ? 1.0 : 0.0; },
+          [](H& h, double v) noexcept { h.*Member = v != 0.0; }, value_range::boolean(), "must be 0 or 1"};
+}
+
 /// What a rule without slots receives as its state (a zero-length array is not C++).
 struct no_slots {};
 
@@ -163,7 +190,7 @@ concept rule_has_slots = requires { R::slots; } && is_slot_array<std::remove_cvr
 template <class R>
 consteval bool slot_names_distinct()
 {
-  for (std::size_t i = 0; i < R::slots.size(); ++i) {
+  for (std::size_t i = 0; i != R::slots.size(); ++i) {
     auto const s = R::slots[i];
     if (s.name().empty() || s == slot::master || s == slot::compensation) { return false; }
     for (std::size_t j = 0; j < i; ++j) {

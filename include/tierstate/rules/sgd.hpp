@@ -49,18 +49,12 @@ template <class H>
 constexpr std::array<hyperparameter<H>, 6> sgd_table(value_range momentum, std::string_view momentum_why)
 {
   return {{
-    {"lr", [](H const& h) noexcept { return h.lr; }, [](H& h, double v) noexcept { h.lr = v; },
-     value_range::at_least(0.0), "the learning rate must be >= 0"},
-    {"momentum", [](H const& h) noexcept { return h.momentum; }, [](H& h, double v) noexcept { h.momentum = v; },
-     momentum, momentum_why},
-    {"dampening", [](H const& h) noexcept { return h.dampening; }, [](H& h, double v) noexcept { h.dampening = v; },
-     value_range{}, "dampening must be a number"},
-    {"weight_decay", [](H const& h) noexcept { return h.weight_decay; },
-     [](H& h, double v) noexcept { h.weight_decay = v; }, value_range::at_least(0.0), "weight decay must be >= 0"},
-    {"nesterov", [](H const& h) noexcept { return h.nesterov ? 1.0 : 0.0; },
-     [](H& h, double v) noexcept { h.nesterov = v != 0.0; }, value_range::boolean(), "must be 0 or 1"},
-    {"maximize", [](H const& h) noexcept { return h.maximize ? 1.0 : 0.0; },
-     [](H& h, double v) noexcept { h.maximize = v != 0.0; }, value_range::boolean(), "must be 0 or 1"},
+    number_row<H, &H::lr>("lr", value_range::at_least(0.0), "the learning rate must be >= 0"),
+    number_row<H, &H::momentum>("momentum", momentum, momentum_why),
+    number_row<H, &H::dampening>("dampening", value_range{}, "dampening must be a number"),
+    number_row<H, &H::weight_decay>("weight_decay", value_range::at_least(0.0), "weight decay must be >= 0"),
+    flag_row<H, &H::nesterov>("nesterov"),
+    flag_row<H, &H::maximize>("maximize"),
   }};
 }
 

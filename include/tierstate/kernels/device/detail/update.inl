@@ -299,7 +299,7 @@ void update_async(stream_view s, typename R::coefficients const& k,
               reinterpret_cast<typename block_f::grad_t const*>(a.grad), a.master,
               reinterpret_cast<typename block_f::param_t*>(a.compensation), {}, n,
               a.tensor_state, a.shape, a.tensor_offset};
-    for (std::size_t j = 0; j < slots; ++j) { f.state[j] = a.state[j]; }
+    for (std::size_t j = 0; j != slots; ++j) { f.state[j] = a.state[j]; }
     auto const first = thrust::counting_iterator<std::size_t>(0);
     auto const last  = first + static_cast<std::ptrdiff_t>((n + block_f::B - 1) / block_f::B);
 #if defined(TIERSTATE_ENABLE_CUDA)

@@ -19,7 +19,7 @@ void check_arrays(update_arrays<P, Slots> const& a, std::size_t n)
                       "update_arrays.compensation is null, but precision " + P::name() +
                         " keeps a compensation slot");
   }
-  for (std::size_t s = 0; s < Slots; ++s) {
+  for (std::size_t s = 0; s != Slots; ++s) {
     TIERSTATE_EXPECTS(a.state[s] != nullptr,
                       "update_arrays.state[" + std::to_string(s) + "] is null");
   }
