@@ -92,7 +92,7 @@ struct reference_model<Lion> {
     float w = f(e.w), m = f(e.m);
     float const g = std::fma(grad, h.maximize ? -inv : inv, 0.0f);
     float const c = std::fma(g, f(1.0 - b1), f(b1) * m);
-    w   = std::fma(w, f(1.0 - lr * h.weight_decay), f(-lr) * static_cast<float>(sign(c)));
+    w   = std::fma(static_cast<float>(sign(c)), f(-lr), w * f(1.0 - lr * h.weight_decay));
     m   = std::fma(g, f(1.0 - b2), f(b2) * m);
     e.w = w;
     e.m = bf16_state ? static_cast<float>(bf16(m)) : m;

@@ -165,6 +165,12 @@ void check_rule()
   h.lr = 3e-3;
   INFO(R::name << " " << P::name() << " maximize, beta1 0.3 or Nesterov");
   CHECK(kernel_mismatches<R, P>(4097, 7, h) == 0);
+  if constexpr (requires { h.dampening; }) {
+    h    = unusual_hyperparameters_2<R>();  // SGD: dampening instead of Nesterov
+    h.lr = 3e-3;
+    INFO(R::name << " " << P::name() << " dampening");
+    CHECK(kernel_mismatches<R, P>(4097, 7, h) == 0);
+  }
 }
 
 }  // namespace

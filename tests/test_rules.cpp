@@ -394,4 +394,34 @@ TEST_CASE("Lion: lion-pytorch's defaults and refusals, and its sign step", "[rul
   }
   CHECK(math::sign(std::numeric_limits<float>::quiet_NaN()) == 0.0f);
   CHECK(math::sign(-0.0f) == 0.0f);
+
+  // The same on SIMD batches, at every lane: zeros of both signs, NaN, infinities, gradients
+  // whose interpolation is subnormal, in a run long enough for whole batches and a tail.
+  float const specials[] = {0.0f, -0.0f, std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(), 1e-38f, -1e-38f, 1.0f, -3.0f};
+  std::size_t const n = 1000;
+  std::vector<float> grad(n), w(n, 1.0f), m(n, 0.0f), w_ref(n, 1.0f), m_ref(n, 0.0f);
+  for (std::size_t i = 0; i < n; ++i) { grad[i] = specials[(i * 7) % std::size(specials)]; }
+  update_arrays<Fp32, 1> a;
+  a.param    = w.data();
+  a.grad     = grad.data();
+  a.state[0] = m.data();
+  Lion::hyperparameters hs;
+  hs.lr            = 0.5;
+  auto const ks    = Lion::coefficients_for(hs, 1);
+  host::update_range<Lion, Fp32>(ks, a, 0, n);
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    float st[1] = {m_ref[i]};
+    Lion::update(ks, w_ref[i], grad[i], st);
+    bad += bits(w[i]) != bits(w_ref[i]) || bits(m[i]) != bits(st[0]);
+  }
+  CHECK(bad == 0);
+  auto const at = [&](std::size_t k) { return std::size_t{(k * 4) % 9}; };  // grad[at(k)] is specials[k] (7 * 4 = 1 mod 9)
+  CHECK(w[at(0)] == 1.0f);  // sign(0): no step
+  CHECK(w[at(1)] == 1.0f);  // sign(-0): no step
+  CHECK(w[at(2)] == 1.0f);  // sign(NaN): no step, as torch.sign; the momentum takes the NaN
+  CHECK(m[at(2)] != m[at(2)]);
+  CHECK(w[at(5)] == 0.5f);  // a subnormal interpolation (0.1 * 1e-38) still has a sign
+  CHECK(w[at(6)] == 1.5f);
 }

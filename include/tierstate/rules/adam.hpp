@@ -110,14 +110,7 @@ struct AdamRule {
                                                      double grad_scale = 1.0)
   {
     validate(h);
-    if (step < 1) {
-      throw invalid_option(std::string(name) + ".step", detail::to_text(step),
-                           "steps are counted from 1");
-    }
-    if (!(grad_scale > 0.0) || !std::isfinite(grad_scale)) {
-      throw invalid_option(std::string(name) + ".grad_scale", detail::to_text(grad_scale),
-                           "the gradient scale must be finite and > 0");
-    }
+    validate_step(name, step, grad_scale);
     auto const t       = static_cast<double>(step);
     double const bc1   = 1.0 - std::pow(h.betas[0], t);
     double const bc2   = 1.0 - std::pow(h.betas[1], t);

@@ -10,9 +10,9 @@
 //   m = beta2 * m + (1 - beta2) * g
 //
 // One slot, `exp_avg`, as lion-pytorch names it. Each product that feeds an add is an
-// explicit fma: beta * m is rounded, then (1 - beta) * g is added in one fused step, as
-// torch's `mul_(beta).add_(g, alpha=1 - beta)` does; the decay and the step are fused into
-// one rounding where the reference rounds twice (the difference is within float rounding).
+// explicit fma, rounded where the reference rounds: beta * m is rounded, then (1 - beta) * g
+// is added in one fused step, as torch's `mul_(beta).add_(g, alpha=1 - beta)` does; the
+// decayed weight is rounded, then -lr * sign(c) is added.
 #pragma once
 
 #include <tierstate/core/concepts.hpp>
@@ -70,11 +70,7 @@ struct Lion {
                                                      double grad_scale = 1.0)
   {
     validate(h);
-    if (step < 1) { throw invalid_option(std::string(name) + ".step", detail::to_text(step), "steps are counted from 1"); }
-    if (!(grad_scale > 0.0) || !std::isfinite(grad_scale)) {
-      throw invalid_option(std::string(name) + ".grad_scale", detail::to_text(grad_scale),
-                           "the gradient scale must be finite and > 0");
-    }
+    validate_step(name, step, grad_scale);
     float const inv = static_cast<float>(1.0 / grad_scale);
     coefficients k{};
     k.grad_mul        = h.maximize ? -inv : inv;
@@ -90,11 +86,11 @@ struct Lion {
   template <class V>
   TIERSTATE_HOST_DEVICE static void update(coefficients const& k, V& w, V g, V (&state)[1]) noexcept
   {
-    V& m         = state[0];
-    g            = math::fma(g, V(k.grad_mul), V(0.0f));  // an fma, not a product: see rules/adam.hpp
-    V const c    = math::fma(g, V(k.one_minus_beta1), V(k.beta1) * m);
-    w            = math::fma(w, V(k.decay), V(k.neg_lr) * math::sign(c));
-    m            = math::fma(g, V(k.one_minus_beta2), V(k.beta2) * m);
+    V& m      = state[0];
+    g         = math::fma(g, V(k.grad_mul), V(0.0f));  // an fma, not a product: see rules/adam.hpp
+    V const c = math::fma(g, V(k.one_minus_beta1), V(k.beta1) * m);
+    w         = math::fma(math::sign(c), V(k.neg_lr), w * V(k.decay));
+    m         = math::fma(g, V(k.one_minus_beta2), V(k.beta2) * m);
   }
 };
 

@@ -54,6 +54,7 @@
 #include <tierstate/core/tensor.hpp>
 
 #include <array>
+#include <cmath>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -265,6 +266,20 @@ void validate_hyperparameters(typename R::hyperparameters const& h)
     }
   }
   if constexpr (requires { R::validate_combination(h); }) { R::validate_combination(h); }
+}
+
+/// The checks every rule's coefficients_for makes of its other arguments: throws
+/// tierstate::invalid_option ("<rule>.step", "<rule>.grad_scale") for a step below 1 (torch
+/// counts from 1) or a gradient scale that is not finite and > 0.
+inline void validate_step(std::string_view rule, std::int64_t step, double grad_scale)
+{
+  if (step < 1) {
+    throw invalid_option(std::string(rule) + ".step", detail::to_text(step), "steps are counted from 1");
+  }
+  if (!(grad_scale > 0.0) || !std::isfinite(grad_scale)) {
+    throw invalid_option(std::string(rule) + ".grad_scale", detail::to_text(grad_scale),
+                         "the gradient scale must be finite and > 0");
+  }
 }
 
 /// The numbers of `h`, in table order: what a checkpoint records per group.

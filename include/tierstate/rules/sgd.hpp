@@ -1,21 +1,29 @@
 // SPDX-License-Identifier: Apache-2.0
-// SGD, with torch.optim.SGD's exact semantics (single-tensor path), in two rules:
-// SGD (momentum 0: no slot) and SGDMomentum (one slot, momentum_buffer).
+// SGD, with torch.optim.SGD's exact semantics (single-tensor path), in two rules: SGD
+// (momentum 0: no slot) and SGDMomentum (one slot, momentum_buffer).
 //
 //   g   = grad / grad_scale,  negated when maximize
 //   g   = g + weight_decay * w                      (only when weight_decay != 0)
-//   buf = g                                         on the tensor's first step
+//   buf = g                                         on the first step
 //   buf = momentum * buf + (1 - dampening) * g      after it
 //   g   = g + momentum * buf  (nesterov),  or  g = buf
 //   w   = w - lr * g
 //
 // torch keeps no buffer at all when momentum is 0; here the slots are fixed at compile time,
 // so SGDMomentum, which keeps `momentum_buffer`, refuses momentum 0 by name, and SGD refuses
-// any other. Both have the same table (torch's six numbers), so a trainer switches between
-// them by the value of momentum; a checkpoint of one is refused by the other, by name. Each product that
-// feeds an add is an explicit fma, in the order torch's CPU kernels round: buf * momentum is
-// rounded, then (1 - dampening) * g is added to it in one fused step, as `add_` with an alpha
-// computes it.
+// any other. Both have the same table (torch's six numbers, in torch's order), so a trainer
+// picks one by the value of momentum, and a checkpoint of one is refused by the other. (torch
+// also lets groups of one optimizer differ in whether momentum is 0; here they cannot.)
+//
+// Each product that feeds an add is an explicit fma, in the order torch's CPU kernels round:
+// buf * momentum is rounded, then (1 - dampening) * g is added in one fused step, as `add_`
+// with an alpha computes it.
+//
+// "The first step" is the optimizer's step 1, where torch asks whether the param's buffer
+// exists yet. The two differ, with a dampening other than 0 only, for a tensor whose first
+// gradient comes after step 1 (it starts from (1 - dampening) * g, torch from g); and a
+// buffer written with write_state before step 1 is replaced by the first gradient. Per-tensor
+// step counts will remove both differences.
 #pragma once
 
 #include <tierstate/core/concepts.hpp>
@@ -33,16 +41,6 @@ namespace tierstate::inline TIERSTATE_ABI {
 
 namespace detail {
 
-/// torch.optim.SGD's numbers, as both SGD rules hold them.
-struct sgd_hyperparameters {
-  double lr           = 1e-3;
-  double momentum     = 0.0;
-  double dampening    = 0.0;
-  double weight_decay = 0.0;
-  bool nesterov       = false;
-  bool maximize       = false;
-};
-
 /// Both rules' table, the momentum row apart: a checkpoint records lr, momentum, dampening,
 /// weight_decay, nesterov, maximize, in this order. torch accepts any dampening.
 template <class H>
@@ -59,24 +57,15 @@ constexpr std::array<hyperparameter<H>, 6> sgd_table(value_range momentum, std::
 }
 
 /// torch's one refused combination: Nesterov without a momentum, or with dampening.
-inline void sgd_validate_combination(std::string_view rule, sgd_hyperparameters const& h)
+template <class H>
+void sgd_validate_combination(std::string_view rule, H const& h)
 {
+  std::string_view const why = "Nesterov momentum requires a momentum and zero dampening";
   if (h.nesterov && !(h.momentum > 0.0)) {
-    throw invalid_option(std::string(rule) + ".nesterov", "1", "Nesterov momentum requires a momentum and zero dampening");
+    throw invalid_option(std::string(rule) + ".nesterov", "1", std::string(why));
   }
   if (h.nesterov && h.dampening != 0.0) {
-    throw invalid_option(std::string(rule) + ".dampening", detail::to_text(h.dampening),
-                         "Nesterov momentum requires a momentum and zero dampening");
-  }
-}
-
-/// The checks every rule's coefficients_for makes of the step and the gradient scale.
-inline void sgd_check_step(std::string_view rule, std::int64_t step, double grad_scale)
-{
-  if (step < 1) { throw invalid_option(std::string(rule) + ".step", detail::to_text(step), "steps are counted from 1"); }
-  if (!(grad_scale > 0.0) || !std::isfinite(grad_scale)) {
-    throw invalid_option(std::string(rule) + ".grad_scale", detail::to_text(grad_scale),
-                         "the gradient scale must be finite and > 0");
+    throw invalid_option(std::string(rule) + ".dampening", detail::to_text(h.dampening), std::string(why));
   }
 }
 
@@ -89,7 +78,14 @@ struct SGD {
   static constexpr std::size_t slot_count = 0;
 
   /// torch.optim.SGD's arguments and defaults.
-  using hyperparameters = detail::sgd_hyperparameters;
+  struct hyperparameters {
+    double lr           = 1e-3;
+    double momentum     = 0.0;
+    double dampening    = 0.0;
+    double weight_decay = 0.0;
+    bool nesterov       = false;
+    bool maximize       = false;
+  };
   static constexpr auto hyperparameter_table = detail::sgd_table<hyperparameters>(
     value_range::closed(0.0, 0.0),
     "momentum must be 0 for a rule without slots (a momentum buffer is kept by SGDMomentum)");
@@ -107,7 +103,7 @@ struct SGD {
                                                      double grad_scale = 1.0)
   {
     validate(h);
-    detail::sgd_check_step(name, step, grad_scale);
+    validate_step(name, step, grad_scale);
     float const inv = static_cast<float>(1.0 / grad_scale);
     return {h.maximize ? -inv : inv, static_cast<float>(h.weight_decay), static_cast<float>(-h.lr)};
   }
@@ -131,8 +127,13 @@ struct SGDMomentum {
 
   /// torch.optim.SGD's arguments and defaults, except momentum: torch's default, 0, keeps no
   /// buffer, which this rule exists to keep.
-  struct hyperparameters : detail::sgd_hyperparameters {
-    hyperparameters() noexcept { momentum = 0.9; }
+  struct hyperparameters {
+    double lr           = 1e-3;
+    double momentum     = 0.9;
+    double dampening    = 0.0;
+    double weight_decay = 0.0;
+    bool nesterov       = false;
+    bool maximize       = false;
   };
   static constexpr auto hyperparameter_table = detail::sgd_table<hyperparameters>(
     value_range::above(0.0),
@@ -145,7 +146,7 @@ struct SGDMomentum {
     float momentum;
     float one_minus_dampening;
     float neg_lr;
-    bool first;  ///< the tensor's first step: the buffer starts as the gradient
+    bool first;  ///< the first step: the buffer starts as the gradient (see the file comment)
     bool nesterov;
   };
 
@@ -155,7 +156,7 @@ struct SGDMomentum {
                                                      double grad_scale = 1.0)
   {
     validate(h);
-    detail::sgd_check_step(name, step, grad_scale);
+    validate_step(name, step, grad_scale);
     float const inv = static_cast<float>(1.0 / grad_scale);
     coefficients k{};
     k.grad_mul            = h.maximize ? -inv : inv;
