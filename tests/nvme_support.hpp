@@ -132,8 +132,10 @@ run_result snapshot(Opt& opt, M const& m)
 
 /// Trains the model for `steps` steps with the given composition and options: plain steps,
 /// or (`streaming`) streaming steps, each step's gradients handed over last tensor first.
+/// Tensors for which `absent(t, step)` holds get no gradient that step.
 template <class Opt>
-run_result train(int steps, typename Opt::options const& o, bool streaming = false)
+run_result train(int steps, typename Opt::options const& o, bool streaming = false,
+                 bool (*absent)(std::size_t, int) = nullptr)
 {
   nvme_model<typename Opt::precision_type> m;
   Opt opt(schedule<Opt>(1), o);
@@ -141,13 +143,18 @@ run_result train(int steps, typename Opt::options const& o, bool streaming = fal
   for (int t = 1; t <= steps; ++t) {
     m.fill_grads(t);
     opt.set_hyperparameters(0, schedule<Opt>(t));
-    auto const views = m.views();
+    auto views = m.views();
+    for (std::size_t k = 0; absent != nullptr && k < views.size(); ++k) {
+      if (absent(k, t)) { views[k] = {}; }
+    }
     if (!streaming) {
       opt.step(views);
       continue;
     }
     opt.begin_step();
-    for (std::size_t k = views.size(); k-- > 0;) { opt.grad_ready(k, views[k]); }
+    for (std::size_t k = views.size(); k-- > 0;) {
+      if (views[k].data != nullptr) { opt.grad_ready(k, views[k]); }
+    }
     (void)opt.finish_step();
   }
   return snapshot(opt, m);

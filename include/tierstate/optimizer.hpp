@@ -174,8 +174,8 @@ class OffloadedOptimizer {
   /// divides it out. Device gradients are read after the work queued so far on `ready`
   /// (the stream that produced them; by default the legacy default stream). Blocks until
   /// the step is done, every param written back included. A view {nullptr, 0} says the
-  /// tensor has no gradient this step: its param and state are left as they are (as
-  /// torch.optim skips a param whose grad is None; the step count is shared, not per tensor).
+  /// tensor has no gradient this step: its param, state and step count stay as they are, as
+  /// torch.optim skips a param whose grad is None.
   ///
   /// Looking for non-finite gradients (on_nonfinite) costs one more read of them: on the
   /// device with OnDevice, and with OnHost one more device-to-host copy of device gradients
@@ -183,11 +183,11 @@ class OffloadedOptimizer {
   step_result step(std::span<grad_view<grad_type> const> grads, double grad_scale = 1.0,
                    device::stream_view ready = {});
 
-  /// A streaming step, for overlapping the update with backward. begin_step() starts it; grad_ready() hands over one
-  /// tensor's gradient as soon as it is final (a post-accumulate-grad hook), from any thread,
-  /// concurrently; finish_step() marks every tensor not handed over as having no gradient
-  /// (its param and state stay as they are, as torch.optim skips a param whose grad is
-  /// None), waits for the update and returns what step() would. A chunk is updated as soon
+  /// A streaming step, overlapping the update with backward: begin_step() starts it,
+  /// grad_ready() hands over a tensor's gradient as soon as it is final (a
+  /// post-accumulate-grad hook), from any thread, concurrently; finish_step() marks every
+  /// tensor not handed over as having no gradient (as step()'s empty views), waits for the
+  /// update and returns what step() would. A chunk is updated as soon
   /// as every tensor in it has its gradient, in an order that starts as the reverse of
   /// registration (backward's order) and then follows the order the previous step's chunks
   /// became ready. With `micro_batches` = m, a tensor's gradient is final at its m-th
@@ -217,13 +217,17 @@ class OffloadedOptimizer {
   /// model and returns its result (rethrowing its failure). Without it, does nothing.
   step_result flush();
 
-  /// Steps taken (skipped steps do not count), as torch.optim's state["step"].
+  /// Steps taken (skipped steps do not count); with a name, the steps that updated that
+  /// tensor, as torch.optim's state["step"]: one without a gradient in a step does not count
+  /// it, and its next bias corrections are its own next step's (conditional compute, MoE).
   [[nodiscard]] std::int64_t step_count() const noexcept { return step_; }
-  /// Sets the step count, for state brought in from elsewhere with write_state (a
-  /// torch.optim.AdamW state_dict's state["step"]): the next step is number n + 1 and its
-  /// bias corrections are those of step n + 1. Refused (tierstate::invalid_option) for
-  /// n < 0 and (tierstate::logic_error) during a streaming step; flushes a delayed update.
+  [[nodiscard]] std::int64_t step_count(std::string_view tensor) const;
+  /// Sets the step count of the optimizer and every tensor, or of one tensor, for state
+  /// brought in with write_state (a torch state_dict's state["step"]): its next step is
+  /// number n + 1. Refused for n < 0 (tierstate::invalid_option), a name not registered and
+  /// during a streaming step (tierstate::logic_error); flushes a delayed update.
   void set_step_count(std::int64_t n);
+  void set_step_count(std::string_view tensor, std::int64_t n);
 
   /// Reads slot `s` of `tensor` (every element, as float) into `to`, from any tier.
   void copy_state(std::string_view tensor, slot s, std::span<float> to);
@@ -239,10 +243,9 @@ class OffloadedOptimizer {
   /// Replaces `tensor`'s own state with `from` (of tensor_state_size).
   void write_tensor_state(std::string_view tensor, std::span<float const> from);
 
-  /// Saves the whole state (master and slots from any tier, the step count, every group's
-  /// hyper-parameters, the layout, the rule and the precision) to `path`, in the format of
-  /// checkpoint/format.hpp. Streamed chunk by chunk: it needs no more host memory than a
-  /// step. Atomic: written to a nameless temporary file (O_TMPFILE) in `path`'s directory,
+  /// Saves the whole state (master and slots from any tier, the step counts, every group's
+  /// hyper-parameters, the layout, the rule and the precision) to `path` (format:
+  /// checkpoint/format.hpp), chunk by chunk: it needs no more host memory than a step. Atomic: written to a nameless temporary file (O_TMPFILE) in `path`'s directory,
   /// fsync'd, linked under a temporary name and at once renamed over `path`, and the
   /// directory fsync'd, so a crash at any moment leaves the previous checkpoint whole and no
   /// temporary (but, from a crash between link and rename, a name that the next save of
@@ -250,15 +253,15 @@ class OffloadedOptimizer {
   /// On failure nothing is left and io_error is thrown; an optimizer whose state was not
   /// made stays so. The engine is `o.io`, or by default the tier's (checkpoint_options::io).
   void save(std::filesystem::path const& path, checkpoint_options const& o = {});
-  /// Loads a checkpoint saved by an optimizer with the same rule, precision, chunk size and
-  /// tensors (names and sizes, in order), from any tier into this one. Everything is
-  /// checked before anything changes (checkpoint_error names the difference or the corrupt
-  /// chunk, or that `path` is not a regular file; io_error a failed read), against the layout
-  /// this optimizer has or would make, so a refused load leaves even a fresh optimizer as it
-  /// was (tensors can still be added). Never blocks in open (a FIFO). The file is read twice, once to verify every chunk's
-  /// checksum and once to load. It replaces the state, the step count, the groups and their
-  /// hyper-parameters; with a master, it also writes every param from it. It is also how a
-  /// lost optimizer (see "Failures") is restored; a read failing in the second pass loses it.
+  /// Loads a checkpoint (of either format version) saved by an optimizer with the same rule,
+  /// precision, chunk size and tensors (names and sizes, in order), from any tier into this
+  /// one. Everything is checked first (checkpoint_error names the difference or the corrupt
+  /// chunk, or that `path` is not a regular file; io_error a failed read), against the
+  /// layout this optimizer has or would make, so a refused load leaves even a fresh one as it
+  /// was. Never blocks in open (a FIFO). The file is read twice: every chunk's checksum, then
+  /// the load, which replaces the state, the step counts, the groups and their numbers (with
+  /// a master, every param too). It also restores a lost optimizer ("Failures"); a read
+  /// failing in the second pass loses it.
   void load(std::filesystem::path const& path, checkpoint_options const& o = {});
 
   /// The bytes save() would write, handed in order to `write` (a stream, a buffer, a torch
@@ -271,9 +274,8 @@ class OffloadedOptimizer {
   void load_from(std::uint64_t size, std::function<void(std::uint64_t offset, std::span<std::byte> to)> const& read,
                  bool verify_checksums = true);
 
-  /// The layout (made on first use, like the state).
+  /// The layout, and the tier holding the state (made on first use, like the state).
   [[nodiscard]] layout const& state_layout();
-  /// The tier holding the state (made on first use).
   [[nodiscard]] StateTier& state_tier();
   [[nodiscard]] std::size_t tensor_count() const noexcept { return tensors_.size(); }
   /// Host memory used to stage chunks: for a tier that is not addressable, the transfer's
@@ -283,8 +285,7 @@ class OffloadedOptimizer {
   [[nodiscard]] std::size_t staging_bytes() const noexcept;
   /// Device memory used to stage chunks (OnDevice with a host tier: staging_buffers chunks).
   [[nodiscard]] std::size_t device_staging_bytes() const noexcept;
-  /// Whether a failed step left the state part updated (see "Failures" above).
-  [[nodiscard]] bool state_lost() const noexcept { return store_.lost(); }
+  [[nodiscard]] bool state_lost() const noexcept { return store_.lost(); }  ///< see "Failures" above
   [[nodiscard]] thread_pool& pool() noexcept { return pool_; }
 
  private:
@@ -306,7 +307,10 @@ class OffloadedOptimizer {
   template <class> friend class routes::streamed_to_device;
   template <class> friend class routes::detail::tier_io;
   template <class> friend class routes::detail::route_base;
+  /// Per tensor, its group's coefficients at its own next step; a step taken counts, for the
+  /// optimizer and for each tensor that had a gradient.
   [[nodiscard]] std::vector<coefficients_type> coefficients_for(double grad_scale) const;
+  void count_step(std::span<grad_view<grad_type> const> grads) noexcept;
   /// Non-finite detection and clipping; false when the step must be skipped. `host_found`:
   /// the host gradients were looked at already (a streaming step), and what that found.
   bool check_and_clip(std::span<grad_view<grad_type> const> grads, double grad_scale,
@@ -315,12 +319,11 @@ class OffloadedOptimizer {
   /// The step after its checks: chunks updated in chunk_at() order, each after await_chunk().
   void run_step(std::span<grad_view<grad_type> const> grads,
                 std::vector<coefficients_type>& coefficients, step_result& result);
-  /// The chunk the j-th position of this step's order updates.
+  /// The chunk at position j of this step's order; a streaming step's wait for chunk k's
+  /// gradients (for every gradient, checked, when the checks need them all), and whether
+  /// chunk k can start without waiting.
   [[nodiscard]] std::size_t chunk_at(std::size_t j) const noexcept;
-  /// A streaming step: blocks until chunk k's gradients are all in (and, when the checks
-  /// need them all, until every gradient is in and checked).
   void await_chunk(std::size_t k, step_stats& stats);
-  /// Whether chunk k can be started without waiting (a streaming step).
   [[nodiscard]] bool chunk_is_ready(std::size_t k);
   void check_not_streaming(char const* call) const;
   step_result step_delayed(std::span<grad_view<grad_type> const> grads, double grad_scale,
@@ -328,8 +331,7 @@ class OffloadedOptimizer {
   /// A rule with a tensor phase: this step's passes over the gradients (after the checks),
   /// and, with OnDevice, their result copied to the device for the kernels.
   void reduce_tensors(std::span<grad_view<grad_type> const> grads, std::vector<coefficients_type> const& coefficients);
-  /// The tensor-phase state of tensor t that this step's update reads, where it runs.
-  [[nodiscard]] float const* tensor_state_for_update(std::size_t t) noexcept;
+  [[nodiscard]] float const* tensor_state_for_update(std::size_t t) noexcept;  ///< where it runs
   /// Where the update reads and writes tensor t's params: the model's, or (delayed_update)
   /// the optimizer's own buffer, which is host memory.
   [[nodiscard]] param_type* update_params(std::size_t t) const noexcept;
@@ -343,17 +345,16 @@ class OffloadedOptimizer {
   /// The checkpoint's regions through write(offset, data, n), in order.
   template <class Write>
   void write_checkpoint(PinnedHost& header, PinnedHost& table, Write&& write);
-  /// Checks and loads a checkpoint of `file_bytes` bytes through read(offset, data, n) into
-  /// the four buffers (`file` names it in errors).
+  /// Checks and loads `file_bytes` bytes through read(offset, data, n), with four buffers.
   template <class Read>
   void read_checkpoint(std::uint64_t file_bytes, std::string const& file, bool verify, PinnedHost& first,
                        PinnedHost& region, PinnedHost& table, PinnedHost& scratch, Read&& read);
   [[nodiscard]] checkpoint::header make_header() const;  // (of the layout made, or of `lay`)
   [[nodiscard]] checkpoint::header make_header(layout const& lay) const;
   void check_header(checkpoint::header const& h, layout const& lay, std::string const& path) const;
-  /// The checkpoint's engine options: given, or the tier's (see checkpoint_options::io).
+  /// The checkpoint's engine options (given, or the tier's: checkpoint_options::io), and the
+  /// engine, or an io_error that says which options choose it.
   [[nodiscard]] io::engine_options checkpoint_io(checkpoint_options const& o) const;
-  /// The engine, or an io_error that says which options choose it.
   [[nodiscard]] io::engine checkpoint_engine(io::engine_options const& eo, checkpoint_options const& o,
                                              std::string const& path) const;
   /// Updates elements [b, e) of chunk k (whose bytes start at `chunk`) on this thread. The

@@ -2,9 +2,9 @@
 // libFuzzer harness for checkpoint loading: every input is written to a nameless file (a
 // memfd, else an O_TMPFILE in the temporary directory, so nothing is left behind however
 // the run ends) and loaded, through /proc/self/fd/N, into an optimizer whose layout
-// matches the seeds (tests/fuzz/seeds, made by
-// `fuzz_checkpoint --make-seeds DIR`), with checksum verification off so that mutations
-// reach the parsing and the checks behind it. A load may refuse an input only with
+// matches the seeds (tests/fuzz/seeds: v2_*, made by `fuzz_checkpoint --make-seeds DIR`,
+// and v1_*, made by it when the format was version 1, which loading still reads), with
+// checksum verification off so that mutations reach the parsing and the checks behind it. A load may refuse an input only with
 // tierstate::checkpoint_error or tierstate::io_error; any other exception, crash, hang, leak
 // or sanitizer report is a finding (and becomes a regression test in test_checkpoint).
 #include <tierstate/tierstate.hpp>
@@ -112,7 +112,8 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv)
     for (int const n : {0, 1, 5}) {
       model m;
       m.steps(n);
-      m.opt.save(dir / ("steps_" + std::to_string(n) + ".ckpt"));
+      auto const name = "v" + std::to_string(checkpoint::format_version) + "_steps_" + std::to_string(n) + ".ckpt";
+      m.opt.save(dir / name);
     }
     std::printf("seeds written to %s\n", dir.c_str());
     std::exit(0);

@@ -1,14 +1,14 @@
 // SPDX-License-Identifier: Apache-2.0
-// The checkpoint file format, version 1.
+// The checkpoint file format, version 2 (and the reading of version 1).
 //
-// A checkpoint holds an optimizer's whole state: rule, precision, step count, layout,
-// parameter groups and their hyper-parameters, and every chunk exactly as a tier holds it.
-// All integers are little-endian; every region starts on a 4 KiB boundary, so the file is
-// read and written with O_DIRECT.
+// A checkpoint holds an optimizer's whole state: rule, precision, step counts, layout,
+// tensors and their shapes, parameter groups and their hyper-parameters, per-tensor rule
+// state, and every chunk exactly as a tier holds it. All integers are little-endian; every
+// region starts on a 4 KiB boundary, so the file is read and written with O_DIRECT.
 //
 //   [0, H)          the header, H = round_up(32 + P + 8, 4096):
 //                     0  magic "TSCKPT\r\n" (8 bytes)
-//                     8  u32 format version (1)        12 u32 reserved (0)
+//                     8  u32 format version (2)        12 u32 reserved (0)
 //                    16  u64 P, the payload's bytes     24 u64 reserved (0)
 //                    32  the payload (below), P bytes
 //                  32+P  u64 XXH3-64 of bytes [0, 32 + P)
@@ -18,14 +18,27 @@
 //                     magic "TSCKTBL\n", u64 C, C x u64 XXH3-64 of each chunk,
 //                     u64 XXH3-64 of the table's bytes before it, then zeros
 //
-// The payload, in order: str rule; str precision; i64 step; u64 chunk_elements, chunk_bytes,
-// chunk_count, total_elements; u32 slot count, then per slot u32 slot id (core/concepts.hpp's
-// slot_id: 0 to 4 for the library's slots, a hash of the name with the top bit set for a
-// rule's own) and u32 element bytes (the bytes of one block, for a block codec); u64 tensor count, then per tensor str name, u64 offset (in elements), u64 count,
-// u64 group; u64 group count, u32 values per group, then each group's values as f64 (the
-// rule's hyper-parameters, in the rule's order); for a rule with a tensor phase, and only
-// then, u64 tensor count, then per tensor u64 rows, u64 columns, u64 n and n f32 (the
-// tensor's own state). A str is a u32 length and its bytes.
+// The payload is a table of sections: u32 section count, then each section as a 4-byte tag,
+// a u32 of flags (bit 0: required, a reader that does not know the tag refuses the file;
+// without it, such a reader skips the section), a u64 length and that many bytes. A later
+// version adds sections (params, a rank's manifest) rather than a new format. Version 2's,
+// each required and present once (a str is a u32 length and its bytes):
+//   "rule"  str rule; u32 M, then M str: the names of its hyper-parameters, in table order
+//   "prec"  str precision; u32 S, then per slot (the master or compensation first, then the
+//           rule's): u32 slot id (core/concepts.hpp's slot_id), str slot name, str codec,
+//           u32 elements per block, u32 bytes per block
+//   "layt"  u64 chunk_elements, chunk_bytes, chunk_count, total_elements
+//   "step"  i64 the optimizer's step count
+//   "tens"  u64 T, then per tensor str name, u64 offset (in elements), u64 count, u64 group,
+//           i64 its own step count, u64 rows, u64 columns
+//   "grps"  u64 G, u32 M, then G x M f64: each group's hyper-parameters, in table order
+//   "tphs"  (a rule with a tensor phase, and only then) u64 T, then per tensor u64 n and n f32
+//
+// Version 1 (still read) had one fixed payload: str rule; str precision; i64 step; the four
+// u64 of "layt"; u32 slot count and per slot u32 id, u32 element bytes; u64 tensor count and
+// per tensor str name, u64 offset, u64 count, u64 group; "grps"'s fields; and, for a rule
+// with a tensor phase, u64 tensor count and per tensor u64 rows, u64 columns, u64 n, n f32.
+// Its tensors all take the file's step count.
 //
 // Reading checks before it uses: the magic, the version, every length against what is left
 // (nothing is allocated from a size the file gives before it is bounded by the file's own
@@ -34,6 +47,7 @@
 #pragma once
 
 #include <tierstate/checkpoint/detail/fields.hpp>
+#include <tierstate/checkpoint/detail/payload.hpp>
 #include <tierstate/checkpoint/error.hpp>
 #include <tierstate/core/error.hpp>
 #include <tierstate/io/request.hpp>  // io::engine_options only: a codec needs no engine, nor liburing
@@ -98,7 +112,9 @@ namespace checkpoint {
 
 inline constexpr std::array<char, 8> header_magic = {'T', 'S', 'C', 'K', 'P', 'T', '\r', '\n'};
 inline constexpr std::array<char, 8> table_magic  = {'T', 'S', 'C', 'K', 'T', 'B', 'L', '\n'};
-inline constexpr std::uint32_t format_version    = 1;
+inline constexpr std::uint32_t format_version    = 2;
+/// The oldest version this build reads.
+inline constexpr std::uint32_t oldest_version    = 1;
 inline constexpr std::size_t block               = 4096;
 inline constexpr std::size_t header_prefix       = 32;
 /// The largest header payload a reader accepts (a model with millions of tensors fits).
@@ -111,67 +127,10 @@ inline constexpr std::uint64_t max_payload = std::uint64_t{1} << 30;
 static_assert(std::endian::native == std::endian::little,
               "tierstate's checkpoint format is little-endian; a big-endian reader is not written yet");
 
-/// The header's contents.
-struct header {
-  std::string rule, precision;
-  std::int64_t step = 0;
-  std::uint64_t chunk_elements = 0, chunk_bytes = 0, chunk_count = 0, total_elements = 0;
-  struct slot_entry {
-    std::uint32_t id, element_bytes;
-  };
-  std::vector<slot_entry> slots;
-  struct tensor_entry {
-    std::string name;
-    std::uint64_t offset, count, group;
-  };
-  std::vector<tensor_entry> tensors;
-  std::uint32_t values_per_group = 0;
-  std::vector<std::vector<double>> groups;
-  /// A rule with a tensor phase: each tensor's shape and own state, in tensor order.
-  struct tensor_state_entry {
-    std::uint64_t rows = 0, columns = 0;
-    std::vector<float> values;
-  };
-  std::vector<tensor_state_entry> tensor_states;
-};
-
-/// The header region (H bytes, zero-padded, checksummed).
+/// The header region (H bytes, zero-padded, checksummed), in the current version.
 inline std::vector<std::byte> encode(header const& h)
 {
-  detail::writer p;
-  p.put(std::string_view(h.rule));
-  p.put(std::string_view(h.precision));
-  p.put(h.step);
-  p.put(h.chunk_elements);
-  p.put(h.chunk_bytes);
-  p.put(h.chunk_count);
-  p.put(h.total_elements);
-  p.put(static_cast<std::uint32_t>(h.slots.size()));
-  for (auto const& s : h.slots) {
-    p.put(s.id);
-    p.put(s.element_bytes);
-  }
-  p.put(static_cast<std::uint64_t>(h.tensors.size()));
-  for (auto const& t : h.tensors) {
-    p.put(std::string_view(t.name));
-    p.put(t.offset);
-    p.put(t.count);
-    p.put(t.group);
-  }
-  p.put(static_cast<std::uint64_t>(h.groups.size()));
-  p.put(h.values_per_group);
-  for (auto const& g : h.groups) {
-    for (double const v : g) { p.put(v); }
-  }
-  if (!h.tensor_states.empty()) {
-    p.put(static_cast<std::uint64_t>(h.tensor_states.size()));
-    for (auto const& t : h.tensor_states) {
-      p.put(t.rows);
-      p.put(t.columns);
-      p.put(static_cast<std::uint64_t>(t.values.size()));
-      for (float const v : t.values) { p.put(v); }
-    }
-  }
+  auto p = detail::encode_payload(h);
   auto const& payload = p.bytes();
   std::vector<std::byte> out(round_up(header_prefix + payload.size() + 8));
   std::memcpy(out.data(), header_magic.data(), 8);
@@ -199,9 +158,9 @@ inline std::uint64_t header_bytes(std::span<std::byte const> first_block, std::u
   }
   std::uint32_t version;
   std::memcpy(&version, first_block.data() + 8, 4);
-  if (version != format_version) {
-    throw checkpoint_error(path, "format version " + std::to_string(version) + "; this build reads version " +
-                                   std::to_string(format_version));
+  if (version < oldest_version || version > format_version) {
+    throw checkpoint_error(path, "format version " + std::to_string(version) + "; this build reads versions " +
+                                   std::to_string(oldest_version) + " to " + std::to_string(format_version));
   }
   std::uint64_t payload;
   std::memcpy(&payload, first_block.data() + 16, 8);
@@ -229,55 +188,15 @@ inline header decode(std::span<std::byte const> region, std::string const& path,
       throw checkpoint_error(path, "the header's checksum does not match (corrupt)");
     }
   }
+  std::uint32_t version;
+  std::memcpy(&version, region.data() + 8, 4);
   detail::reader r(region.subspan(header_prefix, payload), path);
   header h;
-  h.rule           = r.str("rule");
-  h.precision      = r.str("precision");
-  h.step           = r.get<std::int64_t>("step");
-  h.chunk_elements = r.get<std::uint64_t>("chunk_elements");
-  h.chunk_bytes    = r.get<std::uint64_t>("chunk_bytes");
-  h.chunk_count    = r.get<std::uint64_t>("chunk_count");
-  h.total_elements = r.get<std::uint64_t>("total_elements");
-  auto const nslots = r.get<std::uint32_t>("slot count");
-  if (nslots > r.left() / 8) { throw checkpoint_error(path, "header field slot count = " + std::to_string(nslots) + " is too large (corrupt)"); }
-  for (std::uint32_t i = 0; i < nslots; ++i) {
-    header::slot_entry s{};
-    s.id            = r.get<std::uint32_t>("slot id");
-    s.element_bytes = r.get<std::uint32_t>("slot element bytes");
-    h.slots.push_back(s);
-  }
-  auto const ntensors = r.count("tensor count", 4 + 24);
-  h.tensors.reserve(ntensors);
-  for (std::uint64_t i = 0; i < ntensors; ++i) {
-    header::tensor_entry t;
-    t.name   = r.str("tensor name");
-    t.offset = r.get<std::uint64_t>("tensor offset");
-    t.count  = r.get<std::uint64_t>("tensor count");
-    t.group  = r.get<std::uint64_t>("tensor group");
-    h.tensors.push_back(std::move(t));
-  }
-  auto const ngroups = r.get<std::uint64_t>("group count");
-  h.values_per_group = r.get<std::uint32_t>("values per group");
-  if (h.values_per_group == 0 || h.values_per_group > 64 || ngroups > r.left() / (8 * h.values_per_group)) {
-    throw checkpoint_error(path, "header fields group count = " + std::to_string(ngroups) + " and values per group = " +
-                                   std::to_string(h.values_per_group) + " do not fit in the header (corrupt)");
-  }
-  for (std::uint64_t g = 0; g < ngroups; ++g) {
-    h.groups.emplace_back();
-    for (std::uint32_t v = 0; v < h.values_per_group; ++v) { h.groups.back().push_back(r.get<double>("group value")); }
-  }
-  if (r.left() != 0) {  // the tensor phase's state
-    auto const n = r.count("tensor state count", 24);
-    h.tensor_states.reserve(n);
-    for (std::uint64_t t = 0; t < n; ++t) {
-      header::tensor_state_entry e;
-      e.rows     = r.get<std::uint64_t>("tensor state rows");
-      e.columns  = r.get<std::uint64_t>("tensor state columns");
-      auto const m = r.count("tensor state floats", 4);
-      e.values.reserve(m);
-      for (std::uint64_t i = 0; i < m; ++i) { e.values.push_back(r.get<float>("tensor state value")); }
-      h.tensor_states.push_back(std::move(e));
-    }
+  h.version = version;
+  if (version == 1) {
+    detail::decode_payload_v1(r, h, path);
+  } else {
+    detail::decode_payload(r, h, path);
   }
   if (r.left() != 0) {
     throw checkpoint_error(path, std::to_string(r.left()) + " bytes follow the header's last field (corrupt)");

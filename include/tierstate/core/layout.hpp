@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace tierstate::inline TIERSTATE_ABI {
@@ -37,6 +38,7 @@ struct tensor_extent {
 struct slot_format {
   std::size_t block       = 1;
   std::size_t block_bytes = 4;
+  std::string_view codec  = "fp32";  ///< the codec's name (checkpoints record it)
 };
 
 class layout {

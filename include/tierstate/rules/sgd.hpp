@@ -19,11 +19,11 @@
 // buf * momentum is rounded, then (1 - dampening) * g is added in one fused step, as `add_`
 // with an alpha computes it.
 //
-// "The first step" is the optimizer's step 1, where torch asks whether the param's buffer
-// exists yet. The two differ, with a dampening other than 0 only, for a tensor whose first
-// gradient comes after step 1 (it starts from (1 - dampening) * g, torch from g); and a
-// buffer written with write_state before step 1 is replaced by the first gradient. Per-tensor
-// step counts will remove both differences.
+// "The first step" is the tensor's own step 1 (its step count: a step in which it had no
+// gradient does not count), where torch asks whether the param's buffer exists yet. A buffer
+// written with write_state before then is replaced by the first gradient, as torch's would
+// not be: set the tensor's step count to 1 or more with it (set_step_count(name, n)), as
+// tierstate_torch does when it loads a torch.optim.SGD state_dict.
 #pragma once
 
 #include <tierstate/core/concepts.hpp>

@@ -65,7 +65,7 @@ class tensor_phase {
           fetch(host.data(), g);
           src = host.data();
         }
-        reduce_tensor(k[tensors[t].group], tensors[t].shape, src, next_.data() + offset_[t], row);
+        reduce_tensor(k[t], tensors[t].shape, src, next_.data() + offset_[t], row);
       };
       if (device_grads) {
         std::vector<float> row;

@@ -35,6 +35,8 @@ class writer {
     bytes_.resize(at + s.size());
     std::memcpy(bytes_.data() + at, s.data(), s.size());
   }
+  void append(writer const& w) { bytes_.insert(bytes_.end(), w.bytes_.begin(), w.bytes_.end()); }
+  [[nodiscard]] std::size_t size() const noexcept { return bytes_.size(); }
   [[nodiscard]] std::vector<std::byte>& bytes() noexcept { return bytes_; }
 
  private:
@@ -76,6 +78,14 @@ class reader {
     return n;
   }
   [[nodiscard]] std::size_t left() const noexcept { return bytes_.size() - pos_; }
+  /// The next n bytes, as a reader of their own (a section's body); this one moves past them.
+  reader part(std::uint64_t n, char const* field)
+  {
+    need(n, field);
+    reader r(bytes_.subspan(pos_, n), path_);
+    pos_ += n;
+    return r;
+  }
 
  private:
   void need(std::size_t n, char const* field) const

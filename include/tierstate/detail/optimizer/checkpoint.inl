@@ -263,7 +263,10 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
   step_ = h.step;
   groups_.clear();
   for (auto const& g : h.groups) { groups_.push_back(hyperparameters_from_values<rule_type>(g)); }
-  for (std::size_t t = 0; t < tensors_.size(); ++t) { tensors_[t].group = h.tensors[t].group; }
+  for (std::size_t t = 0; t < tensors_.size(); ++t) {
+    tensors_[t].group = h.tensors[t].group;
+    tensors_[t].step  = h.tensors[t].step;
+  }
   if constexpr (has_tensor_phase<rule_type>) {
     for (std::size_t t = 0; t < tensors_.size(); ++t) {
       auto const& values = h.tensor_states[t].values;

@@ -18,17 +18,21 @@ checkpoint::header OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Comp
   checkpoint::header h;
   h.rule           = std::string(rule_type::name);
   h.precision      = Precision::name();
+  for (auto const& row : rule_type::hyperparameter_table) { h.hyperparameter_names.emplace_back(row.name); }
   h.step           = step_;
   h.chunk_elements = lay.chunk_elements();
   h.chunk_bytes    = lay.chunk_bytes();
   h.chunk_count    = lay.chunk_count();
   h.total_elements = lay.total_elements();
   for (std::size_t i = 0; i < lay.slots().size(); ++i) {
-    h.slots.push_back({slot_id(lay.slots()[i]),
-                       static_cast<std::uint32_t>(lay.slot_block_bytes(i))});
+    auto const& f = lay.slot_format_of(i);
+    h.slots.push_back({slot_id(lay.slots()[i]), static_cast<std::uint32_t>(f.block_bytes),
+                       std::string(slot_name(lay.slots()[i])), std::string(f.codec),
+                       static_cast<std::uint32_t>(f.block)});
   }
   for (std::size_t t = 0; t < tensors_.size(); ++t) {
-    h.tensors.push_back({tensors_[t].name, lay.tensors()[t].offset, tensors_[t].count, tensors_[t].group});
+    auto const& e = tensors_[t];
+    h.tensors.push_back({e.name, lay.tensors()[t].offset, e.count, e.group, e.step, e.shape.rows, e.shape.columns});
   }
   h.values_per_group = static_cast<std::uint32_t>(rule_type::hyperparameter_table.size());
   for (auto const& g : groups_) {
@@ -38,7 +42,7 @@ checkpoint::header OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Comp
   if constexpr (has_tensor_phase<rule_type>) {  // (zeros before the state is made)
     for (std::size_t t = 0; t < tensors_.size(); ++t) {
       auto const shape = tensors_[t].shape;
-      h.tensor_states.push_back({shape.rows, shape.columns, {}});
+      h.tensor_states.emplace_back();
       auto& values = h.tensor_states.back().values;
       if (tensor_phase_.made()) {
         auto const s = tensor_phase_.state(t);
@@ -62,15 +66,29 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_he
   if (h.rule != rule_type::name) { differ("rule", quoted(h.rule), quoted(std::string(rule_type::name))); }
   if (h.precision != Precision::name()) { differ("precision", detail::clipped(h.precision), Precision::name()); }
   auto const mine = make_header(lay);
+  if (h.version >= 2 && h.hyperparameter_names != mine.hyperparameter_names) {
+    auto list = [](std::vector<std::string> const& names) {
+      std::string s = "(";
+      for (auto const& n : names) { s += (s.size() > 1 ? ", " : "") + detail::clipped(n); }
+      return s + ")";
+    };
+    differ("the hyper-parameters", list(h.hyperparameter_names),
+           std::string(rule_type::name) + "'s " + list(mine.hyperparameter_names));
+  }
   if (h.slots.size() != mine.slots.size()) {
     differ("slot count", std::to_string(h.slots.size()), std::to_string(mine.slots.size()));
   }
   for (std::size_t i = 0; i < h.slots.size(); ++i) {
-    if (h.slots[i].id != mine.slots[i].id || h.slots[i].element_bytes != mine.slots[i].element_bytes) {
-      differ("slot " + std::to_string(i), "(id " + std::to_string(h.slots[i].id) + ", " +
-               std::to_string(h.slots[i].element_bytes) + " bytes)",
-             "(" + std::string(slot_name(lay.slots()[i])) + ": id " + std::to_string(mine.slots[i].id) + ", " +
-               std::to_string(mine.slots[i].element_bytes) + " bytes)");
+    auto const& a = h.slots[i];
+    auto const& b = mine.slots[i];
+    if (a.id != b.id || a.element_bytes != b.element_bytes ||
+        (h.version >= 2 && (a.codec != b.codec || a.block != b.block))) {
+      auto describe = [&](checkpoint::header::slot_entry const& e, bool named) {
+        return "(" + (named ? detail::clipped(e.name) + ": " : std::string()) + "id " + std::to_string(e.id) +
+               (named ? ", codec " + quoted(e.codec) + ", blocks of " + std::to_string(e.block) : "") + ", " +
+               std::to_string(e.element_bytes) + " bytes)";
+      };
+      differ("slot " + std::to_string(i), describe(a, h.version >= 2), describe(b, true));
     }
   }
   if (h.tensors.size() != mine.tensors.size()) {
@@ -82,6 +100,15 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_he
     if (a.name != b.name || a.count != b.count || a.offset != b.offset) {
       differ("tensor " + std::to_string(t), quoted(a.name) + " of " + std::to_string(a.count) + " elements",
              quoted(b.name) + " of " + std::to_string(b.count) + " elements");
+    }
+    // A shape matters to a rule with a tensor phase; to the others, only the count does.
+    if (has_tensor_phase<rule_type> && h.shapes_recorded && (a.rows != b.rows || a.columns != b.columns)) {
+      differ("tensor " + quoted(b.name) + " shaped", std::to_string(a.rows) + " x " + std::to_string(a.columns),
+             std::to_string(b.rows) + " x " + std::to_string(b.columns));
+    }
+    if (a.step < 0) {
+      throw checkpoint_error(path, "tensor " + quoted(b.name) + " has step count " + std::to_string(a.step) +
+                                     " (corrupt)");
     }
   }
   if (h.chunk_elements != mine.chunk_elements) {
@@ -121,11 +148,6 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_he
   for (std::size_t t = 0; t < h.tensor_states.size(); ++t) {
     auto const& a = h.tensor_states[t];
     auto const& b = mine.tensor_states[t];
-    if (a.rows != b.rows || a.columns != b.columns) {
-      differ("tensor " + quoted(mine.tensors[t].name) + " shaped",
-             std::to_string(a.rows) + " x " + std::to_string(a.columns),
-             std::to_string(b.rows) + " x " + std::to_string(b.columns));
-    }
     if (a.values.size() != b.values.size()) {
       throw checkpoint_error(path, "tensor " + quoted(mine.tensors[t].name) + " has " +
                                      std::to_string(a.values.size()) + " floats of per-tensor state; " +

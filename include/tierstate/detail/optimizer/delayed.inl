@@ -37,7 +37,8 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
     return r;
   }
   reduce_tensors(delayed_.views(), coefficients);
-  r.step = ++step_;  // counted when started: a failure loses the state anyway
+  count_step(delayed_.views());  // counted when started: a failure loses the state anyway
+  r.step = step_;
   delayed_.start(std::move(coefficients), step_,
                  [this](std::span<grad_view<grad_type> const> views,
                         std::vector<coefficients_type>& coefficients,

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <string_view>
@@ -70,6 +71,7 @@ struct tensor_entry {
   std::size_t group = 0;
   location where    = location::host;
   tensor_shape shape{};  ///< {1, count} unless registered with a shape
+  std::int64_t step = 0;  ///< the steps that updated it (torch.optim's state["step"])
 };
 
 /// The part of a tensor that falls in one chunk.

@@ -137,6 +137,29 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::set_step
   if (n < 0) { throw invalid_option("step_count", detail::to_text(n), "the step count must be >= 0"); }
   flush();
   step_ = n;
+  for (auto& e : tensors_) { e.step = n; }
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::set_step_count(std::string_view tensor,
+                                                                                       std::int64_t n)
+{
+  detail::gate_entry const gate(gate_, "set_step_count");
+  check_not_streaming("set_step_count");
+  std::size_t const t = find_tensor(tensor, "set_step_count");
+  if (n < 0) {
+    throw invalid_option("step_count", detail::to_text(n),
+                         "the step count of tensor '" + std::string(tensor) + "' must be >= 0");
+  }
+  flush();
+  tensors_[t].step = n;
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+std::int64_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step_count(
+    std::string_view tensor) const
+{
+  return tensors_[find_tensor(tensor, "step_count")].step;
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>

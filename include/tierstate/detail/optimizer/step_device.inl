@@ -25,7 +25,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::launch_c
         a.shape         = tensor.shape;
         a.tensor_offset = pc.tensor_begin;
       }
-      Compute::template update_async<rule_type, Precision>(store_.device().compute, coefficients[tensor.group], a,
+      Compute::template update_async<rule_type, Precision>(store_.device().compute, coefficients[pc.tensor], a,
                                                       pc.count);
     }
   } else {

@@ -16,7 +16,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
     (void)k, (void)chunk, (void)b, (void)e, (void)grads, (void)coefficients, (void)grad_stage, (void)param_stage;
   } else {
     using arrays_t = update_arrays<Precision, rule_type::slots.size()>;
-    // The pieces (tensor parts) of chunk k that overlap [b, e), each with its tensor's group.
+    // The pieces (tensor parts) of chunk k that overlap [b, e), each with its tensor's coefficients.
     for (auto const& pc : store_.pieces(k)) {
       std::size_t const lo = std::max(b, pc.chunk_begin);
       std::size_t const hi = std::min(e, pc.chunk_begin + pc.count);
@@ -33,7 +33,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
         a.shape         = tensor.shape;
         a.tensor_offset = tofs;
       }
-      Compute::template update_range<rule_type, Precision>(coefficients[tensor.group], a, 0, hi - lo);
+      Compute::template update_range<rule_type, Precision>(coefficients[pc.tensor], a, 0, hi - lo);
     }
   }
 }
@@ -70,7 +70,8 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
   }
   reduce_tensors(grads, coefficients);
   run_step(grads, coefficients, result);
-  result.step                = ++step_;
+  count_step(grads);
+  result.step                = step_;
   result.stats.total_seconds = detail::seconds_since(t_start);
   return result;
 }
@@ -120,10 +121,32 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::coeffici
     double grad_scale) const
   -> std::vector<coefficients_type>
 {
+  // Per tensor: its group's numbers at its own next step. Tensors mostly share both with the
+  // tensor before them, whose coefficients are then copied rather than made again.
   std::vector<coefficients_type> coefficients;
-  coefficients.reserve(groups_.size());
-  for (auto const& h : groups_) { coefficients.push_back(rule_type::coefficients_for(h, step_ + 1, grad_scale)); }
+  coefficients.reserve(tensors_.size());
+  for (std::size_t t = 0; t < tensors_.size(); ++t) {
+    auto const& e = tensors_[t];
+    if (t > 0 && e.group == tensors_[t - 1].group && e.step == tensors_[t - 1].step) {
+      coefficients.push_back(coefficients.back());
+    } else {
+      coefficients.push_back(rule_type::coefficients_for(groups_[e.group], e.step + 1, grad_scale));
+    }
+  }
+  if (tensors_.empty()) {  // a refused scale is refused all the same
+    for (auto const& h : groups_) { (void)rule_type::coefficients_for(h, step_ + 1, grad_scale); }
+  }
   return coefficients;
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::count_step(
+    std::span<grad_view<grad_type> const> grads) noexcept
+{
+  ++step_;
+  for (std::size_t t = 0; t < tensors_.size(); ++t) {
+    if (grads[t].data != nullptr) { ++tensors_[t].step; }
+  }
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>

@@ -101,7 +101,8 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::drive_st
   auto& result = streaming_.result();
   try {
     run_step(streaming_.views(), streaming_.coefficients(), result);
-    result.step = ++step_;
+    count_step(streaming_.views());
+    result.step = step_;
   } catch (detail::skip_step_signal const&) {
     result.skipped = true;
     result.step    = step_;

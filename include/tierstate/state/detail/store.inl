@@ -16,11 +16,13 @@ tierstate::layout state_store<Precision, Rule, StateTier, Placement>::layout_for
   std::vector<slot_format> formats;
   if constexpr (Precision::leading_slots == 1) {
     slots.push_back(Precision::leading_slot);
-    formats.push_back({Precision::leading_codec::block, Precision::leading_codec::block_bytes});
+    formats.push_back({Precision::leading_codec::block, Precision::leading_codec::block_bytes,
+                       Precision::leading_codec::name});
   }
   [&]<std::size_t... J>(std::index_sequence<J...>) {
     ((slots.push_back(Rule::slots[J]), formats.push_back({Precision::template state_codec<J>::block,
-                                                          Precision::template state_codec<J>::block_bytes})),
+                                                          Precision::template state_codec<J>::block_bytes,
+                                                          Precision::template state_codec<J>::name})),
      ...);
   }(std::make_index_sequence<Rule::slots.size()>{});
   // A model smaller than one chunk gets one chunk of its own size (rounded up to the 4 KiB
