@@ -156,6 +156,29 @@ def train_scaled(model: nn.Module, opt: torch.optim.Optimizer, scaler, data, ove
     return losses, scaler.get_scale()
 
 
+class LionReference(torch.optim.Optimizer):
+    """Lion as its paper writes it and lion-pytorch applies it (PyTorch has none): decoupled
+    weight decay, the sign of beta1 * m + (1 - beta1) * g, then m's own decay with beta2."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                m = state["exp_avg"]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(m.clone().mul_(beta1).add(p.grad, alpha=1 - beta1).sign_(), alpha=-group["lr"])
+                m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
 class Parity(unittest.TestCase):
     def assert_parity(self, ref_losses, losses, ref_model, model, lr=LR):
         self.assertEqual(len(ref_losses), len(losses))
@@ -483,16 +506,124 @@ class Parity(unittest.TestCase):
         self.assertTrue(back_opt.param_groups[0]["decoupled_weight_decay"])
         more = batches(5, seed=17)
         self.assert_parity(train(back, back_opt, more), train(model, opt, more), back, model)
-        # A state_dict with per-param steps that differ is refused, naming why.
+        # A step count that is not one is refused, naming where, and changes nothing.
         sd = ref_opt.state_dict()
-        sd["state"][0]["step"] = torch.tensor(3.0)
-        with self.assertRaisesRegex(ValueError, "different step counts"):
+        sd["state"][0]["step"] = torch.tensor(2.5)
+        before = opt.step_count(next(model.parameters()))
+        with self.assertRaisesRegex(ValueError, r"state\[0\]\['step'\] is 2.5"):
             opt.load_state_dict(sd)
+        self.assertEqual(opt.step_count(next(model.parameters())), before)
         # A tierstate state_dict that does not fit changes nothing, the param groups included.
         other = tierstate_torch.AdamW(groups(copy.deepcopy(model)), lr=0.07, state_dtype=torch.bfloat16)
         with self.assertRaisesRegex(Exception, "checkpoint of the float32@cpu parameters"):
             other.load_state_dict(opt.state_dict())
         self.assertEqual(other.param_groups[0]["lr"], 0.07)
+
+    def test_conditional_compute_keeps_torch_per_param_step_counts(self):
+        """The second block is skipped every third step (its params' .grad stays None), as
+        conditional compute and MoE experts do: torch counts steps per param, and so does
+        tierstate; the counts go both ways through state_dicts."""
+        data = batches(30, seed=23)
+
+        def run(model, opt, data, offset=0):
+            losses = []
+            for i, (x, y) in enumerate(data):
+                opt.zero_grad(set_to_none=True)
+                skip = (i + offset) % 3 == 2
+                h = model.embed(x) + model.pos[: x.shape[1]]
+                h = model.blocks[0](h) if skip else model.blocks(h)
+                logits = model.head(model.norm(h))
+                loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            return losses
+
+        ref = make_model()
+        ref_opt = torch.optim.AdamW(groups(ref), lr=LR, betas=(0.9, 0.95))
+        model = make_model()
+        opt = tierstate_torch.AdamW(groups(model), lr=LR, betas=(0.9, 0.95), chunk_elements=4096)
+        self.assert_parity(run(ref, ref_opt, data[:20]), run(model, opt, data[:20]), ref, model)
+        skipped = model.blocks[1].q.weight
+        self.assertEqual(opt.step_count(), 20)
+        self.assertEqual(opt.step_count(skipped), 14)
+        self.assertEqual(opt.step_count(model.head.weight), 20)
+        ours = opt.torch_state_dict()["state"]
+        for i, p in enumerate(p for g in ref_opt.param_groups for p in g["params"]):  # (the groups' order)
+            self.assertEqual(float(ours[i]["step"]), float(ref_opt.state[p]["step"]))
+        # torch -> tierstate, with counts that differ per param; the last steps alike.
+        again = copy.deepcopy(ref)
+        again_opt = tierstate_torch.AdamW(groups(again), lr=LR, betas=(0.9, 0.95), chunk_elements=4096)
+        again_opt.load_state_dict(ref_opt.state_dict())
+        self.assertEqual(again_opt.step_count(again.blocks[1].q.weight), 14)
+        self.assertEqual(again_opt.step_count(), 20)
+        self.assert_parity(run(ref, ref_opt, data[20:], 20), run(again, again_opt, data[20:], 20), ref, again)
+
+    def test_sgd_and_lion_train_as_torch_does(self):
+        """torch.optim.SGD (momentum with dampening, Nesterov, none) and Lion (its reference
+        above) against tierstate_torch's, 50 steps with the LR schedule, pinned and NVMe; then
+        their state_dicts both ways, and a tensor skipped every third step (its buffer starts
+        at its own first gradient, as torch's does)."""
+        data = batches(STEPS, seed=29)
+        cases = [
+            ("sgd momentum", torch.optim.SGD, tierstate_torch.SGD,
+             dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3)),
+            ("sgd nesterov", torch.optim.SGD, tierstate_torch.SGD,
+             dict(lr=0.05, momentum=0.8, nesterov=True, weight_decay=1e-3, maximize=False)),
+            ("sgd", torch.optim.SGD, tierstate_torch.SGD, dict(lr=0.1)),
+            ("lion", LionReference, tierstate_torch.Lion, dict(lr=2e-3, betas=(0.9, 0.99), weight_decay=0.1)),
+        ]
+        with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+            for name, theirs, ours, kw in cases:
+                ref = make_model()
+                ref_opt = theirs(groups(ref, kw.get("weight_decay", 0.0)), **kw)
+                ref_losses = train(ref, ref_opt, data, schedule(ref_opt))
+                self.assertLess(ref_losses[-1], 0.9 * ref_losses[0], f"{name}: the model did not learn")
+                for tier, path in (("pinned", None), ("nvme", d)):
+                    with self.subTest(rule=name, tier=tier):
+                        model = make_model()
+                        opt = ours(groups(model, kw.get("weight_decay", 0.0)), tier=tier, path=path,
+                                   chunk_elements=4096, **kw)
+                        self.assert_parity(ref_losses, train(model, opt, data, schedule(opt)), ref, model,
+                                           lr=kw["lr"])
+                        self.assertEqual(opt.step_count(), STEPS)
+                # torch -> tierstate -> torch, each continuing as the other would.
+                with self.subTest(rule=name, state_dict="both ways"):
+                    more = batches(16, seed=31)
+                    ref = make_model()
+                    ref_opt = theirs(groups(ref, kw.get("weight_decay", 0.0)), **kw)
+                    train(ref, ref_opt, more[:10])
+                    model = copy.deepcopy(ref)
+                    opt = ours(groups(model, kw.get("weight_decay", 0.0)), chunk_elements=4096, **kw)
+                    opt.load_state_dict(ref_opt.state_dict())
+                    self.assert_parity(train(ref, ref_opt, more[10:13]), train(model, opt, more[10:13]), ref,
+                                       model, lr=kw["lr"])
+                    back = copy.deepcopy(model)
+                    back_opt = theirs(groups(back, kw.get("weight_decay", 0.0)), **kw)
+                    back_opt.load_state_dict(opt.torch_state_dict())
+                    self.assert_parity(train(back, back_opt, more[13:]), train(model, opt, more[13:]), back,
+                                       model, lr=kw["lr"])
+
+    def test_sgd_momentum_buffers_start_at_each_params_own_first_gradient(self):
+        data = batches(12, seed=37)
+
+        def run(model, opt):
+            losses = []
+            for i, (x, y) in enumerate(data):
+                opt.zero_grad(set_to_none=True)
+                h = model.embed(x) + model.pos[: x.shape[1]]
+                h = model.blocks[0](h) if i < 2 or i % 3 == 1 else model.blocks(h)  # block 1 joins late
+                loss = nn.functional.cross_entropy(model.head(model.norm(h)).reshape(-1, VOCAB), y.reshape(-1))
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            return losses
+
+        kw = dict(lr=0.05, momentum=0.9, dampening=0.5)
+        ref, model = make_model(), make_model()
+        ref_opt, opt = torch.optim.SGD(ref.parameters(), **kw), tierstate_torch.SGD(model.parameters(), **kw)
+        self.assert_parity(run(ref, ref_opt), run(model, opt), ref, model, lr=kw["lr"])
+        self.assertEqual(opt.step_count(model.blocks[1].q.weight), 12 - 2 - 3)
 
     def test_adam_amsgrad_maximize(self):
         data = batches(15, seed=19)
@@ -520,13 +651,17 @@ class Parity(unittest.TestCase):
 
     def test_rules_by_name_with_their_tables_and_state_dicts_without_files(self):
         C = tierstate_torch.optim._ext()
-        self.assertEqual(C.rule_names(), ["adam", "adamw", "adam_amsgrad", "adamw_amsgrad"])
+        self.assertEqual(C.rule_names(), ["adam", "adamw", "adam_amsgrad", "adamw_amsgrad", "sgd", "sgd_momentum",
+                                          "lion"])
         table = C.rule_table("adamw")
         self.assertEqual(table["hyperparameters"], ["lr", "betas[0]", "betas[1]", "eps", "weight_decay", "maximize"])
         self.assertEqual(table["defaults"], [1e-3, 0.9, 0.999, 1e-8, 1e-2, 0.0])
         self.assertEqual(C.rule_table("adam_amsgrad")["slots"], ["exp_avg", "exp_avg_sq", "max_exp_avg_sq"])
-        with self.assertRaisesRegex(ValueError, "no rule 'lion'"):
-            C.rule_table("lion")
+        self.assertEqual(C.rule_table("sgd")["slots"], [])
+        self.assertEqual(C.rule_table("sgd_momentum")["hyperparameters"],
+                         ["lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"])
+        with self.assertRaisesRegex(ValueError, "no rule 'adagrad'"):
+            C.rule_table("adagrad")
         data = batches(6, seed=5)
         with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
             model, opt = self.ours(data, "nvme", path=d)
@@ -572,8 +707,22 @@ class Parity(unittest.TestCase):
             tierstate_torch.AdamW(model.parameters(), lr=-1.0)
         with self.assertRaisesRegex(ValueError, "amsgrad"):
             tierstate_torch.AdamW([{"params": [model.pos], "amsgrad": True}, {"params": [model.head.bias]}])
-        opt = tierstate_torch.AdamW(model.parameters())
+        with self.assertRaisesRegex(ValueError, "Nesterov momentum requires a momentum and zero dampening"):
+            tierstate_torch.SGD(model.parameters(), lr=0.1, nesterov=True)
+        with self.assertRaisesRegex(ValueError, "every param group must have momentum = 0"):
+            tierstate_torch.SGD([{"params": [model.pos], "momentum": 0.9}, {"params": [model.head.bias]}], lr=0.1)
+        with self.assertRaisesRegex(ValueError, "invalid beta parameter at index 1"):
+            tierstate_torch.Lion(model.parameters(), betas=(0.9, 1.5))
         x, y = batches(1)[0]
+        sgd = tierstate_torch.SGD([model.pos], lr=0.1, momentum=0.9)
+        loss_of(model, x, y).backward()
+        sgd.step()
+        sgd.param_groups[0]["momentum"] = 0.0  # the buffer's rule cannot drop its buffer
+        with self.assertRaisesRegex(Exception, "momentum"):
+            sgd.step()
+        sgd.close()
+        model.zero_grad(set_to_none=True)
+        opt = tierstate_torch.AdamW(model.parameters())
         loss_of(model, x, y).backward()
         opt.step()
         with self.assertRaisesRegex(RuntimeError, "after the state was made"):

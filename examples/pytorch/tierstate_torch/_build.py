@@ -35,7 +35,9 @@ import subprocess
 from pathlib import Path
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_RULES = ["adam", "adamw", "adam_amsgrad", "adamw_amsgrad"]
+# The translation units of the compositions, one pair (shards_<unit>.cpp for OnHost,
+# device_shards_<unit>.cpp or .cu for OnDevice) each: one per Adam rule, one for the rest.
+_UNITS = ["adam", "adamw", "adam_amsgrad", "adamw_amsgrad", "sgd_lion"]
 
 
 def _pkg_config(*args: str) -> list[str]:
@@ -113,12 +115,12 @@ def load_extension():
     cuda = with_cuda()
     common = ["-std=c++20", "-DNDEBUG"] + _include_flags() + _deps_cflags()
     host = shlex.split(os.environ.get("TIERSTATE_TORCH_CFLAGS", "-O3 -march=native"))
-    sources = [_CSRC / "bindings.cpp", _CSRC / "rules.cpp"] + [_CSRC / f"shards_{r}.cpp" for r in _RULES]
+    sources = [_CSRC / "bindings.cpp", _CSRC / "rules.cpp"] + [_CSRC / f"shards_{r}.cpp" for r in _UNITS]
     cflags = common + host + ["-Wno-deprecated-declarations"]
     cuda_cflags: list[str] = []
     if cuda:
         cflags.append("-DTIERSTATE_ENABLE_CUDA")
-        sources += [_CSRC / f"device_shards_{r}.cu" for r in _RULES]
+        sources += [_CSRC / f"device_shards_{r}.cu" for r in _UNITS]
         # PyTorch's nvcc flags switch off __half and __nv_bfloat16's operators and
         # conversions, which the device kernels use; switched back on for these files.
         cuda_cflags = common + ["-DTIERSTATE_ENABLE_CUDA", "--expt-relaxed-constexpr", "-O3",
@@ -133,7 +135,7 @@ def load_extension():
         thrust = _thrust_include()
         if thrust is not None:
             cflags += ["-isystem", thrust, "-DTHRUST_DEVICE_SYSTEM=THRUST_DEVICE_SYSTEM_CPP"]
-            sources += [_CSRC / f"device_shards_{r}.cpp" for r in _RULES]
+            sources += [_CSRC / f"device_shards_{r}.cpp" for r in _UNITS]
         else:
             sources.append(_CSRC / "no_device_shards.cpp")
     return load(

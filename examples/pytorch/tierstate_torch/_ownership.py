@@ -25,7 +25,7 @@ def _grad_hook(optimizer: "weakref.ref[Any]", i: int, p: torch.Tensor) -> None:
 
 
 class _Ownership:
-    """The optimizer's side of ownership (a mixin of _OffloadedAdamBase)."""
+    """The optimizer's side of ownership (a mixin of _OffloadedBase)."""
 
     # -- one optimizer per parameter ----------------------------------------------------
 

@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """state_dict() and load_state_dict(): tierstate's (one checkpoint per shard, as bytes made
-with no file) and torch.optim.Adam/AdamW's, both ways."""
+with no file) and the torch.optim optimizer's that the rule stands in for, both ways."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ from ._common import _DTYPES, _FORMAT, _key_name, _number, _on
 
 
 class _StateDicts:
-    """The optimizer's state_dict side (a mixin of _OffloadedAdamBase)."""
+    """The optimizer's state_dict side (a mixin of _OffloadedBase)."""
 
     def state_dict(self) -> dict[str, Any]:
         """The param groups (as torch.optim keeps them) and one tierstate checkpoint per dtype."""
@@ -31,7 +32,7 @@ class _StateDicts:
         return f"{_DTYPES[key[0]]}/{self._members[key][0]}"
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Takes a state_dict() of this class, or a torch.optim.Adam/AdamW state_dict."""
+        """Takes a state_dict() of this class, or one of the torch optimizer it stands in for."""
         self._refuse_if("load_state_dict", replaced=True)
         if "tierstate" not in state_dict:
             self._load_torch_state_dict(state_dict)
@@ -79,30 +80,31 @@ class _StateDicts:
         self._push_hyperparameters(force=True)
 
     def torch_state_dict(self) -> dict[str, Any]:
-        """The state as torch.optim.Adam/AdamW keeps it, loadable by one over the same params.
-        The moments are in each param's dtype, as torch keeps them; a master is not kept."""
+        """The state as the torch optimizer this one stands in for keeps it (torch.optim.Adam,
+        AdamW, SGD; lion-pytorch's Lion), loadable by one over the same params. The slots are in
+        each param's dtype, as torch keeps them; a master is not kept."""
         self._refuse_if("torch_state_dict")
         self._build()  # (get_state flushes a delayed update itself)
         groups = []
         index = 0
         for group in self.param_groups:
             g = {k: v for k, v in group.items() if k != "params"}
-            g.update(foreach=None, capturable=False, differentiable=False, fused=None,
-                     decoupled_weight_decay=self._decoupled)
+            g.update(self._torch_group_extras())
             g["params"] = list(range(index, index + len(group["params"])))
             index += len(group["params"])
             groups.append(g)
         state: dict[int, dict[str, torch.Tensor]] = {}
-        steps = self.step_count()
-        if steps > 0:
-            slots = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self._amsgrad else [])
-            for i, p in enumerate(self._params()):
-                key, _ = self._where[i]
-                s = {"step": torch.tensor(float(steps), dtype=torch.float32)}
-                for slot in slots:
-                    with _on(key[1]):
-                        value = self._shards[key].get_state(f"p{i}", slot)
-                    s[slot] = value.view(p.shape).to(device=p.device, dtype=p.dtype)
+        for i, p in enumerate(self._params()):
+            key, _ = self._where[i]
+            steps = self._shards[key].tensor_step_count(f"p{i}")
+            if steps == 0:
+                continue  # as torch: a param never stepped has no state
+            s = {"step": torch.tensor(float(steps), dtype=torch.float32)} if self._torch_keeps_step else {}
+            for slot in self._torch_slots:
+                with _on(key[1]):
+                    value = self._shards[key].get_state(f"p{i}", slot)
+                s[slot] = value.view(p.shape).to(device=p.device, dtype=p.dtype)
+            if s:  # (torch.optim.SGD without momentum keeps nothing)
                 state[i] = s
         return {"state": state, "param_groups": groups}
 
@@ -112,27 +114,34 @@ class _StateDicts:
             raise ValueError(f"{name}: not a state_dict (no 'state' and 'param_groups')")
         self._build()
         for g in sd["param_groups"]:
-            if bool(g.get("amsgrad", False)) != self._amsgrad:
-                raise ValueError(f"{name}: the state_dict has amsgrad={g.get('amsgrad')}; this optimizer "
-                                 f"has amsgrad={self._amsgrad}")
-            decoupled = bool(g.get("decoupled_weight_decay", False))
-            if decoupled != self._decoupled and _number(g.get("weight_decay", 0), "weight_decay") != 0:
-                raise ValueError(f"{name}: the state_dict is torch.optim."
-                                 f"{'AdamW' if decoupled else 'Adam'}'s with weight decay; this is "
-                                 f"{'AdamW' if self._decoupled else 'Adam'}")
+            missing = [k for k in self._torch_group_keys if k not in g]
+            if missing:
+                raise ValueError(f"{name}: the state_dict's param groups have no {missing}: not a state_dict "
+                                 f"of the optimizer {name} stands in for")
+            self._check_torch_group(g)
+            self._check_group({**g, "params": []})  # its numbers, in torch's words, before anything changes
         params = self._params()
         state = sd["state"]
-        steps = {int(_number(s["step"], "step")) for s in state.values()}
-        if len(steps) > 1 or (state and len(state) != len(params)):
-            raise ValueError(f"{name}: the state_dict's params have different step counts "
-                             f"({sorted(steps)}, {len(state)} of {len(params)} params with state); "
-                             "this optimizer keeps one step count for all")
+        steps = {}
+        slots = self._torch_slots
+        for i, s in state.items():
+            if not self._torch_keeps_step:  # (SGD's, Lion's): a param with its slots has stepped
+                steps[int(i)] = 1 if slots and all(s.get(k) is not None for k in slots) else 0
+                continue
+            if "step" not in s:
+                raise ValueError(f"{name}: the state_dict's state[{i}] has no 'step'")
+            n = _number(s["step"], f"state[{i}]['step']")
+            if not math.isfinite(n) or n < 0 or n != int(n):
+                raise ValueError(f"{name}: the state_dict's state[{i}]['step'] is {n}; a step count is an "
+                                 "integer >= 0")
+            steps[int(i)] = int(n)
+        # A number torch's optimizer does not have (Lion's maximize, which lion-pytorch lacks)
+        # keeps the group's value here.
+        keep = tuple(self.defaults) + ("params", "initial_lr", "param_names")
         super().load_state_dict({"state": {}, "param_groups": [
-            {k: v for k, v in g.items() if k in ("lr", "betas", "eps", "weight_decay", "amsgrad",
-                                                 "maximize", "params", "initial_lr", "param_names")}
-            for g in sd["param_groups"]]})
+            {**{k: v for k, v in mine.items() if k != "params"}, **{k: v for k, v in g.items() if k in keep}}
+            for mine, g in zip(self.param_groups, sd["param_groups"])]})
         # The param indices now match (torch's load checked the group sizes).
-        slots = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if self._amsgrad else [])
         for i, p in enumerate(params):
             key, _ = self._where[i]
             shard = self._shards[key]
@@ -141,12 +150,18 @@ class _StateDicts:
                 if "master" in shard.slot_names():
                     shard.set_state(f"p{i}", "master", p.detach().reshape(-1))
                 for slot in slots:
-                    value = torch.zeros(p.numel()) if s is None else s[slot].reshape(-1)
+                    value = torch.zeros(p.numel()) if s is None or s.get(slot) is None else s[slot].reshape(-1)
                     shard.set_state(f"p{i}", slot, value)
-        n = steps.pop() if steps else 0
+        # Each param's own count; the optimizer's, the most any param took (a param without
+        # state took none).
+        most = max(steps.values(), default=0)
         for key, shard in self._shards.items():
             with _on(key[1]):
-                shard.set_step_count(n)
+                shard.set_step_count(most)
+        for i in range(len(params)):
+            key, _ = self._where[i]
+            with _on(key[1]):
+                self._shards[key].set_tensor_step_count(f"p{i}", steps.get(i, 0))
         self._note_versions()
         self._pushed.clear()
         self._push_hyperparameters(force=True)

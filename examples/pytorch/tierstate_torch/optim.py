@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""torch.optim.Adam and AdamW with their state offloaded by tierstate.
+"""torch.optim.Adam, AdamW and SGD, and Lion, with their state offloaded by tierstate.
 
     opt = tierstate_torch.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
                                 tier="nvme", path="/mnt/nvme/scratch")
 
-A drop-in replacement for torch.optim.AdamW (and Adam): param groups, LR schedulers,
+A drop-in replacement for torch.optim.AdamW (and Adam, SGD; Lion as lion-pytorch): param groups, LR schedulers,
 zero_grad, closures, GradScaler, state_dict/load_state_dict. The master copy (for
 bf16/fp16 params) and the moments live in the chosen tier, not in tensors: `tier="pinned"`
 keeps them in host memory, `tier="nvme"` in a scratch file under `path`, streamed through a
@@ -17,14 +17,15 @@ Testing aid: with TIERSTATE_TORCH_EMULATED_DEVICE=1 and a build without CUDA, CP
 are handled as device params on tierstate's emulated device (device memory is host memory,
 its streams are threads), so the GPU compositions run on a machine without a GPU.
 
-What differs from torch.optim.AdamW:
+What differs from torch.optim:
 - The state is not in `optimizer.state` (it is not made of tensors); read a slot with
   `get_state(param, "exp_avg")`, convert the whole state with `torch_state_dict()`.
 - `state_dict()` carries tierstate checkpoints (master included) plus the param groups;
-  `load_state_dict()` takes those, or a torch.optim.Adam(W) state_dict.
-- The step count is one per optimizer (all params must step together): a param whose
-  `.grad` is None in a step is left as it is, but the bias correction of its next step
-  counts the steps it missed (torch counts per param).
+  `load_state_dict()` takes those, or the state_dict of the torch optimizer it stands in for.
+- SGD chooses its rule by momentum (0: no buffer), so every group's momentum is 0, or none is.
+- Step counts are per param, as torch keeps them: a param whose `.grad` is None in a step
+  is left as it is and its count does not advance. `step_count()` is the optimizer's (the
+  steps taken), `step_count(param)` a param's own.
 - `params` are updated in place through their memory: the optimizer checks each step that
   they were not moved or reallocated (`model.to(...)` after making the optimizer).
 - With overlap_backward, the update reads each gradient when backward hands it over:
@@ -58,19 +59,43 @@ from ._ownership import _Ownership
 from ._state_dict import _StateDicts
 
 
-class _OffloadedAdamBase(_Ownership, _StateDicts, torch.optim.Optimizer):
-    _decoupled: bool = True
+class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
+    """What every rule's optimizer shares: the options, the shards, stepping, state_dicts.
+    A rule's class says which rule its groups choose, refuses their numbers in torch's words,
+    and how its state looks in the torch.optim optimizer it stands in for (the hooks below)."""
+
+    # -- what a rule's class says --------------------------------------------------------
+
+    #: torch's names of the rule's slots, in the state_dict torch.optim keeps
+    _torch_slots: tuple[str, ...] = ()
+    #: whether torch's state keeps a per-param "step"
+    _torch_keeps_step = True
+    #: the group keys a torch state_dict's param groups must have (it may bring the others)
+    _torch_group_keys: tuple[str, ...] = ()
+
+    def _rule_name(self) -> str:
+        raise NotImplementedError
+
+    def _check_rule_group(self, group: dict[str, Any]) -> None:
+        """Refuses a group whose numbers would need another rule than the optimizer's."""
+
+    def _validate_hyper(self, group: dict[str, Any]) -> None:
+        """Refuses a group's numbers as torch.optim does (in its order, in its words)."""
+
+    def _torch_group_extras(self) -> dict[str, Any]:
+        """What torch's param groups hold besides the numbers (foreach, fused, ...)."""
+        return {}
+
+    def _check_torch_group(self, g: dict[str, Any]) -> None:
+        """Refuses a torch state_dict's param group made by another rule."""
+
+    # -----------------------------------------------------------------------------------
 
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float | torch.Tensor = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        amsgrad: bool = False,
+        defaults: dict[str, Any],
         *,
-        maximize: bool = False,
         tier: str = "pinned",
         path: str | os.PathLike | None = None,
         compute: str = "host",
@@ -115,8 +140,6 @@ class _OffloadedAdamBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         if grad_scaler is not None and on_nonfinite != "skip_step":
             raise ValueError(f"{name}: with a grad_scaler, on_nonfinite must be 'skip_step' (GradScaler "
                              "skips the steps whose gradients overflowed)")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize)
         self._shards: dict[torch.dtype, Any] | None = None
         self._closed = False
         self._replaced: str | None = None  # by what, over which params: for the messages
@@ -127,9 +150,8 @@ class _OffloadedAdamBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                              delayed_update=bool(delayed_update))
         self._state_dtype = state_dtype
         self._emulated = os.environ.get("TIERSTATE_TORCH_EMULATED_DEVICE") == "1"
-        self._amsgrad = bool(amsgrad)
         # The rule, by name (its hyper-parameter table comes from the extension when it is built).
-        self._rule = ("adamw" if self._decoupled else "adam") + ("_amsgrad" if self._amsgrad else "")
+        self._rule = self._rule_name()
         self._table: list[str] | None = None
         self._overlap = bool(overlap_backward)
         self._micro_batches = micro_batches
@@ -169,9 +191,7 @@ class _OffloadedAdamBase(_Ownership, _StateDicts, torch.optim.Optimizer):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         name = type(self).__name__
-        if bool(group["amsgrad"]) != self._amsgrad:
-            raise ValueError(f"{name}: every param group must have amsgrad={self._amsgrad} (the rule is "
-                             "chosen once, when the optimizer is made)")
+        self._check_rule_group(group)
         for p in group["params"]:
             if self._options["compute"] == "device" and p.device.type == "cpu" and not self._emulated:
                 raise ValueError(f"{name}: compute='device' updates CUDA parameters; a parameter is on cpu "
@@ -191,23 +211,6 @@ class _OffloadedAdamBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         if self._table is None:
             self._table = list(_ext().rule_table(self._rule)["hyperparameters"])
         return _table_values(group, self._table)
-
-    def _validate_hyper(self, group: dict[str, Any]) -> None:
-        """Refuses a group's numbers as torch.optim does (in its order, in its words)."""
-        beta1, beta2 = group["betas"]
-        lr, b1, b2 = _number(group["lr"], "lr"), _number(beta1, "betas[0]"), _number(beta2, "betas[1]")
-        eps, wd = _number(group["eps"], "eps"), _number(group["weight_decay"], "weight_decay")
-        name = type(self).__name__
-        if not lr >= 0:
-            raise ValueError(f"{name}: invalid learning rate {lr}")
-        if not eps >= 0:
-            raise ValueError(f"{name}: invalid epsilon value {eps}")
-        if not 0 <= b1 < 1:
-            raise ValueError(f"{name}: invalid beta parameter at index 0: {b1}")
-        if not 0 <= b2 < 1:
-            raise ValueError(f"{name}: invalid beta parameter at index 1: {b2}")
-        if not wd >= 0:
-            raise ValueError(f"{name}: invalid weight_decay value {wd}")
 
     def __del__(self) -> None:
         for handle in getattr(self, "_hooks", []):
@@ -500,9 +503,15 @@ class _OffloadedAdamBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                 with _on(key[1]):
                     shard.flush()
 
-    def step_count(self) -> int:
+    def step_count(self, param: torch.Tensor | None = None) -> int:
+        """The steps taken; with `param`, the steps that updated it (torch's state[p]["step"])."""
         self._refuse_if("step_count")
-        return 0 if self._shards is None else next(iter(self._shards.values())).step_count()
+        if param is None:
+            return 0 if self._shards is None else next(iter(self._shards.values())).step_count()
+        self._build()
+        i = self._index(param)
+        key, _ = self._where[i]
+        return self._shards[key].tensor_step_count(f"p{i}")
 
     def composition(self) -> list[str]:
         """The C++ type of each shard's optimizer."""
@@ -526,6 +535,65 @@ class _OffloadedAdamBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         raise ValueError(f"{type(self).__name__}: the tensor is not one of this optimizer's parameters")
 
 
+class _OffloadedAdamBase(_OffloadedBase):
+    """torch.optim.Adam and AdamW: the rules adam, adamw and their AMSGrad forms."""
+
+    _decoupled: bool = True
+    _torch_group_keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 amsgrad: bool = False, *, maximize: bool = False, **options: Any) -> None:
+        self._amsgrad = bool(amsgrad)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                                      maximize=maximize), **options)
+
+    @property
+    def _torch_slots(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self._amsgrad else ())
+
+    def _rule_name(self) -> str:
+        return ("adamw" if self._decoupled else "adam") + ("_amsgrad" if self._amsgrad else "")
+
+    def _check_rule_group(self, group: dict[str, Any]) -> None:
+        if bool(group["amsgrad"]) != self._amsgrad:
+            raise ValueError(f"{type(self).__name__}: every param group must have amsgrad={self._amsgrad} (the "
+                             "rule is chosen once, when the optimizer is made)")
+
+    def _validate_hyper(self, group: dict[str, Any]) -> None:
+        """Refuses a group's numbers as torch.optim does (in its order, in its words)."""
+        beta1, beta2 = group["betas"]
+        lr, b1, b2 = _number(group["lr"], "lr"), _number(beta1, "betas[0]"), _number(beta2, "betas[1]")
+        eps, wd = _number(group["eps"], "eps"), _number(group["weight_decay"], "weight_decay")
+        name = type(self).__name__
+        if not lr >= 0:
+            raise ValueError(f"{name}: invalid learning rate {lr}")
+        if not eps >= 0:
+            raise ValueError(f"{name}: invalid epsilon value {eps}")
+        if not 0 <= b1 < 1:
+            raise ValueError(f"{name}: invalid beta parameter at index 0: {b1}")
+        if not 0 <= b2 < 1:
+            raise ValueError(f"{name}: invalid beta parameter at index 1: {b2}")
+        if not wd >= 0:
+            raise ValueError(f"{name}: invalid weight_decay value {wd}")
+
+
+    def _torch_group_extras(self) -> dict[str, Any]:
+        return dict(foreach=None, capturable=False, differentiable=False, fused=None,
+                    decoupled_weight_decay=self._decoupled)
+
+    def _check_torch_group(self, g: dict[str, Any]) -> None:
+        name = type(self).__name__
+        if bool(g.get("amsgrad", False)) != self._amsgrad:
+            raise ValueError(f"{name}: the state_dict has amsgrad={g.get('amsgrad')}; this optimizer "
+                             f"has amsgrad={self._amsgrad}")
+        decoupled = bool(g.get("decoupled_weight_decay", False))
+        if decoupled != self._decoupled and _number(g.get("weight_decay", 0), "weight_decay") != 0:
+            raise ValueError(f"{name}: the state_dict is torch.optim."
+                             f"{'AdamW' if decoupled else 'Adam'}'s with weight decay; this is "
+                             f"{'AdamW' if self._decoupled else 'Adam'}")
+
+
 class AdamW(_OffloadedAdamBase):
     """torch.optim.AdamW (decoupled weight decay, default 1e-2), state offloaded."""
 
@@ -544,3 +612,85 @@ class Adam(_OffloadedAdamBase):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False,
                  **kwargs) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+class SGD(_OffloadedBase):
+    """torch.optim.SGD, state offloaded: the rule sgd_momentum (a momentum buffer per param)
+    when momentum > 0, else sgd (no state but the master of bf16/fp16 params). Every group
+    must then agree on whether momentum is 0; changing it between 0 and > 0 later (a
+    scheduler) is refused by name at the next step. torch keeps no step count for SGD: its
+    state_dict converts both ways with the momentum buffers alone."""
+
+    _torch_keeps_step = False
+    _torch_group_keys = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
+
+    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
+                 maximize: bool = False, **options: Any) -> None:
+        self._momentum = _number(momentum, "momentum") != 0
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                      nesterov=nesterov, maximize=maximize), **options)
+
+    @property
+    def _torch_slots(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("momentum_buffer",) if self._momentum else ()
+
+    def _rule_name(self) -> str:
+        return "sgd_momentum" if self._momentum else "sgd"
+
+    def _check_rule_group(self, group: dict[str, Any]) -> None:
+        if (_number(group["momentum"], "momentum") != 0) != self._momentum:
+            raise ValueError(f"{type(self).__name__}: every param group must have momentum "
+                             f"{'> 0' if self._momentum else '= 0'}, as the defaults do (the rule, with or "
+                             "without a momentum buffer, is chosen once, when the optimizer is made)")
+
+    def _validate_hyper(self, group: dict[str, Any]) -> None:
+        lr, momentum = _number(group["lr"], "lr"), _number(group["momentum"], "momentum")
+        dampening, wd = _number(group["dampening"], "dampening"), _number(group["weight_decay"], "weight_decay")
+        name = type(self).__name__
+        if not lr >= 0:
+            raise ValueError(f"{name}: invalid learning rate: {lr}")
+        if not momentum >= 0:
+            raise ValueError(f"{name}: invalid momentum value: {momentum}")
+        if not wd >= 0:
+            raise ValueError(f"{name}: invalid weight_decay value: {wd}")
+        if not math.isfinite(dampening):
+            raise ValueError(f"{name}: invalid dampening value: {dampening}")
+        if group["nesterov"] and (momentum <= 0 or dampening != 0):
+            raise ValueError(f"{name}: Nesterov momentum requires a momentum and zero dampening")
+
+    def _torch_group_extras(self) -> dict[str, Any]:
+        return dict(foreach=None, differentiable=False, fused=None)
+
+
+class Lion(_OffloadedBase):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") as lion-pytorch
+    applies it: decoupled weight decay, the sign of an interpolation of momentum and gradient,
+    then the momentum's own decay; state offloaded. Its defaults are lion-pytorch's. PyTorch
+    has no Lion: torch_state_dict() gives lion-pytorch's layout (exp_avg per param, no step),
+    which load_state_dict() also takes."""
+
+    _torch_keeps_step = False
+    _torch_slots = ("exp_avg",)
+    _torch_group_keys = ("lr", "betas", "weight_decay")
+
+    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-4,
+                 betas: tuple[float, float] = (0.9, 0.99), weight_decay: float = 0.0, *,
+                 maximize: bool = False, **options: Any) -> None:
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize), **options)
+
+    def _rule_name(self) -> str:
+        return "lion"
+
+    def _validate_hyper(self, group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        lr, b1, b2 = _number(group["lr"], "lr"), _number(beta1, "betas[0]"), _number(beta2, "betas[1]")
+        wd = _number(group["weight_decay"], "weight_decay")
+        name = type(self).__name__
+        if not lr >= 0:
+            raise ValueError(f"{name}: invalid learning rate {lr}")
+        for i, b in enumerate((b1, b2)):
+            if not 0 <= b <= 1:
+                raise ValueError(f"{name}: invalid beta parameter at index {i}: {b} (must be in [0, 1])")
+        if not wd >= 0:
+            raise ValueError(f"{name}: invalid weight_decay value {wd}")

@@ -213,6 +213,11 @@ class py_shard {
 
   [[nodiscard]] std::int64_t step_count() const { return shard_->step_count(); }
   void set_step_count(std::int64_t n) { shard_->set_step_count(n); }
+  [[nodiscard]] std::int64_t tensor_step_count(std::string const& tensor) const
+  {
+    return shard_->tensor_step_count(tensor);
+  }
+  void set_tensor_step_count(std::string const& tensor, std::int64_t n) { shard_->set_tensor_step_count(tensor, n); }
   [[nodiscard]] std::vector<std::string> slot_names() const { return shard_->slot_names(); }
   [[nodiscard]] std::string composition() const { return shard_->composition(); }
   [[nodiscard]] bool in_step() const { return shard_->in_step(); }
@@ -357,6 +362,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     .def("same_memory", &tt::py_shard::same_memory)
     .def("step_count", &tt::py_shard::step_count)
     .def("set_step_count", &tt::py_shard::set_step_count)
+    .def("tensor_step_count", &tt::py_shard::tensor_step_count)
+    .def("set_tensor_step_count", &tt::py_shard::set_tensor_step_count)
     .def("slot_names", &tt::py_shard::slot_names)
     .def("composition", &tt::py_shard::composition)
     .def("in_step", &tt::py_shard::in_step)

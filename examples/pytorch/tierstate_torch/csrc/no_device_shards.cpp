@@ -19,5 +19,8 @@ std::unique_ptr<shard> make_adam_device_shard(config const&) { refuse(); }
 std::unique_ptr<shard> make_adamw_device_shard(config const&) { refuse(); }
 std::unique_ptr<shard> make_adam_amsgrad_device_shard(config const&) { refuse(); }
 std::unique_ptr<shard> make_adamw_amsgrad_device_shard(config const&) { refuse(); }
+std::unique_ptr<shard> make_sgd_device_shard(config const&) { refuse(); }
+std::unique_ptr<shard> make_sgd_momentum_device_shard(config const&) { refuse(); }
+std::unique_ptr<shard> make_lion_device_shard(config const&) { refuse(); }
 
 }  // namespace tierstate_torch

@@ -99,6 +99,9 @@ class shard {
   virtual void write_state(std::string_view tensor, std::string_view slot, std::span<float const> from) = 0;
   [[nodiscard]] virtual std::int64_t step_count() const = 0;
   virtual void set_step_count(std::int64_t n) = 0;
+  /// One tensor's own count (torch's per-param state["step"]), and setting it alone.
+  [[nodiscard]] virtual std::int64_t tensor_step_count(std::string_view tensor) const = 0;
+  virtual void set_tensor_step_count(std::string_view tensor, std::int64_t n) = 0;
   /// The slots this composition keeps ("master" first when it has one).
   [[nodiscard]] virtual std::vector<std::string> slot_names() const = 0;
   /// The composition, spelled as its C++ type.
@@ -121,8 +124,9 @@ bool device_is_emulated() noexcept;
 // One per rule and compute, each in its own translation unit: shards_<rule>.cpp (OnHost:
 // host params, or device params through CudaOverlapped; and the rule's table) and
 // device_shards_<rule>.cpp (OnDevice; compiled by nvcc, as device_shards_<rule>.cu, with
-// CUDA). A rule is added with those files, its three declarations here and its line in
-// rules.cpp.
+// CUDA); the rules after Adam's share one unit per compute (shards_sgd_lion.cpp). A rule is
+// added with its definitions there, its three declarations here, its line in rules.cpp and
+// its refusal in no_device_shards.cpp (and a new unit's name in _build.py's _UNITS).
 rule_info adam_info();
 rule_info adamw_info();
 rule_info adam_amsgrad_info();
@@ -135,5 +139,14 @@ std::unique_ptr<shard> make_adam_device_shard(config const& c);
 std::unique_ptr<shard> make_adamw_device_shard(config const& c);
 std::unique_ptr<shard> make_adam_amsgrad_device_shard(config const& c);
 std::unique_ptr<shard> make_adamw_amsgrad_device_shard(config const& c);
+rule_info sgd_info();
+rule_info sgd_momentum_info();
+rule_info lion_info();
+std::unique_ptr<shard> make_sgd_shard(config const& c);
+std::unique_ptr<shard> make_sgd_momentum_shard(config const& c);
+std::unique_ptr<shard> make_lion_shard(config const& c);
+std::unique_ptr<shard> make_sgd_device_shard(config const& c);
+std::unique_ptr<shard> make_sgd_momentum_device_shard(config const& c);
+std::unique_ptr<shard> make_lion_device_shard(config const& c);
 
 }  // namespace tierstate_torch

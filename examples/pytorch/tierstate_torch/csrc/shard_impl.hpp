@@ -138,6 +138,11 @@ class shard_impl final : public shard {
   }
   [[nodiscard]] std::int64_t step_count() const override { return opt_.step_count(); }
   void set_step_count(std::int64_t n) override { opt_.set_step_count(n); }
+  [[nodiscard]] std::int64_t tensor_step_count(std::string_view tensor) const override
+  {
+    return opt_.step_count(tensor);
+  }
+  void set_tensor_step_count(std::string_view tensor, std::int64_t n) override { opt_.set_step_count(tensor, n); }
   [[nodiscard]] std::vector<std::string> slot_names() const override
   {
     std::vector<std::string> names;
@@ -212,16 +217,17 @@ std::unique_ptr<shard> for_rule(config const& c)
   if (c.state == dtype::f16) {
     throw std::invalid_argument("tierstate_torch: state_dtype must be float32 or bfloat16, not float16");
   }
+  // A rule without slots (SGD without momentum) keeps no state for state_dtype to choose.
+  auto make = [&]<class Param>() {
+    if constexpr (Rule::slots.size() != 0) {
+      if (bf16_state) { return Compositions::template make<Rule, Precision<Param, Param, float, bf16>>(c); }
+    }
+    return Compositions::template make<Rule, Precision<Param, Param, float, float>>(c);
+  };
   switch (c.param) {
-    case dtype::f32:
-      return bf16_state ? Compositions::template make<Rule, Precision<float, float, float, bf16>>(c)
-                        : Compositions::template make<Rule, Precision<float, float, float, float>>(c);
-    case dtype::bf16:
-      return bf16_state ? Compositions::template make<Rule, Precision<bf16, bf16, float, bf16>>(c)
-                        : Compositions::template make<Rule, Precision<bf16, bf16, float, float>>(c);
-    case dtype::f16:
-      return bf16_state ? Compositions::template make<Rule, Precision<fp16, fp16, float, bf16>>(c)
-                        : Compositions::template make<Rule, Precision<fp16, fp16, float, float>>(c);
+    case dtype::f32: return make.template operator()<float>();
+    case dtype::bf16: return make.template operator()<bf16>();
+    case dtype::f16: return make.template operator()<fp16>();
   }
   throw std::invalid_argument("tierstate_torch: unknown param dtype");
 }
