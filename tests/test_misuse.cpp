@@ -346,6 +346,7 @@ TEST_CASE("a second thread entering an optimizer is refused, and changes nothing
       {"set_hyperparameters", [&] { opt.set_hyperparameters(0, schedule<StopOpt>(9)); }},
       {"add_group", [&] { opt.add_group(schedule<StopOpt>(9), {"t0"}); }},
       {"set_step_count", [&] { opt.set_step_count(0); }},
+      {"set_step_count", [&] { opt.set_step_count("t0", 0); }},  // (one tensor's)
       {"begin_step", [&] { opt.begin_step(); }},
       {"flush", [&] { (void)opt.flush(); }},
     };

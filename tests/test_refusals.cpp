@@ -290,6 +290,9 @@ std::vector<refusal<Opt>> refusals(scratch_dir const& d)
                  s.opt.set_hyperparameters(1, h);
                }, is<invalid_option>()});
   r.push_back({"set_step_count(-1)", [](S& s) { s.opt.set_step_count(-1); }, is<invalid_option>()});
+  r.push_back({"set_step_count(t0, 2^53 + 1)", [](S& s) { s.opt.set_step_count("t0", (std::int64_t{1} << 53) + 1); },
+               is<invalid_option>()});
+  r.push_back({"set_step_count of no tensor", [](S& s) { s.opt.set_step_count("nope", 3); }, is<logic_error>()});
   // Streaming steps.
   r.push_back({"begin_step with micro_batches 0", [](S& s) { s.opt.begin_step(1.0, 0); }, is<invalid_option>()});
   r.push_back({"begin_step with grad_scale -1", [](S& s) { s.opt.begin_step(-1.0, 1); }, is<invalid_option>()});

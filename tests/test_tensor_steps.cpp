@@ -140,8 +140,15 @@ TEST_CASE("set_step_count: all tensors, or one by name; refusals change nothing"
   CHECK(a.opt.step_count("x") == 4);
   CHECK(a.opt.step_count() == 4);
   CHECK_THROWS_WITH(a.opt.set_step_count("z", 1), Catch::Contains("'z'"));
-  CHECK_THROWS_WITH(a.opt.set_step_count("y", -1), Catch::Contains("tensor 'y'") && Catch::Contains(">= 0"));
+  CHECK_THROWS_WITH(a.opt.set_step_count("y", -1), Catch::Contains("tensor 'y'") && Catch::Contains("[0, 2^53]"));
   CHECK_THROWS_WITH(a.opt.step_count("z"), Catch::Contains("'z'"));
+  CHECK_THROWS_WITH(a.opt.set_step_count("y", (std::int64_t{1} << 53) + 1), Catch::Contains("[0, 2^53]"));
+  CHECK_THROWS_WITH(a.opt.set_step_count(std::int64_t{1} << 62), Catch::Contains("[0, 2^53]"));
+  a.opt.begin_step();  // the step's driver counts while it runs: no reading a count meanwhile
+  CHECK_THROWS_WITH(a.opt.step_count("y"), Catch::Contains("streaming step is in progress"));
+  (void)a.opt.finish_step();
+  CHECK(a.opt.step_count("y") == 40);  // (no tensor had a gradient)
+  CHECK(a.opt.step_count() == 5);
   CHECK(a.opt.step_count("y") == 40);
   a.opt.set_step_count(7);
   CHECK(a.opt.step_count("x") == 7);
@@ -413,6 +420,18 @@ TEST_CASE("version 2: sections a reader does not know are skipped, or refused wh
     });
     CHECK_THROWS_WITH(b.opt.load(file), Catch::Contains("slot 1") && Catch::Contains("codec 'fq32'") &&
                                           Catch::Contains("exp_avg: id 1, codec 'fp32'"));
+  }
+  SECTION("a shape that is not the tensor's count is corrupt")
+  {
+    rewrite_payload(file, [](std::vector<std::byte>& p) {
+      auto const* begin = reinterpret_cast<char const*>(p.data());
+      auto const at     = std::string_view(begin, p.size()).find("tens");
+      REQUIRE(at != std::string_view::npos);
+      std::size_t const rows_at = at + 16 + 8 + 4 + 1 + 24 + 8;  // x's rows, after its step
+      std::uint64_t const rows  = 3;
+      std::memcpy(p.data() + rows_at, &rows, 8);
+    });
+    CHECK_THROWS_WITH(b.opt.load(file), Catch::Contains("tensor 'x' of 1000 elements is shaped 3 x 1000"));
   }
   SECTION("a negative step count of a tensor is corrupt")
   {

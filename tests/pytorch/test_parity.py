@@ -604,6 +604,52 @@ class Parity(unittest.TestCase):
                     self.assert_parity(train(back, back_opt, more[13:]), train(model, opt, more[13:]), back,
                                        model, lr=kw["lr"])
 
+    def test_torch_state_dicts_are_checked_whole_before_anything_changes(self):
+        data = batches(4, seed=41)
+        ref = make_model()
+        ref_opt = torch.optim.AdamW(groups(ref), lr=LR)
+        train(ref, ref_opt, data[:2])
+        model = copy.deepcopy(ref)
+        opt = tierstate_torch.AdamW(groups(model), lr=0.07, chunk_elements=4096)
+        train(model, opt, data[:1])
+        before = (opt.torch_state_dict(), opt.param_groups[0]["lr"])
+
+        def refused(sd, pattern, other=opt):
+            with self.assertRaisesRegex(ValueError, pattern):
+                other.load_state_dict(sd)
+            after = (opt.torch_state_dict(), opt.param_groups[0]["lr"])
+            self.assertEqual(after[1], before[1])
+            for i, s in before[0]["state"].items():
+                for k, v in s.items():
+                    self.assertTrue(torch.equal(v, after[0]["state"][i][k]), f"state[{i}][{k}] changed")
+
+        sd = copy.deepcopy(ref_opt.state_dict())
+        sd["param_groups"] = sd["param_groups"][:1]
+        refused(sd, "has 1 param groups; this optimizer has 2")
+        sd = copy.deepcopy(ref_opt.state_dict())
+        last = max(sd["state"])
+        sd["state"][last]["exp_avg"] = sd["state"][last]["exp_avg"][:-1]
+        refused(sd, r"\['exp_avg'\] is .* elements; its param has")
+        sd = copy.deepcopy(ref_opt.state_dict())
+        sd["state"][99] = sd["state"][0]
+        refused(sd, "state for param 99, which no param group lists")
+        sd = copy.deepcopy(ref_opt.state_dict())
+        del sd["state"][0]["exp_avg_sq"]
+        refused(sd, r"has step 2 but not all of \['exp_avg', 'exp_avg_sq'\]")
+        # An Adam state_dict is not Lion's, whose groups it would otherwise fit.
+        lion = tierstate_torch.Lion(groups(copy.deepcopy(ref)), lr=1e-4)
+        with self.assertRaisesRegex(ValueError, r"have \['eps', 'amsgrad'\]: the state_dict of another optimizer"):
+            lion.load_state_dict(ref_opt.state_dict())
+        # A state_dict from before torch had `maximize` (or one that drops its flags) loads.
+        sd = copy.deepcopy(ref_opt.state_dict())
+        for g in sd["param_groups"]:
+            del g["maximize"], g["amsgrad"]
+        model.load_state_dict(ref.state_dict())  # (its own first step moved it)
+        opt.load_state_dict(sd)
+        self.assertEqual(opt.step_count(next(model.parameters())), 2)
+        self.assertFalse(opt.param_groups[0]["maximize"])
+        self.assert_parity(train(ref, ref_opt, data[2:]), train(model, opt, data[2:]), ref, model)
+
     def test_sgd_momentum_buffers_start_at_each_params_own_first_gradient(self):
         data = batches(12, seed=37)
 

@@ -108,60 +108,98 @@ class _StateDicts:
                 state[i] = s
         return {"state": state, "param_groups": groups}
 
+    def _torch_group(self, g: dict[str, Any]) -> dict[str, Any]:
+        """A torch param group as this optimizer keeps it: its numbers, a flag it lacks as
+        torch's default (False: an older torch's, or lion-pytorch's without maximize)."""
+        out = {k: False for k in self._torch_flags}
+        keep = self._torch_group_keys + self._torch_flags + ("params", "initial_lr", "param_names")
+        out.update((k, v) for k, v in g.items() if k in keep)
+        return out
+
     def _load_torch_state_dict(self, sd: dict[str, Any]) -> None:
+        """Everything is checked, and what goes where is planned, before anything changes."""
         name = type(self).__name__
-        if "param_groups" not in sd or "state" not in sd:
+        if not isinstance(sd, dict) or "param_groups" not in sd or "state" not in sd:
             raise ValueError(f"{name}: not a state_dict (no 'state' and 'param_groups')")
+        saved_groups = sd["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"{name}: the state_dict has {len(saved_groups)} param groups; this optimizer has "
+                             f"{len(self.param_groups)}")
         self._build()
-        for g in sd["param_groups"]:
+        ids: list[Any] = []  # the saved id of each of this optimizer's params, in order
+        for gi, (g, mine) in enumerate(zip(saved_groups, self.param_groups)):
             missing = [k for k in self._torch_group_keys if k not in g]
             if missing:
-                raise ValueError(f"{name}: the state_dict's param groups have no {missing}: not a state_dict "
+                raise ValueError(f"{name}: the state_dict's param group {gi} has no {missing}: not a state_dict "
                                  f"of the optimizer {name} stands in for")
             self._check_torch_group(g)
-            self._check_group({**g, "params": []})  # its numbers, in torch's words, before anything changes
+            if len(g.get("params", [])) != len(mine["params"]):
+                raise ValueError(f"{name}: the state_dict's param group {gi} has {len(g.get('params', []))} params; "
+                                 f"this optimizer's has {len(mine['params'])}")
+            self._check_group({**self._torch_group(g), "params": []})  # its numbers, in torch's words
+            ids.extend(g["params"])
         params = self._params()
         state = sd["state"]
-        steps = {}
+        position = {sid: i for i, sid in enumerate(ids)}
+        plan: list[tuple[int, dict[str, torch.Tensor]]] = [(0, {}) for _ in params]  # (step, slots) per param
         slots = self._torch_slots
-        for i, s in state.items():
-            if not self._torch_keeps_step:  # (SGD's, Lion's): a param with its slots has stepped
-                steps[int(i)] = 1 if slots and all(s.get(k) is not None for k in slots) else 0
-                continue
-            if "step" not in s:
-                raise ValueError(f"{name}: the state_dict's state[{i}] has no 'step'")
-            n = _number(s["step"], f"state[{i}]['step']")
-            if not math.isfinite(n) or n < 0 or n != int(n):
-                raise ValueError(f"{name}: the state_dict's state[{i}]['step'] is {n}; a step count is an "
-                                 "integer >= 0")
-            steps[int(i)] = int(n)
-        # A number torch's optimizer does not have (Lion's maximize, which lion-pytorch lacks)
-        # keeps the group's value here.
-        keep = tuple(self.defaults) + ("params", "initial_lr", "param_names")
-        super().load_state_dict({"state": {}, "param_groups": [
-            {**{k: v for k, v in mine.items() if k != "params"}, **{k: v for k, v in g.items() if k in keep}}
-            for mine, g in zip(self.param_groups, sd["param_groups"])]})
+        allowed = set(slots) | ({"step"} if self._torch_keeps_step else set())
+        for key, s in state.items():
+            i = position.get(key, position.get(int(key) if isinstance(key, str) and key.isdigit() else key))
+            if i is None:
+                raise ValueError(f"{name}: the state_dict has state for param {key!r}, which no param group lists")
+            if not isinstance(s, dict):
+                raise ValueError(f"{name}: the state_dict's state[{key!r}] is not a dict")
+            extra = sorted(set(s) - allowed)
+            if extra:
+                raise ValueError(f"{name}: the state_dict's state[{key!r}] has {extra}, which {name}'s state "
+                                 f"does not (it keeps {sorted(allowed)}): a state_dict of another optimizer")
+            values = {}
+            for slot in slots:
+                v = s.get(slot)
+                if v is None:
+                    continue
+                if not torch.is_tensor(v) or v.numel() != params[i].numel():
+                    got = f"{v.numel()} elements" if torch.is_tensor(v) else type(v).__name__
+                    raise ValueError(f"{name}: the state_dict's state[{key!r}][{slot!r}] is {got}; its param has "
+                                     f"{params[i].numel()} elements")
+                values[slot] = v
+            if self._torch_keeps_step:
+                if "step" not in s:
+                    raise ValueError(f"{name}: the state_dict's state[{key!r}] has no 'step'")
+                n = _number(s["step"], f"state[{key!r}]['step']")
+                if not math.isfinite(n) or n < 0 or n > 2 ** 53 or n != int(n):
+                    raise ValueError(f"{name}: the state_dict's state[{key!r}]['step'] is {n}; a step count is an "
+                                     "integer in [0, 2^53]")
+                if n > 0 and len(values) != len(slots):
+                    raise ValueError(f"{name}: the state_dict's state[{key!r}] has step {int(n)} but not all of "
+                                     f"{list(slots)}")
+                plan[i] = (int(n), values)
+            else:  # (SGD's, Lion's): a param with its slots has stepped
+                if values and len(values) != len(slots):
+                    raise ValueError(f"{name}: the state_dict's state[{key!r}] has some of {list(slots)}, not all")
+                plan[i] = (1 if slots and values else 0, values)
+        super().load_state_dict({"state": {}, "param_groups": [self._torch_group(g) for g in saved_groups]})
         # The param indices now match (torch's load checked the group sizes).
         for i, p in enumerate(params):
             key, _ = self._where[i]
             shard = self._shards[key]
-            s = state.get(i, state.get(str(i)))
             with _on(key[1]):
                 if "master" in shard.slot_names():
                     shard.set_state(f"p{i}", "master", p.detach().reshape(-1))
                 for slot in slots:
-                    value = torch.zeros(p.numel()) if s is None or s.get(slot) is None else s[slot].reshape(-1)
-                    shard.set_state(f"p{i}", slot, value)
+                    value = plan[i][1].get(slot)
+                    shard.set_state(f"p{i}", slot, torch.zeros(p.numel()) if value is None else value.reshape(-1))
         # Each param's own count; the optimizer's, the most any param took (a param without
-        # state took none).
-        most = max(steps.values(), default=0)
+        # state took none; for SGD and Lion, whose torch state keeps no count, 1 or 0).
+        most = max((n for n, _ in plan), default=0)
         for key, shard in self._shards.items():
             with _on(key[1]):
                 shard.set_step_count(most)
         for i in range(len(params)):
             key, _ = self._where[i]
             with _on(key[1]):
-                self._shards[key].set_tensor_step_count(f"p{i}", steps.get(i, 0))
+                self._shards[key].set_tensor_step_count(f"p{i}", plan[i][0])
         self._note_versions()
         self._pushed.clear()
         self._push_hyperparameters(force=True)

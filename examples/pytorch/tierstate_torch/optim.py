@@ -70,8 +70,10 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
     _torch_slots: tuple[str, ...] = ()
     #: whether torch's state keeps a per-param "step"
     _torch_keeps_step = True
-    #: the group keys a torch state_dict's param groups must have (it may bring the others)
+    #: the numbers a torch state_dict's param groups must have, and its flags (False where a
+    #: group lacks one, as torch's own loading assumes)
     _torch_group_keys: tuple[str, ...] = ()
+    _torch_flags: tuple[str, ...] = ("maximize",)
 
     def _rule_name(self) -> str:
         raise NotImplementedError
@@ -504,12 +506,14 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                     shard.flush()
 
     def step_count(self, param: torch.Tensor | None = None) -> int:
-        """The steps taken; with `param`, the steps that updated it (torch's state[p]["step"])."""
+        """The steps taken; with `param`, the steps that updated it (torch's state[p]["step"]),
+        which overlap_backward's step in flight (backward done, step() not yet) refuses."""
         self._refuse_if("step_count")
-        if param is None:
-            return 0 if self._shards is None else next(iter(self._shards.values())).step_count()
-        self._build()
-        i = self._index(param)
+        i = None if param is None else self._index(param)
+        if self._shards is None:
+            return 0
+        if i is None:
+            return next(iter(self._shards.values())).step_count()
         key, _ = self._where[i]
         return self._shards[key].tensor_step_count(f"p{i}")
 
@@ -539,7 +543,8 @@ class _OffloadedAdamBase(_OffloadedBase):
     """torch.optim.Adam and AdamW: the rules adam, adamw and their AMSGrad forms."""
 
     _decoupled: bool = True
-    _torch_group_keys = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
+    _torch_group_keys = ("lr", "betas", "eps", "weight_decay")
+    _torch_flags = ("amsgrad", "maximize")
 
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
@@ -622,7 +627,8 @@ class SGD(_OffloadedBase):
     state_dict converts both ways with the momentum buffers alone."""
 
     _torch_keeps_step = False
-    _torch_group_keys = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize")
+    _torch_group_keys = ("lr", "momentum", "dampening", "weight_decay")
+    _torch_flags = ("nesterov", "maximize")
 
     def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
@@ -681,6 +687,12 @@ class Lion(_OffloadedBase):
 
     def _rule_name(self) -> str:
         return "lion"
+
+    def _check_torch_group(self, g: dict[str, Any]) -> None:
+        other = [k for k in ("eps", "amsgrad", "momentum", "dampening") if k in g]
+        if other:
+            raise ValueError(f"{type(self).__name__}: the state_dict's param groups have {other}: the state_dict "
+                             "of another optimizer (Lion's has lr, betas and weight_decay)")
 
     def _validate_hyper(self, group: dict[str, Any]) -> None:
         beta1, beta2 = group["betas"]

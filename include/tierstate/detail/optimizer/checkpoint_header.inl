@@ -82,7 +82,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_he
     auto const& a = h.slots[i];
     auto const& b = mine.slots[i];
     if (a.id != b.id || a.element_bytes != b.element_bytes ||
-        (h.version >= 2 && (a.codec != b.codec || a.block != b.block))) {
+        (h.version >= 2 && (a.name != b.name || a.codec != b.codec || a.block != b.block))) {
       auto describe = [&](checkpoint::header::slot_entry const& e, bool named) {
         return "(" + (named ? detail::clipped(e.name) + ": " : std::string()) + "id " + std::to_string(e.id) +
                (named ? ", codec " + quoted(e.codec) + ", blocks of " + std::to_string(e.block) : "") + ", " +
@@ -101,12 +101,18 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_he
       differ("tensor " + std::to_string(t), quoted(a.name) + " of " + std::to_string(a.count) + " elements",
              quoted(b.name) + " of " + std::to_string(b.count) + " elements");
     }
+    bool const shape_fits = a.columns == 0 ? a.count == 0 : a.count % a.columns == 0 && a.count / a.columns == a.rows;
+    if (h.shapes_recorded && !shape_fits) {
+      throw checkpoint_error(path, "tensor " + quoted(b.name) + " of " + std::to_string(a.count) +
+                                     " elements is shaped " + std::to_string(a.rows) + " x " +
+                                     std::to_string(a.columns) + " (corrupt)");
+    }
     // A shape matters to a rule with a tensor phase; to the others, only the count does.
     if (has_tensor_phase<rule_type> && h.shapes_recorded && (a.rows != b.rows || a.columns != b.columns)) {
       differ("tensor " + quoted(b.name) + " shaped", std::to_string(a.rows) + " x " + std::to_string(a.columns),
              std::to_string(b.rows) + " x " + std::to_string(b.columns));
     }
-    if (a.step < 0) {
+    if (a.step < 0 || a.step > detail::max_step_count) {
       throw checkpoint_error(path, "tensor " + quoted(b.name) + " has step count " + std::to_string(a.step) +
                                      " (corrupt)");
     }
@@ -119,7 +125,9 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_he
     differ("a layout of", std::to_string(h.chunk_count) + " chunks of " + std::to_string(h.chunk_bytes) + " bytes",
            std::to_string(mine.chunk_count) + " chunks of " + std::to_string(mine.chunk_bytes) + " bytes");
   }
-  if (h.step < 0) { throw checkpoint_error(path, "step count " + std::to_string(h.step) + " is negative (corrupt)"); }
+  if (h.step < 0 || h.step > detail::max_step_count) {
+    throw checkpoint_error(path, "step count " + std::to_string(h.step) + " is out of range (corrupt)");
+  }
   if (h.values_per_group != rule_type::hyperparameter_table.size() || h.groups.empty()) {
     throw checkpoint_error(path, std::to_string(h.groups.size()) + " groups of " + std::to_string(h.values_per_group) +
                                    " hyper-parameters; " + std::string(rule_type::name) + " has " +

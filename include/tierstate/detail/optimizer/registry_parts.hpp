@@ -62,6 +62,10 @@ struct name_hash {
   std::size_t operator()(std::string_view s) const noexcept { return std::hash<std::string_view>{}(s); }
 };
 
+/// The largest step count taken in (2^53: a double's exact integers), so that counting on
+/// never overflows.
+inline constexpr std::int64_t max_step_count = std::int64_t{1} << 53;
+
 /// A registered parameter tensor.
 template <class Param>
 struct tensor_entry {

@@ -134,7 +134,9 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::set_step
 {
   detail::gate_entry const gate(gate_, "set_step_count");
   check_not_streaming("set_step_count");
-  if (n < 0) { throw invalid_option("step_count", detail::to_text(n), "the step count must be >= 0"); }
+  if (n < 0 || n > detail::max_step_count) {
+    throw invalid_option("step_count", detail::to_text(n), "the step count must be in [0, 2^53]");
+  }
   flush();
   step_ = n;
   for (auto& e : tensors_) { e.step = n; }
@@ -147,9 +149,9 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::set_step
   detail::gate_entry const gate(gate_, "set_step_count");
   check_not_streaming("set_step_count");
   std::size_t const t = find_tensor(tensor, "set_step_count");
-  if (n < 0) {
+  if (n < 0 || n > detail::max_step_count) {
     throw invalid_option("step_count", detail::to_text(n),
-                         "the step count of tensor '" + std::string(tensor) + "' must be >= 0");
+                         "the step count of tensor '" + std::string(tensor) + "' must be in [0, 2^53]");
   }
   flush();
   tensors_[t].step = n;
@@ -159,6 +161,7 @@ template <class Rule, precision Precision, tier StateTier, class Transfer, class
 std::int64_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step_count(
     std::string_view tensor) const
 {
+  check_not_streaming("step_count");  // the step's driver counts it before finish_step
   return tensors_[find_tensor(tensor, "step_count")].step;
 }
 
