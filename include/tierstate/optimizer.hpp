@@ -370,7 +370,7 @@ class OffloadedOptimizer {
   std::vector<tensor_entry> tensors_;
   std::unordered_map<std::string, std::size_t, detail::name_hash, std::equal_to<>> index_;  ///< name -> tensor
   mutable detail::call_gate gate_;
-  std::int64_t step_ = 0;
+  std::atomic<std::int64_t> step_{0};  ///< (step_count() may read it while a streaming step counts)
   thread_pool pool_;
 
   /// The layout, the tier, the staging, the I/O thread, the device resources and the lost
