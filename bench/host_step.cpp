@@ -30,7 +30,10 @@
 //   variant "kernel"     tierstate::host::update (xsimd) per rule x precision, with `plain`,
 //                        the straightforward scalar loop of the same rule over __restrict
 //                        pointers, as a user would write it;
-//   variant "optimizer"  OffloadedOptimizer<AdamW, P>::step() (PinnedHost) over a model-like
+//   variant "optimizer"  OffloadedOptimizer<R, P>::step() (PinnedHost) per rule with slots
+//                        (AdamW, SGD, SGDMomentum, Lion) and Adafactor (whose tensor phase's
+//                        passes, 2 gradient reads and 1 param read per element, are in its
+//                        bytes but not in its limit, which is then loose) over a model-like
 //                        set of tensors, with its default non-finite check and without: the
 //                        check's extra read of the gradients is in its bytes and its limit;
 //                        check_cost is the checked step's time over the unchecked one's,
@@ -73,7 +76,7 @@ struct options {
 
 constexpr char const* usage_text =
   "usage: host_step [--elements N >= 1] [--reps R (1..10000)] [--threads T (0..4096)] "
-  "[--rule adam|adamw|adam_amsgrad|adamw_amsgrad|sgd|sgd_momentum|lion] [--precision PARAM/GRAD/MASTER/STATE] [--help]\n";
+  "[--rule adam|adamw|adam_amsgrad|adamw_amsgrad|sgd|sgd_momentum|lion|adafactor] [--precision PARAM/GRAD/MASTER/STATE] [--help]\n";
 
 [[noreturn]] void usage_error(std::string const& what)
 {
@@ -113,7 +116,7 @@ options parse(int argc, char** argv)
     } else if (a == "--rule" && i + 1 < argc) {
       o.rule = argv[++i];
       std::string_view const known[] = {Adam::name, AdamW::name, AdamAmsgrad::name, AdamWAmsgrad::name,
-                                        SGD::name, SGDMomentum::name, Lion::name};
+                                        SGD::name, SGDMomentum::name, Lion::name, Adafactor::name};
       if (std::find(std::begin(known), std::end(known), o.rule) == std::end(known)) {
         usage_error("--rule " + o.rule + ": not a rule this bench runs");
       }
@@ -762,14 +765,17 @@ void run_kernel(options const& o, thread_pool& pool, arrays<P>& arr, double best
                  limit_name);
 }
 
-/// OffloadedOptimizer<AdamW, P>::step() (PinnedHost) over a model-like set of tensors, with
+/// OffloadedOptimizer<R, P>::step() (PinnedHost) over a model-like set of tensors, with
 /// the non-finite check (the default) and without, interleaved with the bare kernel and the
 /// limit over the optimizer's memory (chunks in huge pages; params and gradients 4k).
-template <class P>
+/// Adafactor (a tensor phase) has no bare kernel; its passes read each gradient twice and
+/// each param once more, which its bytes count and its limit leaves out (a loose bound).
+template <class R, class P>
 void run_optimizer(options const& o, thread_pool& pool, arrays<P>& arr, double best_any_gb_s, double triad)
 {
-  using R = AdamW;
   if (!o.rule.empty() && o.rule != R::name) { return; }
+  constexpr std::size_t S = R::slot_count;
+  constexpr bool phased   = has_tensor_phase<R>;
   std::size_t const n = arr.n;
   // A transformer-like mix: large matrices, small biases and norms.
   std::vector<std::size_t> sizes;
@@ -798,25 +804,33 @@ void run_optimizer(options const& o, thread_pool& pool, arrays<P>& arr, double b
   for (std::size_t t = 0, off = 0; t < sizes.size(); off += sizes[t], ++t) {
     std::string name = "t";  // (not "t" + ...: GCC 12 -Wrestrict false positive, bug 105329)
     name += std::to_string(t);
-    with_check.add_tensor(name, param.get<typename P::param_type>() + off, sizes[t]);
-    without.add_tensor(std::move(name), param.get<typename P::param_type>() + off, sizes[t]);
+    // Adafactor's large tensors as matrices of 1024 columns (its statistics per row and column)
+    tensor_shape const shape = sizes[t] % 1024 == 0 ? tensor_shape{sizes[t] / 1024, 1024} : tensor_shape::of_vector(sizes[t]);
+    with_check.add_tensor(name, param.get<typename P::param_type>() + off, shape);
+    without.add_tensor(std::move(name), param.get<typename P::param_type>() + off, shape);
     views.push_back({grad.get<typename P::grad_type>() + off, sizes[t], location::host});
   }
   typename R::hyperparameters h;
   h.lr              = 1e-4;
   std::int64_t step = 0;
-  auto const a      = arr.template view<R>();
   auto const kinds  = kinds_for<P>(true, true);
   std::vector<std::function<void()>> loops;
   loops.push_back([&] { with_check.step(views); });
   loops.push_back([&] { without.step(views); });
-  loops.push_back([&] { host::update<R, P>(pool, R::coefficients_for(h, ++step), a, n); });
-  for (auto const& k : kinds) { loops.push_back([&, k] { run_loop<P, 2>(pool, arr, k, true); }); }
-  for (auto const& k : kinds) { loops.push_back([&, k] { run_loop<P, 2>(pool, arr, k, false); }); }
+  if constexpr (phased) {
+    loops.push_back([] {});  // (no bare kernel)
+  } else {
+    loops.push_back([&, a = arr.template view<R>()] { host::update<R, P>(pool, R::coefficients_for(h, ++step), a, n); });
+  }
+  for (auto const& k : kinds) { loops.push_back([&, k] { run_loop<P, S>(pool, arr, k, true); }); }
+  for (auto const& k : kinds) { loops.push_back([&, k] { run_loop<P, S>(pool, arr, k, false); }); }
   auto const s = interleaved_medians(o.reps, loops);
 
-  std::size_t const bpe = bytes_per_element<P>(2);
-  double const kernel_g = static_cast<double>(n) / s[2] / 1e9;
+  // The tensor phase's reads: the gradient twice and the param once more.
+  std::size_t const phase_bytes =
+    phased ? 2 * sizeof(typename P::grad_type) + sizeof(typename P::param_type) : std::size_t{0};
+  std::size_t const bpe = bytes_per_element<P>(S) + phase_bytes;
+  double const kernel_g = phased ? std::nan("") : static_cast<double>(n) / s[2] / 1e9;
   // What the check's pass costs the best loops: the best checked loop's time over the best
   // unchecked one's. A separate read pass runs at the read-only bandwidth, which on many
   // machines is well below what a mixed read/write stream gets: this, not the byte ratio,
@@ -828,16 +842,21 @@ void run_optimizer(options const& o, thread_pool& pool, arrays<P>& arr, double b
     auto const [limit_g, limit_name] = best_of(kinds, s, check ? 3 : 3 + kinds.size(), n);
     std::size_t const bytes          = bpe + (check ? sizeof(typename P::grad_type) : 0);
     double const gb                  = gelem * static_cast<double>(bytes);
+    char kernel[96] = "null", kernel_ratio[32] = "null";  // (Adafactor has no bare kernel)
+    if (!phased) {
+      std::snprintf(kernel, sizeof kernel, "%.4g", kernel_g);
+      std::snprintf(kernel_ratio, sizeof kernel_ratio, "%.4f", gelem / kernel_g);
+    }
     std::printf(
       "{\"bench\":\"host_step\",\"variant\":\"optimizer\",\"rule\":\"%s\",\"precision\":\"%s\",\"arch\":\"%s\","
       "\"elements\":%zu,\"tensors\":%zu,\"chunk_elements\":%zu,\"threads\":%zu,\"reps\":%d,"
       "\"memory\":\"state huge, params and grads 4k\",\"nonfinite_check\":%s,\"seconds_per_step\":%.6g,"
-      "\"gelem_per_s\":%.4g,\"bytes_per_elem\":%zu,\"gb_per_s\":%.4g,\"kernel_gelem_per_s\":%.4g,"
-      "\"kernel_ratio\":%.4f,\"limit\":\"%s%s\",\"limit_gb_s\":%.4g,\"limit_ratio\":%.4f,"
+      "\"gelem_per_s\":%.4g,\"bytes_per_elem\":%zu,\"gb_per_s\":%.4g,\"kernel_gelem_per_s\":%s,"
+      "\"kernel_ratio\":%s,\"limit\":\"%s%s\",\"limit_gb_s\":%.4g,\"limit_ratio\":%.4f,"
       "\"best_any_memory_gb_s\":%.4g,\"best_any_memory_ratio\":%.4f,\"check_cost\":%.4f,"
       "\"check_byte_ratio\":%.4f,\"check_cost_limit\":%.4f,\"triad_gb_s\":%.4g}\n",
       std::string(R::name).c_str(), P::name().c_str(), host::arch_name(), n, sizes.size(), checked.chunk_elements,
-      pool.size(), o.reps, check ? "true" : "false", sec, gelem, bytes, gb, kernel_g, gelem / kernel_g,
+      pool.size(), o.reps, check ? "true" : "false", sec, gelem, bytes, gb, kernel, kernel_ratio,
       limit_name.c_str(), check ? "+grad_read" : "", limit_g * static_cast<double>(bytes), gelem / limit_g,
       best_any_gb_s, gb / best_any_gb_s, s[0] / s[1],
       static_cast<double>(bpe + sizeof(typename P::grad_type)) / static_cast<double>(bpe), check_cost_limit, triad);
@@ -860,7 +879,11 @@ void run_precision(options const& o, thread_pool& pool, double triad)
   run_kernel<SGD, P>(o, pool, arr, best, triad);
   run_kernel<SGDMomentum, P>(o, pool, arr, best, triad);
   run_kernel<Lion, P>(o, pool, arr, best, triad);
-  run_optimizer<P>(o, pool, arr, best, triad);
+  run_optimizer<AdamW, P>(o, pool, arr, best, triad);
+  run_optimizer<SGD, P>(o, pool, arr, best, triad);
+  run_optimizer<SGDMomentum, P>(o, pool, arr, best, triad);
+  run_optimizer<Lion, P>(o, pool, arr, best, triad);
+  run_optimizer<Adafactor, P>(o, pool, arr, best, triad);
 }
 
 }  // namespace

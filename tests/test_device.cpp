@@ -630,6 +630,98 @@ TEMPLATE_LIST_TEST_CASE("a rule with a tensor phase through the device routes gi
   }
 }
 
+/// Adafactor on the device routes: its passes read device gradients and device params (the
+/// param's RMS), and the kernels read its statistics on the device; against the host's bits.
+template <class P, class Tier, class Compute>
+using adafactor_on_device = OffloadedOptimizer<Adafactor, P, Tier, CudaOverlapped<2>, Compute>;
+using adafactor_device_routes =
+  pick<std::tuple<adafactor_on_device<Bf16Mixed, Device, OnDevice>, adafactor_on_device<Bf16Mixed, NvmeFile, OnDevice>,
+                  adafactor_on_device<Bf16Mixed, PinnedHost, OnHost<>>, adafactor_on_device<Fp32, NvmeFile, OnHost<>>>,
+       std::tuple<adafactor_on_device<Bf16Mixed, NvmeFile, OnDevice>, adafactor_on_device<Fp32, PinnedHost, OnHost<>>>>;
+
+TEMPLATE_LIST_TEST_CASE("Adafactor through the device routes gives the host's bits, plain and streaming",
+                        "[device][tensor_phase][adafactor]", adafactor_device_routes)
+{
+  using Opt     = TestType;
+  using P       = typename Opt::precision_type;
+  using param_t = typename P::param_type;
+  using grad_t  = typename P::grad_type;
+  std::vector<tensor_shape> const shapes{tensor_shape::of({7, 33}), tensor_shape::of({2, 3, 5}),
+                                         tensor_shape::of_vector(11), tensor_shape::of({37, 3})};
+  auto const grad_at = [&](std::size_t t, std::size_t i, int s) {
+    return (1.0f + static_cast<float>(i / shapes[t].columns % 3)) * grad_value(i + 1000 * t, static_cast<std::uint64_t>(s));
+  };
+  Adafactor::hyperparameters h;
+  h.weight_decay = 0.1;
+  int const steps = 6;
+  // The host's: params and statistics after `steps` steps.
+  std::vector<std::vector<float>> want_params, want_state;
+  {
+    OffloadedOptimizer<Adafactor, P, PinnedHost> host(h, chunked<OffloadedOptimizer<Adafactor, P, PinnedHost>>(2048));
+    std::vector<std::vector<param_t>> w;
+    std::vector<std::vector<grad_t>> g;
+    for (std::size_t t = 0; t < shapes.size(); ++t) {
+      w.emplace_back(shapes[t].elements());
+      for (std::size_t i = 0; i < w[t].size(); ++i) { w[t][i] = convert<param_t>(init_value(i + 1000 * t)); }
+      g.emplace_back(shapes[t].elements());
+      host.add_tensor(tensor_name(t), w[t].data(), shapes[t]);
+    }
+    for (int s = 1; s <= steps; ++s) {
+      std::vector<grad_view<grad_t>> views;
+      for (std::size_t t = 0; t < shapes.size(); ++t) {
+        for (std::size_t i = 0; i < g[t].size(); ++i) { g[t][i] = convert<grad_t>(grad_at(t, i, s)); }
+        views.push_back({g[t].data(), g[t].size()});
+      }
+      (void)host.step(views);
+    }
+    for (std::size_t t = 0; t < shapes.size(); ++t) {
+      want_params.emplace_back();
+      for (auto const x : w[t]) { want_params.back().push_back(convert<float>(x)); }
+      want_state.emplace_back(host.tensor_state_size(tensor_name(t)));
+      host.copy_tensor_state(tensor_name(t), want_state.back());
+    }
+  }
+  scratch_dir d;
+  for (bool const streaming : {false, true}) {
+    INFO("streaming " << streaming);
+    auto o = chunked<Opt>(2048);
+    if constexpr (requires { o.tier.directory; }) { o.tier.directory = d.path; }
+    Opt opt(h, o);
+    std::vector<std::unique_ptr<mirrored<param_t>>> w;
+    std::vector<std::unique_ptr<mirrored<grad_t>>> g;
+    for (std::size_t t = 0; t < shapes.size(); ++t) {
+      std::vector<param_t> init(shapes[t].elements());
+      for (std::size_t i = 0; i < init.size(); ++i) { init[i] = convert<param_t>(init_value(i + 1000 * t)); }
+      w.push_back(std::make_unique<mirrored<param_t>>(std::move(init)));
+      g.push_back(std::make_unique<mirrored<grad_t>>(std::vector<grad_t>(shapes[t].elements())));
+      opt.add_tensor(tensor_name(t), w[t]->device, shapes[t], location::device);
+    }
+    for (int s = 1; s <= steps; ++s) {
+      std::vector<grad_view<grad_t>> views;
+      for (std::size_t t = 0; t < shapes.size(); ++t) {
+        for (std::size_t i = 0; i < g[t]->host.size(); ++i) { g[t]->host[i] = convert<grad_t>(grad_at(t, i, s)); }
+        g[t]->upload();
+        views.push_back({g[t]->device, g[t]->host.size(), location::device});
+      }
+      if (streaming) {
+        opt.begin_step();
+        for (std::size_t t = views.size(); t-- > 0;) { opt.grad_ready(t, views[t]); }
+        (void)opt.finish_step();
+      } else {
+        (void)opt.step(views);
+      }
+    }
+    for (std::size_t t = 0; t < shapes.size(); ++t) {
+      std::vector<float> params;
+      for (auto const x : w[t]->download()) { params.push_back(convert<float>(x)); }
+      CHECK(params == want_params[t]);
+      std::vector<float> state(opt.tensor_state_size(tensor_name(t)));
+      opt.copy_tensor_state(tensor_name(t), state);
+      CHECK(state == want_state[t]);
+    }
+  }
+}
+
 TEST_CASE("with OnHost and CudaOverlapped, host and device tensors mix in one model", "[device][compositions]")
 {
   auto const odd = [](std::size_t t) { return t % 2 == 1; };

@@ -26,6 +26,7 @@
 #include <tierstate/kernels/host/on_host.hpp>
 #include <tierstate/kernels/host/update.hpp>
 #include <tierstate/optimizer.hpp>
+#include <tierstate/rules/adafactor.hpp>
 #include <tierstate/rules/adam.hpp>
 #include <tierstate/rules/lion.hpp>
 #include <tierstate/rules/rule.hpp>

@@ -559,9 +559,10 @@ class Parity(unittest.TestCase):
         self.assertEqual(again_opt.step_count(), 20)
         self.assert_parity(run(ref, ref_opt, data[20:], 20), run(again, again_opt, data[20:], 20), ref, again)
 
-    def test_sgd_and_lion_train_as_torch_does(self):
-        """torch.optim.SGD (momentum with dampening, Nesterov, none) and Lion (its reference
-        above) against tierstate_torch's, 50 steps with the LR schedule, pinned and NVMe; then
+    def test_sgd_lion_and_adafactor_train_as_torch_does(self):
+        """torch.optim.SGD (momentum with dampening, Nesterov, none), Lion (its reference above)
+        and torch.optim.Adafactor against tierstate_torch's, 50 steps with the LR schedule,
+        pinned and NVMe; then
         their state_dicts both ways, and a tensor skipped every third step (its buffer starts
         at its own first gradient, as torch's does)."""
         data = batches(STEPS, seed=29)
@@ -572,6 +573,7 @@ class Parity(unittest.TestCase):
              dict(lr=0.05, momentum=0.8, nesterov=True, weight_decay=1e-3, maximize=False)),
             ("sgd", torch.optim.SGD, tierstate_torch.SGD, dict(lr=0.1)),
             ("lion", LionReference, tierstate_torch.Lion, dict(lr=2e-3, betas=(0.9, 0.99), weight_decay=0.1)),
+            ("adafactor", torch.optim.Adafactor, tierstate_torch.Adafactor, dict(lr=3e-2, weight_decay=1e-2, d=1.5)),
         ]
         with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
             for name, theirs, ours, kw in cases:
@@ -650,6 +652,73 @@ class Parity(unittest.TestCase):
         self.assertFalse(opt.param_groups[0]["maximize"])
         self.assert_parity(train(ref, ref_opt, data[2:]), train(model, opt, data[2:]), ref, model)
 
+    def test_adafactor_on_every_rank_with_conditional_compute(self):
+        """torch.optim.Adafactor factors the last two dimensions (a 3-D param is a batch of
+        matrices) and keeps a vector's, and a scalar's, whole; a param without a gradient every
+        third step keeps its count. Against torch's, with both state_dicts both ways."""
+        torch.manual_seed(3)
+        shapes = [(2, 3, 5), (4, 1, 6), (7, 9), (1, 8), (8,), ()]
+
+        def make():
+            g = torch.Generator().manual_seed(11)
+            return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+        targets = [torch.randn(s, generator=torch.Generator().manual_seed(13)) for s in shapes]
+
+        def run(params, opt, steps, offset=0):
+            losses = []
+            for i in range(steps):
+                opt.zero_grad(set_to_none=True)
+                skip = (i + offset) % 3 == 2
+                loss = sum(((p - t * (1 + 0.1 * (i + offset))) ** 2).sum() * (k + 1)
+                           for k, (p, t) in enumerate(zip(params, targets)) if not (skip and k == 1))
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            return losses
+
+        kw = dict(lr=5e-2, weight_decay=1e-2, d=1.2)
+        ref, ours = make(), make()
+        ref_opt = torch.optim.Adafactor(ref, **kw)
+        opt = tierstate_torch.Adafactor(ours, chunk_elements=2048, **kw)
+        a, b = run(ref, ref_opt, 12), run(ours, opt, 12)
+        for i, (x, y) in enumerate(zip(a, b)):
+            self.assertLessEqual(abs(x - y), 1e-5 * abs(x), f"step {i + 1}: loss {y} vs torch's {x}")
+        for p, q in zip(ref, ours):
+            self.assertTrue(torch.allclose(p, q, rtol=1e-5, atol=1e-6), f"a param of shape {tuple(p.shape)}")
+        self.assertEqual(opt.step_count(ours[1]), 8)
+        self.assertEqual(opt.step_count(ours[0]), 12)
+        mine = opt.torch_state_dict()["state"]
+        for i, p in enumerate(ref):
+            theirs = ref_opt.state[p]
+            self.assertEqual(sorted(mine[i]), sorted(theirs), f"param {i}'s state keys")
+            for k, v in theirs.items():
+                self.assertEqual(mine[i][k].shape, v.shape, f"state[{i}][{k!r}]'s shape")
+                self.assertTrue(torch.allclose(mine[i][k].float(), v.float(), rtol=1e-5, atol=1e-12), f"[{i}][{k!r}]")
+        # torch -> tierstate -> torch, each going on as the other would.
+        again = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+        again_opt = tierstate_torch.Adafactor(again, chunk_elements=2048, **kw)
+        again_opt.load_state_dict(ref_opt.state_dict())
+        self.assertEqual(again_opt.step_count(again[1]), 8)
+        a, b = run(ref, ref_opt, 6, 12), run(again, again_opt, 6, 12)
+        for x, y in zip(a, b):
+            self.assertLessEqual(abs(x - y), 1e-5 * abs(x))
+        back = [torch.nn.Parameter(p.detach().clone()) for p in again]
+        back_opt = torch.optim.Adafactor(back, **kw)
+        back_opt.load_state_dict(again_opt.torch_state_dict())
+        a, b = run(back, back_opt, 6, 18), run(again, again_opt, 6, 18)
+        for x, y in zip(a, b):
+            self.assertLessEqual(abs(x - y), 1e-5 * abs(x))
+        # A state_dict whose statistics do not fit the params is refused whole, by name.
+        sd = copy.deepcopy(ref_opt.state_dict())
+        sd["state"][0]["col_var"] = sd["state"][0]["col_var"][..., :-1]
+        with self.assertRaisesRegex(ValueError, r"\['col_var'\] is 8 elements; for its param of shape \(2, 3, 5\) it has 10"):
+            again_opt.load_state_dict(sd)
+        sd = copy.deepcopy(ref_opt.state_dict())
+        del sd["state"][4]["variance"]
+        with self.assertRaisesRegex(ValueError, r"has step 18 but not all of \['variance'\]"):
+            again_opt.load_state_dict(sd)
+
     def test_sgd_momentum_buffers_start_at_each_params_own_first_gradient(self):
         data = batches(12, seed=37)
 
@@ -698,7 +767,10 @@ class Parity(unittest.TestCase):
     def test_rules_by_name_with_their_tables_and_state_dicts_without_files(self):
         C = tierstate_torch.optim._ext()
         self.assertEqual(C.rule_names(), ["adam", "adamw", "adam_amsgrad", "adamw_amsgrad", "sgd", "sgd_momentum",
-                                          "lion"])
+                                          "lion", "adafactor"])
+        self.assertEqual(C.rule_table("adafactor")["hyperparameters"],
+                         ["lr", "beta2_decay", "eps[0]", "eps[1]", "d", "weight_decay", "maximize"])
+        self.assertEqual(C.rule_table("adafactor")["slots"], [])
         table = C.rule_table("adamw")
         self.assertEqual(table["hyperparameters"], ["lr", "betas[0]", "betas[1]", "eps", "weight_decay", "maximize"])
         self.assertEqual(table["defaults"], [1e-3, 0.9, 0.999, 1e-8, 1e-2, 0.0])
@@ -759,6 +831,13 @@ class Parity(unittest.TestCase):
             tierstate_torch.SGD([{"params": [model.pos], "momentum": 0.9}, {"params": [model.head.bias]}], lr=0.1)
         with self.assertRaisesRegex(ValueError, "invalid beta parameter at index 1"):
             tierstate_torch.Lion(model.parameters(), betas=(0.9, 1.5))
+        for kw, words in ((dict(beta2_decay=0.5), "beta2_decay should be <= 0 but is: 0.5"),
+                          (dict(eps=(-1.0, 1e-3)), "epsilon1 should be >= 0"),
+                          (dict(eps=(None, -1.0)), "epsilon2 should be >= 0"),
+                          (dict(d=0.5), "Clipping threshold d should be >= 1"),
+                          (dict(weight_decay=-1.0), "weight_decay should be >= 0")):
+            with self.assertRaisesRegex(ValueError, words):
+                tierstate_torch.Adafactor(model.parameters(), **kw)
         x, y = batches(1)[0]
         sgd = tierstate_torch.SGD([model.pos], lr=0.1, momentum=0.9)
         loss_of(model, x, y).backward()

@@ -37,7 +37,7 @@ from pathlib import Path
 _CSRC = Path(__file__).resolve().parent / "csrc"
 # The translation units of the compositions, one pair (shards_<unit>.cpp for OnHost,
 # device_shards_<unit>.cpp or .cu for OnDevice) each: one per Adam rule, one for the rest.
-_UNITS = ["adam", "adamw", "adam_amsgrad", "adamw_amsgrad", "sgd_lion"]
+_UNITS = ["adam", "adamw", "adam_amsgrad", "adamw_amsgrad", "sgd_lion_adafactor"]
 
 
 def _pkg_config(*args: str) -> list[str]:

@@ -81,7 +81,7 @@ class _StateDicts:
 
     def torch_state_dict(self) -> dict[str, Any]:
         """The state as the torch optimizer this one stands in for keeps it (torch.optim.Adam,
-        AdamW, SGD; lion-pytorch's Lion), loadable by one over the same params. The slots are in
+        AdamW, SGD, Adafactor; lion-pytorch's Lion), loadable by one over the same params. The slots are in
         each param's dtype, as torch keeps them; a master is not kept."""
         self._refuse_if("torch_state_dict")
         self._build()  # (get_state flushes a delayed update itself)
@@ -104,6 +104,9 @@ class _StateDicts:
                 with _on(key[1]):
                     value = self._shards[key].get_state(f"p{i}", slot)
                 s[slot] = value.view(p.shape).to(device=p.device, dtype=p.dtype)
+            if self._torch_tensor_keys(p):
+                with _on(key[1]):
+                    s.update(self._to_torch_tensor_state(p, self._shards[key].get_tensor_state(f"p{i}")))
             if s:  # (torch.optim.SGD without momentum keeps nothing)
                 state[i] = s
         return {"state": state, "param_groups": groups}
@@ -141,15 +144,18 @@ class _StateDicts:
         params = self._params()
         state = sd["state"]
         position = {sid: i for i, sid in enumerate(ids)}
-        plan: list[tuple[int, dict[str, torch.Tensor]]] = [(0, {}) for _ in params]  # (step, slots) per param
+        # per param: (step, slots, per-tensor state)
+        plan: list[tuple[int, dict[str, torch.Tensor], dict[str, torch.Tensor]]] = [(0, {}, {}) for _ in params]
         slots = self._torch_slots
-        allowed = set(slots) | ({"step"} if self._torch_keeps_step else set())
+        base_allowed = set(slots) | ({"step"} if self._torch_keeps_step else set())
         for key, s in state.items():
             i = position.get(key, position.get(int(key) if isinstance(key, str) and key.isdigit() else key))
             if i is None:
                 raise ValueError(f"{name}: the state_dict has state for param {key!r}, which no param group lists")
             if not isinstance(s, dict):
                 raise ValueError(f"{name}: the state_dict's state[{key!r}] is not a dict")
+            tensor_keys = self._torch_tensor_keys(params[i])
+            allowed = base_allowed | set(tensor_keys)
             extra = sorted(set(s) - allowed)
             if extra:
                 raise ValueError(f"{name}: the state_dict's state[{key!r}] has {extra}, which {name}'s state "
@@ -164,6 +170,16 @@ class _StateDicts:
                     raise ValueError(f"{name}: the state_dict's state[{key!r}][{slot!r}] is {got}; its param has "
                                      f"{params[i].numel()} elements")
                 values[slot] = v
+            tensor_values = {}
+            for k, n in tensor_keys.items():
+                v = s.get(k)
+                if v is None:
+                    continue
+                if not torch.is_tensor(v) or v.numel() != n:
+                    got = f"{v.numel()} elements" if torch.is_tensor(v) else type(v).__name__
+                    raise ValueError(f"{name}: the state_dict's state[{key!r}][{k!r}] is {got}; for its param of "
+                                     f"shape {tuple(params[i].shape)} it has {n}")
+                tensor_values[k] = v
             if self._torch_keeps_step:
                 if "step" not in s:
                     raise ValueError(f"{name}: the state_dict's state[{key!r}] has no 'step'")
@@ -171,14 +187,14 @@ class _StateDicts:
                 if not math.isfinite(n) or n < 0 or n > 2 ** 53 or n != int(n):
                     raise ValueError(f"{name}: the state_dict's state[{key!r}]['step'] is {n}; a step count is an "
                                      "integer in [0, 2^53]")
-                if n > 0 and len(values) != len(slots):
+                if n > 0 and (len(values) != len(slots) or len(tensor_values) != len(tensor_keys)):
                     raise ValueError(f"{name}: the state_dict's state[{key!r}] has step {int(n)} but not all of "
-                                     f"{list(slots)}")
-                plan[i] = (int(n), values)
+                                     f"{list(slots) + list(tensor_keys)}")
+                plan[i] = (int(n), values, tensor_values)
             else:  # (SGD's, Lion's): a param with its slots has stepped
                 if values and len(values) != len(slots):
                     raise ValueError(f"{name}: the state_dict's state[{key!r}] has some of {list(slots)}, not all")
-                plan[i] = (1 if slots and values else 0, values)
+                plan[i] = (1 if slots and values else 0, values, {})
         super().load_state_dict({"state": {}, "param_groups": [self._torch_group(g) for g in saved_groups]})
         # The param indices now match (torch's load checked the group sizes).
         for i, p in enumerate(params):
@@ -190,9 +206,11 @@ class _StateDicts:
                 for slot in slots:
                     value = plan[i][1].get(slot)
                     shard.set_state(f"p{i}", slot, torch.zeros(p.numel()) if value is None else value.reshape(-1))
+                if self._torch_tensor_keys(p):
+                    shard.set_tensor_state(f"p{i}", self._from_torch_tensor_state(p, plan[i][2]))
         # Each param's own count; the optimizer's, the most any param took (a param without
         # state took none; for SGD and Lion, whose torch state keeps no count, 1 or 0).
-        most = max((n for n, _ in plan), default=0)
+        most = max((n for n, _, _ in plan), default=0)
         for key, shard in self._shards.items():
             with _on(key[1]):
                 shard.set_step_count(most)

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""torch.optim.Adam, AdamW and SGD, and Lion, with their state offloaded by tierstate.
+"""torch.optim.Adam, AdamW, SGD and Adafactor, and Lion, with their state offloaded by tierstate.
 
     opt = tierstate_torch.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
                                 tier="nvme", path="/mnt/nvme/scratch")
 
-A drop-in replacement for torch.optim.AdamW (and Adam, SGD; Lion as lion-pytorch): param groups, LR schedulers,
+A drop-in replacement for torch.optim.AdamW (and Adam, SGD, Adafactor; Lion as lion-pytorch): param groups, LR schedulers,
 zero_grad, closures, GradScaler, state_dict/load_state_dict. The master copy (for
 bf16/fp16 params) and the moments live in the chosen tier, not in tensors: `tier="pinned"`
 keeps them in host memory, `tier="nvme"` in a scratch file under `path`, streamed through a
@@ -90,6 +90,19 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
 
     def _check_torch_group(self, g: dict[str, Any]) -> None:
         """Refuses a torch state_dict's param group made by another rule."""
+
+    def _torch_tensor_keys(self, p: torch.Tensor) -> dict[str, int]:
+        """A rule with per-tensor state (Adafactor's statistics): the keys torch's state keeps
+        it under for param `p`, with each one's element count."""
+        return {}
+
+    def _to_torch_tensor_state(self, p: torch.Tensor, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The per-tensor state (tierstate's floats) as torch keeps it."""
+        return {}
+
+    def _from_torch_tensor_state(self, p: torch.Tensor, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """torch's (zeros for a param without state) as tierstate's floats."""
+        raise NotImplementedError
 
     # -----------------------------------------------------------------------------------
 
@@ -706,3 +719,89 @@ class Lion(_OffloadedBase):
                 raise ValueError(f"{name}: invalid beta parameter at index {i}: {b} (must be in [0, 1])")
         if not wd >= 0:
             raise ValueError(f"{name}: invalid weight_decay value {wd}")
+
+
+class Adafactor(_OffloadedBase):
+    """torch.optim.Adafactor (PyTorch 2.11's semantics): a second moment factored into row and
+    column statistics over the last two dimensions of every param of rank >= 2 (the leading
+    ones a batch of matrices), kept whole for vectors; a relative step min(lr, 1/sqrt(t))
+    scaled by the param's RMS; the update clipped by its RMS over d; decoupled weight decay
+    lr * weight_decay. The params' master (bf16/fp16 params) is offloaded; the statistics, which
+    are small (rows + columns per matrix), stay in host memory beside the optimizer. eps[0] =
+    None is, as in torch, the machine epsilon of the dtype of the group's first param.
+    state_dict() and torch_state_dict() give torch's layout (step, row_var and col_var, or
+    variance), which load_state_dict() also takes. Unlike torch's, it takes a GradScaler's
+    scale (the update divides it out)."""
+
+    _torch_group_keys = ("lr", "beta2_decay", "eps", "d", "weight_decay")
+
+    def __init__(self, params: Iterable[Any], lr: float | torch.Tensor = 1e-2, beta2_decay: float = -0.8,
+                 eps: tuple[float | None, float] = (None, 1e-3), d: float = 1.0, weight_decay: float = 0.0, *,
+                 foreach: bool | None = None, maximize: bool = False, **options: Any) -> None:
+        super().__init__(params, dict(lr=lr, beta2_decay=beta2_decay, eps=eps, d=d, weight_decay=weight_decay,
+                                      foreach=foreach, maximize=maximize), **options)
+
+    def _rule_name(self) -> str:
+        return "adafactor"
+
+    def _hyper(self, group: dict[str, Any]) -> tuple:
+        eps1, eps2 = group["eps"]
+        if eps1 is None:  # torch: finfo(param.dtype).eps, of the first param it steps
+            params = group.get("params") or []
+            group = {**group, "eps": (torch.finfo(params[0].dtype if params else torch.float32).eps, eps2)}
+        return super()._hyper(group)
+
+    def _validate_hyper(self, group: dict[str, Any]) -> None:
+        lr, beta2_decay = _number(group["lr"], "lr"), _number(group["beta2_decay"], "beta2_decay")
+        eps1, eps2 = group["eps"]
+        d, wd = _number(group["d"], "d"), _number(group["weight_decay"], "weight_decay")
+        name = type(self).__name__
+        if not 0.0 <= lr:
+            raise ValueError(f"{name}: Learning rate should be >= 0 but is: {lr}")
+        if not 0.0 >= beta2_decay:
+            raise ValueError(f"{name}: beta2_decay should be <= 0 but is: {beta2_decay}")
+        if eps1 is not None and not 0.0 <= _number(eps1, "eps[0]"):
+            raise ValueError(f"{name}: epsilon1 should be >= 0 but is: {eps1}")
+        if not 0.0 <= _number(eps2, "eps[1]"):
+            raise ValueError(f"{name}: epsilon2 should be >= 0 but is: {eps2}")
+        if not 1.0 <= d:
+            raise ValueError(f"{name}: Clipping threshold d should be >= 1 but is: {d}")
+        if not 0.0 <= wd:
+            raise ValueError(f"{name}: weight_decay should be >= 0 but is: {wd}")
+
+    def _check_torch_group(self, g: dict[str, Any]) -> None:
+        other = [k for k in ("betas", "amsgrad", "momentum", "dampening") if k in g]
+        if other:
+            raise ValueError(f"{type(self).__name__}: the state_dict's param groups have {other}: the state_dict "
+                             "of another optimizer (Adafactor's has lr, beta2_decay, eps, d and weight_decay)")
+
+    # torch's state: row_var (..., R, 1) and col_var (..., 1, C) for a param of rank >= 2,
+    # variance (its shape) for one of rank 0 or 1; the tensor state (rules/adafactor.hpp) is
+    # rows, columns, each matrix's row mean and the step's scale, the last two made anew by
+    # every step.
+
+    @staticmethod
+    def _matrices(p: torch.Tensor) -> tuple[int, int, int]:
+        return math.prod(p.shape[:-2]), p.shape[-2], p.shape[-1]
+
+    def _torch_tensor_keys(self, p: torch.Tensor) -> dict[str, int]:
+        if p.dim() < 2:
+            return {"variance": p.numel()}
+        b, r, c = self._matrices(p)
+        return {"row_var": b * r, "col_var": b * c}
+
+    def _to_torch_tensor_state(self, p: torch.Tensor, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = lambda t, shape: t.reshape(shape).to(device=p.device, dtype=p.dtype)  # noqa: E731
+        if p.dim() < 2:
+            return {"variance": out(flat[:p.numel()], p.shape)}
+        b, r, c = self._matrices(p)
+        return {"row_var": out(flat[:b * r], (*p.shape[:-1], 1)),
+                "col_var": out(flat[b * r:b * r + b * c], (*p.shape[:-2], 1, c))}
+
+    def _from_torch_tensor_state(self, p: torch.Tensor, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        flat = lambda k, n: (values[k].detach().reshape(-1).to("cpu", torch.float32)  # noqa: E731
+                             if k in values else torch.zeros(n))
+        if p.dim() < 2:
+            return torch.cat([flat("variance", p.numel()), torch.zeros(1)])
+        b, r, c = self._matrices(p)
+        return torch.cat([flat("row_var", b * r), flat("col_var", b * c), torch.zeros(b + 1)])

@@ -30,9 +30,12 @@
 //   "layt"  u64 chunk_elements, chunk_bytes, chunk_count, total_elements
 //   "step"  i64 the optimizer's step count
 //   "tens"  u64 T, then per tensor str name, u64 offset (in elements), u64 count, u64 group,
-//           i64 its own step count, u64 rows, u64 columns
+//           i64 its own step count, u64 rows (every batch's), u64 columns
 //   "grps"  u64 G, u32 M, then G x M f64: each group's hyper-parameters, in table order
 //   "tphs"  (a rule with a tensor phase, and only then) u64 T, then per tensor u64 n and n f32
+// and one optional section (files saved before it see each tensor as "tens" says):
+//   "dims"  u64 T, then per tensor u64 batches (its rows are "tens"'s over these), u8 1 for
+//           a vector (core/tensor.hpp's tensor_shape), else 0
 //
 // Version 1 (still read) had one fixed payload: str rule; str precision; i64 step; the four
 // u64 of "layt"; u32 slot count and per slot u32 id, u32 element bytes; u64 tensor count and

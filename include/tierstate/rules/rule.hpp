@@ -34,11 +34,19 @@
 //   - `statistics_size(tensor_shape, pass)`: the doubles a pass accumulates into (zeroed
 //     before the pass);
 //   - `reduce_row(coefficients, pass, shape, tensor_state, row, grad_row, statistics)`: one
-//     row of the gradient (as float, still multiplied by the grad scale), in row order;
+//     row of the gradient (as float, still multiplied by the grad scale), in row order, over
+//     shape.total_rows() rows (a batch's matrices one after the other: row r is in matrix
+//     r / shape.rows);
 //   - `finish_pass(coefficients, pass, shape, statistics, tensor_state)`: after the pass's
 //     last row (so a second pass sees what the first one made);
 //   - and its `update` takes one more argument, a tensor_position<V>: where its values lie
 //     in the tensor, and that tensor's state.
+// A rule whose passes read the weights too (Adafactor scales its step by the param's RMS)
+// declares `static constexpr bool reduce_reads_params = true`; its reduce_row then takes the
+// row of the param, as float, after the gradient's: `reduce_row(k, pass, shape,
+// tensor_state, row, grad_row, param_row, statistics)`. That is the param the model computes
+// with (with a master, its rounded copy: what the step is about to replace), as it was
+// before this step.
 // The passes run on the host, one tensor after the other in row order, in double, so they
 // are deterministic whatever the chunks, threads, tier and compute. A tensor whose gradient
 // is absent in a step keeps its state as it was.
@@ -158,7 +166,7 @@ template <class V>
 struct tensor_position {
   float const* state = nullptr;  ///< tensor_state_size(shape) floats
   tensor_shape shape{};
-  std::size_t row    = 0;
+  std::size_t row    = 0;  ///< of shape.total_rows(): in matrix row / shape.rows
   std::size_t column = 0;  ///< lane 0's column
   std::size_t lanes  = 1;  ///< the lanes that hold the tensor's values (the rest are padding)
 
@@ -223,15 +231,28 @@ concept rule_updates_float = requires(typename R::coefficients const& k, float& 
 template <class R>
 concept rule_declares_tensor_phase = requires { R::reduce_passes; };
 template <class R>
+concept rule_reduce_reads_params = requires {
+  { R::reduce_reads_params } -> std::convertible_to<bool>;
+} && R::reduce_reads_params;
+template <class R>
+concept rule_reduces_rows =
+  (rule_reduce_reads_params<R> &&
+   requires(typename R::coefficients const& k, tensor_shape sh, float const* cs, double* st, std::span<float const> g) {
+     R::reduce_row(k, 0u, sh, cs, std::size_t{0}, g, g, st);
+   }) ||
+  (!rule_reduce_reads_params<R> &&
+   requires(typename R::coefficients const& k, tensor_shape sh, float const* cs, double* st, std::span<float const> g) {
+     R::reduce_row(k, 0u, sh, cs, std::size_t{0}, g, st);
+   });
+template <class R>
 concept rule_has_tensor_phase =
   requires(typename R::coefficients const& k, tensor_shape sh, float const* cs, float* s, double* st,
            double const* cst, std::span<float const> g) {
     { R::reduce_passes } -> std::convertible_to<unsigned>;
     { R::tensor_state_size(sh) } -> std::same_as<std::size_t>;
     { R::statistics_size(sh, 0u) } -> std::same_as<std::size_t>;
-    R::reduce_row(k, 0u, sh, cs, std::size_t{0}, g, st);
     R::finish_pass(k, 0u, sh, cst, s);
-  } && (R::reduce_passes >= 1);
+  } && (R::reduce_passes >= 1) && rule_reduces_rows<R>;
 template <class R>
 concept rule_updates_float_at =
   requires(typename R::coefficients const& k, float& w, float g, slot_values<float, R::slots.size()>& s,

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace tierstate::inline TIERSTATE_ABI::detail {
@@ -46,36 +47,50 @@ class tensor_phase {
   }
 
   /// This step's passes over every tensor that has a gradient, into `next`. Host gradients
-  /// are read where they are; `fetch(Grad* to, grad_view)` copies a device gradient to the
-  /// host (and then the tensors go one at a time).
+  /// (and params, for a rule whose passes read them) are read where they are; `fetch(void*
+  /// to, void const* from, std::size_t bytes)` copies device memory to the host (and then the
+  /// tensors go one at a time).
   template <class Grad, class Entry, class Coefficients, class Fetch>
   void reduce(std::span<grad_view<Grad> const> grads, std::span<Entry const> tensors,
               std::vector<Coefficients> const& k, thread_pool& pool, Fetch&& fetch)
   {
     if constexpr (active) {
+      using Param = std::remove_cvref_t<decltype(*tensors[0].param)>;
       next_ = current_;
-      bool device_grads = false;
-      for (auto const& g : grads) { device_grads = device_grads || (g.data != nullptr && g.where == location::device); }
-      auto one = [&](std::size_t t, std::vector<float>& row, std::vector<Grad>& host) {
+      bool device_memory = false;
+      for (std::size_t t = 0; t < grads.size(); ++t) {
+        bool const has = grads[t].data != nullptr;
+        device_memory  = device_memory || (has && grads[t].where == location::device) ||
+                        (has && reads_params && tensors[t].where == location::device);
+      }
+      auto one = [&](std::size_t t, scratch<Grad, Param>& buffers) {
         auto const& g = grads[t];
         if (g.data == nullptr) { return; }  // no gradient: its state stays
         Grad const* src = g.data;
         if (g.where == location::device) {
-          host.resize(g.size);
-          fetch(host.data(), g);
-          src = host.data();
+          buffers.grad.resize(g.size);
+          fetch(buffers.grad.data(), g.data, g.size * sizeof(Grad));
+          src = buffers.grad.data();
         }
-        reduce_tensor(k[t], tensors[t].shape, src, next_.data() + offset_[t], row);
+        Param const* param = nullptr;
+        if constexpr (reads_params) {
+          auto const& e = tensors[t];
+          param         = e.param;
+          if (e.where == location::device) {
+            buffers.param.resize(e.count);
+            fetch(buffers.param.data(), e.param, e.count * sizeof(Param));
+            param = buffers.param.data();
+          }
+        }
+        reduce_tensor(k[t], tensors[t].shape, src, param, next_.data() + offset_[t], buffers);
       };
-      if (device_grads) {
-        std::vector<float> row;
-        std::vector<Grad> host;
-        for (std::size_t t = 0; t < grads.size(); ++t) { one(t, row, host); }
+      if (device_memory) {
+        scratch<Grad, Param> buffers;
+        for (std::size_t t = 0; t < grads.size(); ++t) { one(t, buffers); }
       } else {  // each tensor on one thread, in row order: the same sums for any thread count
         pool.parallel_for(grads.size(), 1, [&](std::size_t b, std::size_t e) {
-          std::vector<float> row;
-          std::vector<Grad> host;
-          for (std::size_t t = b; t < e; ++t) { one(t, row, host); }
+          scratch<Grad, Param> buffers;
+          for (std::size_t t = b; t < e; ++t) { one(t, buffers); }
         });
       }
     } else {
@@ -106,24 +121,46 @@ class tensor_phase {
   [[nodiscard]] std::size_t floats() const noexcept { return current_.size(); }
 
  private:
-  template <class Coefficients, class Grad>
-  static void reduce_tensor(Coefficients const& k, tensor_shape shape, Grad const* g, float* state,
-                            std::vector<float>& row)
+  static constexpr bool reads_params = detail::rule_reduce_reads_params<Rule>;
+
+  /// A thread's buffers: device gradients and params copied to the host, and a row as float.
+  template <class Grad, class Param>
+  struct scratch {
+    std::vector<Grad> grad;
+    std::vector<Param> param;
+    std::vector<float> grad_row, param_row;
+  };
+
+  /// Row r of `from` as float: the memory itself when it is float, else converted into `to`.
+  template <class T>
+  static std::span<float const> row_of(T const* from, std::size_t columns, std::vector<float>& to)
+  {
+    if constexpr (std::same_as<T, float>) {
+      return {from, columns};
+    } else {
+      to.resize(columns);
+      for (std::size_t c = 0; c < columns; ++c) { to[c] = static_cast<float>(from[c]); }
+      return to;
+    }
+  }
+
+  template <class Coefficients, class Grad, class Param>
+  static void reduce_tensor(Coefficients const& k, tensor_shape shape, Grad const* g, Param const* p, float* state,
+                            scratch<Grad, Param>& buffers)
   {
     std::vector<double> statistics;
+    std::size_t const rows = shape.total_rows(), columns = shape.columns;
     for (unsigned pass = 0; pass < static_cast<unsigned>(Rule::reduce_passes); ++pass) {
       statistics.assign(Rule::statistics_size(shape, pass), 0.0);
-      for (std::size_t r = 0; r < shape.rows; ++r) {
-        Grad const* from = g + r * shape.columns;
-        std::span<float const> values;
-        if constexpr (std::same_as<Grad, float>) {
-          values = {from, shape.columns};
+      for (std::size_t r = 0; r < rows; ++r) {
+        auto const grad_row = row_of(g + r * columns, columns, buffers.grad_row);
+        if constexpr (reads_params) {
+          auto const param_row = row_of(p + r * columns, columns, buffers.param_row);
+          Rule::reduce_row(k, pass, shape, state, r, grad_row, param_row, statistics.data());
         } else {
-          row.resize(shape.columns);
-          for (std::size_t c = 0; c < shape.columns; ++c) { row[c] = static_cast<float>(from[c]); }
-          values = row;
+          (void)p;
+          Rule::reduce_row(k, pass, shape, state, r, grad_row, statistics.data());
         }
-        Rule::reduce_row(k, pass, shape, state, r, values, statistics.data());
       }
       Rule::finish_pass(k, pass, shape, statistics.data(), state);
     }

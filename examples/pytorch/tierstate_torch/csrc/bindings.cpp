@@ -62,7 +62,9 @@ class py_shard {
   std::size_t add_tensor(std::string const& name, at::Tensor const& p)
   {
     check_param(name, p);
-    std::size_t const t = shard_->add_tensor(name, p.data_ptr(), static_cast<std::size_t>(p.numel()));
+    std::vector<std::size_t> dims;
+    for (auto const d : p.sizes()) { dims.push_back(static_cast<std::size_t>(d)); }
+    std::size_t const t = shard_->add_tensor(name, p.data_ptr(), dims);
     tensors_.push_back({name, p.data_ptr(), static_cast<std::size_t>(p.numel())});
     live_.emplace_back();
     return t;
@@ -201,6 +203,21 @@ class py_shard {
     at::Tensor const v = value.detach().to(at::kCPU, at::kFloat).contiguous();
     py::gil_scoped_release nogil;
     shard_->write_state(name, slot, std::span<float const>(v.data_ptr<float>(), n));
+  }
+
+  /// A rule's per-tensor state (Adafactor's statistics), as float32 on the CPU.
+  at::Tensor get_tensor_state(std::string const& name)
+  {
+    auto out = at::empty({static_cast<std::int64_t>(shard_->tensor_state_size(name))}, at::kFloat);
+    py::gil_scoped_release nogil;
+    shard_->copy_tensor_state(name, std::span<float>(out.data_ptr<float>(), static_cast<std::size_t>(out.numel())));
+    return out;
+  }
+  void set_tensor_state(std::string const& name, at::Tensor const& value)
+  {
+    at::Tensor const v = value.detach().to(at::kCPU, at::kFloat).contiguous();
+    py::gil_scoped_release nogil;  // (a size that is not the tensor's: logic_error, naming both)
+    shard_->write_tensor_state(name, std::span<float const>(v.data_ptr<float>(), static_cast<std::size_t>(v.numel())));
   }
 
   /// Whether `p` is still the memory registered as tensor `t` (a model moved with .to() or
@@ -359,6 +376,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     .def("load_bytes", &tt::py_shard::load_bytes)
     .def("get_state", &tt::py_shard::get_state)
     .def("set_state", &tt::py_shard::set_state)
+    .def("get_tensor_state", &tt::py_shard::get_tensor_state)
+    .def("set_tensor_state", &tt::py_shard::set_tensor_state)
     .def("same_memory", &tt::py_shard::same_memory)
     .def("step_count", &tt::py_shard::step_count)
     .def("set_step_count", &tt::py_shard::set_step_count)

@@ -17,7 +17,7 @@ struct rule_entry {
   std::unique_ptr<shard> (*on_device)(config const&);
 };
 
-constexpr std::array<rule_entry, 7> rules{{
+constexpr std::array<rule_entry, 8> rules{{
   {"adam", adam_info, make_adam_shard, make_adam_device_shard},
   {"adamw", adamw_info, make_adamw_shard, make_adamw_device_shard},
   {"adam_amsgrad", adam_amsgrad_info, make_adam_amsgrad_shard, make_adam_amsgrad_device_shard},
@@ -25,6 +25,7 @@ constexpr std::array<rule_entry, 7> rules{{
   {"sgd", sgd_info, make_sgd_shard, make_sgd_device_shard},
   {"sgd_momentum", sgd_momentum_info, make_sgd_momentum_shard, make_sgd_momentum_device_shard},
   {"lion", lion_info, make_lion_shard, make_lion_device_shard},
+  {"adafactor", adafactor_info, make_adafactor_shard, make_adafactor_device_shard},
 }};
 
 rule_entry const& find(std::string const& name)

@@ -76,8 +76,9 @@ struct result {
 class shard {
  public:
   virtual ~shard() = default;
-  /// `param` points at `count` elements of the shard's dtype, updated in place.
-  virtual std::size_t add_tensor(std::string name, void* param, std::size_t count) = 0;
+  /// `param` points at a tensor of these dimensions (torch's `p.shape`) of the shard's dtype,
+  /// updated in place.
+  virtual std::size_t add_tensor(std::string name, void* param, std::span<std::size_t const> dims) = 0;
   virtual std::size_t add_group(hyper const& h, std::vector<std::string> const& names) = 0;
   virtual void set_hyperparameters(std::size_t group, hyper const& h) = 0;
   /// `stream`: device gradients are read after the work queued on it so far.
@@ -97,6 +98,10 @@ class shard {
                          std::function<void(std::uint64_t, std::span<std::byte>)> const& read) = 0;
   virtual void copy_state(std::string_view tensor, std::string_view slot, std::span<float> to) = 0;
   virtual void write_state(std::string_view tensor, std::string_view slot, std::span<float const> from) = 0;
+  /// A rule's per-tensor state (a tensor phase's: Adafactor's statistics); size 0 without one.
+  [[nodiscard]] virtual std::size_t tensor_state_size(std::string_view tensor) = 0;
+  virtual void copy_tensor_state(std::string_view tensor, std::span<float> to) = 0;
+  virtual void write_tensor_state(std::string_view tensor, std::span<float const> from) = 0;
   [[nodiscard]] virtual std::int64_t step_count() const = 0;
   virtual void set_step_count(std::int64_t n) = 0;
   /// One tensor's own count (torch's per-param state["step"]), and setting it alone.
@@ -124,7 +129,7 @@ bool device_is_emulated() noexcept;
 // One per rule and compute, each in its own translation unit: shards_<rule>.cpp (OnHost:
 // host params, or device params through CudaOverlapped; and the rule's table) and
 // device_shards_<rule>.cpp (OnDevice; compiled by nvcc, as device_shards_<rule>.cu, with
-// CUDA); the rules after Adam's share one unit per compute (shards_sgd_lion.cpp). A rule is
+// CUDA); the rules after Adam's share one unit per compute (shards_sgd_lion_adafactor.cpp). A rule is
 // added with its definitions there, its three declarations here, its line in rules.cpp and
 // its refusal in no_device_shards.cpp (and a new unit's name in _build.py's _UNITS).
 rule_info adam_info();
@@ -148,5 +153,8 @@ std::unique_ptr<shard> make_lion_shard(config const& c);
 std::unique_ptr<shard> make_sgd_device_shard(config const& c);
 std::unique_ptr<shard> make_sgd_momentum_device_shard(config const& c);
 std::unique_ptr<shard> make_lion_device_shard(config const& c);
+rule_info adafactor_info();
+std::unique_ptr<shard> make_adafactor_shard(config const& c);
+std::unique_ptr<shard> make_adafactor_device_shard(config const& c);
 
 }  // namespace tierstate_torch

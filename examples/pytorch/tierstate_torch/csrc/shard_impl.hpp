@@ -91,9 +91,9 @@ class shard_impl final : public shard {
  public:
   explicit shard_impl(config const& c) : opt_(to_rule(c.defaults), options_for(c)) {}
 
-  std::size_t add_tensor(std::string name, void* param, std::size_t count) override
+  std::size_t add_tensor(std::string name, void* param, std::span<std::size_t const> dims) override
   {
-    return opt_.add_tensor(std::move(name), static_cast<param_t*>(param), count, where);
+    return opt_.add_tensor(std::move(name), static_cast<param_t*>(param), tierstate::tensor_shape::of(dims), where);
   }
   std::size_t add_group(hyper const& h, std::vector<std::string> const& names) override
   {
@@ -135,6 +135,12 @@ class shard_impl final : public shard {
   void write_state(std::string_view tensor, std::string_view slot, std::span<float const> from) override
   {
     opt_.write_state(tensor, tierstate::slot{slot}, from);
+  }
+  [[nodiscard]] std::size_t tensor_state_size(std::string_view tensor) override { return opt_.tensor_state_size(tensor); }
+  void copy_tensor_state(std::string_view tensor, std::span<float> to) override { opt_.copy_tensor_state(tensor, to); }
+  void write_tensor_state(std::string_view tensor, std::span<float const> from) override
+  {
+    opt_.write_tensor_state(tensor, from);
   }
   [[nodiscard]] std::int64_t step_count() const override { return opt_.step_count(); }
   void set_step_count(std::int64_t n) override { opt_.set_step_count(n); }

@@ -35,7 +35,10 @@ struct header {
     std::string name;
     std::uint64_t offset = 0, count = 0, group = 0;
     std::int64_t step = 0;                 ///< its own count (a v1 file: the file's)
-    std::uint64_t rows = 1, columns = 0;   ///< its shape (a v1 file: 1 x count, unless tensor_states has it)
+    std::uint64_t rows = 1, columns = 0;   ///< its shape, rows counting every batch's (a v1 file: 1 x count,
+                                           ///< unless tensor_states has it)
+    std::uint64_t batches = 1;             ///< (section "dims"; 1 without it)
+    bool vector = false;                   ///< (section "dims"; false without it)
   };
   std::vector<tensor_entry> tensors;
   std::uint32_t values_per_group = 0;
@@ -47,6 +50,8 @@ struct header {
   std::vector<tensor_state_entry> tensor_states;
   /// Whether the tensors' shapes were recorded (every v2 file; a v1 file of a tensor phase).
   bool shapes_recorded = true;
+  /// Whether their batches and vector flags were (a v2 file with section "dims").
+  bool dims_recorded = true;
 };
 
 namespace detail {
@@ -70,13 +75,15 @@ namespace detail {
 }
 inline constexpr std::uint32_t required_section = 1;
 
-inline constexpr std::array<std::uint32_t, 7> known_sections = {tag("rule"), tag("prec"), tag("layt"), tag("step"),
-                                                                tag("tens"), tag("grps"), tag("tphs")};
+/// The sections this build knows; the first six are in every version-2 file.
+inline constexpr std::array<std::uint32_t, 8> known_sections = {tag("rule"), tag("prec"), tag("layt"), tag("step"),
+                                                                tag("tens"), tag("grps"), tag("tphs"), tag("dims")};
+inline constexpr std::size_t always_there = 6;
 
-inline void put_section(writer& p, char const (&name)[5], writer const& body)
+inline void put_section(writer& p, char const (&name)[5], writer const& body, bool required = true)
 {
   p.put(tag(name));
-  p.put(required_section);
+  p.put(required ? required_section : std::uint32_t{0});
   p.put(static_cast<std::uint64_t>(body.size()));
   p.append(body);
 }
@@ -85,7 +92,7 @@ inline void put_section(writer& p, char const (&name)[5], writer const& body)
 inline writer encode_payload(header const& h)
 {
   writer p;
-  std::uint32_t const sections = h.tensor_states.empty() ? 6 : 7;
+  std::uint32_t const sections = h.tensor_states.empty() ? 7 : 8;
   p.put(sections);
   writer b;
   b.put(std::string_view(h.rule));
@@ -115,10 +122,19 @@ inline writer encode_payload(header const& h)
     b.put(std::string_view(t.name));
     for (std::uint64_t const v : {t.offset, t.count, t.group}) { b.put(v); }
     b.put(t.step);
-    b.put(t.rows);
+    b.put(t.rows * t.batches);
     b.put(t.columns);
   }
   put_section(p, "tens", b);
+  // Optional: without it a reader sees each tensor as (batches x rows) x columns, which is
+  // what a rule that does not look at batches sees anyway.
+  b = {};
+  b.put(static_cast<std::uint64_t>(h.tensors.size()));
+  for (auto const& t : h.tensors) {
+    b.put(t.batches);
+    b.put(static_cast<std::uint8_t>(t.vector ? 1 : 0));
+  }
+  put_section(p, "dims", b, false);
   b = {};
   b.put(static_cast<std::uint64_t>(h.groups.size()));
   b.put(h.values_per_group);
@@ -208,6 +224,7 @@ inline void decode_payload_v1(reader& r, header& h, std::string const& path)
   }
   read_groups(r, h, path);
   h.shapes_recorded = r.left() != 0;
+  h.dims_recorded   = false;
   if (r.left() != 0) {  // the tensor phase's state, with each tensor's shape
     auto const n = r.count("tensor state count", 24);
     for (std::uint64_t t = 0; t < n; ++t) {
@@ -226,6 +243,7 @@ inline void decode_payload_v1(reader& r, header& h, std::string const& path)
 inline void decode_payload(reader& r, header& h, std::string const& path)
 {
   auto const count = r.get<std::uint32_t>("section count");
+  std::uint64_t dims = 0;
   std::array<bool, known_sections.size()> seen{};
   for (std::uint32_t i = 0; i < count; ++i) {
     auto const t     = r.get<std::uint32_t>("section tag");
@@ -279,6 +297,18 @@ inline void decode_payload(reader& r, header& h, std::string const& path)
       }
     } else if (t == tag("grps")) {
       read_groups(s, h, path);
+    } else if (t == tag("dims")) {
+      auto const n = s.count("dims tensor count", 9);
+      for (std::uint64_t j = 0; j < n; ++j) {
+        auto const batches = s.get<std::uint64_t>("tensor batches");
+        auto const vector  = s.get<std::uint8_t>("tensor vector flag");
+        if (j < h.tensors.size()) {  // (a count that differs from "tens"'s is refused below)
+          h.tensors[j].batches = batches;
+          h.tensors[j].vector  = vector != 0;
+        }
+        if (vector > 1) { throw checkpoint_error(path, "a tensor's vector flag is " + std::to_string(vector) + " (corrupt)"); }
+      }
+      dims = n;
     } else {  // "tphs"
       auto const ntensors = s.count("tensor state count", 8);
       for (std::uint64_t j = 0; j < ntensors; ++j) { h.tensor_states.push_back({read_floats(s)}); }
@@ -288,8 +318,22 @@ inline void decode_payload(reader& r, header& h, std::string const& path)
                                      tag_text(t) + "\" (corrupt)");
     }
   }
-  for (std::size_t k = 0; k + 1 < known_sections.size(); ++k) {  // all but "tphs" are always there
+  for (std::size_t k = 0; k < always_there; ++k) {
     if (!seen[k]) { throw checkpoint_error(path, "has no section \"" + tag_text(known_sections[k]) + "\" (corrupt)"); }
+  }
+  h.dims_recorded = seen[7];
+  if (h.dims_recorded) {  // "tens" counted every batch's rows
+    if (dims != h.tensors.size()) {
+      throw checkpoint_error(path, "section \"dims\" has " + std::to_string(dims) + " tensors and section \"tens\" " +
+                                     std::to_string(h.tensors.size()) + " (corrupt)");
+    }
+    for (auto& e : h.tensors) {
+      if (e.batches == 0 || e.rows % e.batches != 0) {  // (the optimizer checks the rest of a shape)
+        throw checkpoint_error(path, "tensor '" + e.name + "' has " + std::to_string(e.rows) + " rows in " +
+                                       std::to_string(e.batches) + " batches (corrupt)");
+      }
+      e.rows /= e.batches;
+    }
   }
 }
 

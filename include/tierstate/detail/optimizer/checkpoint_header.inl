@@ -32,7 +32,8 @@ checkpoint::header OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Comp
   }
   for (std::size_t t = 0; t < tensors_.size(); ++t) {
     auto const& e = tensors_[t];
-    h.tensors.push_back({e.name, lay.tensors()[t].offset, e.count, e.group, e.step, e.shape.rows, e.shape.columns});
+    h.tensors.push_back({e.name, lay.tensors()[t].offset, e.count, e.group, e.step, e.shape.rows, e.shape.columns,
+                         e.shape.batches, e.shape.vector});
   }
   h.values_per_group = static_cast<std::uint32_t>(rule_type::hyperparameter_table.size());
   for (auto const& g : groups_) {
@@ -101,16 +102,25 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_he
       differ("tensor " + std::to_string(t), quoted(a.name) + " of " + std::to_string(a.count) + " elements",
              quoted(b.name) + " of " + std::to_string(b.count) + " elements");
     }
-    bool const shape_fits = a.columns == 0 ? a.count == 0 : a.count % a.columns == 0 && a.count / a.columns == a.rows;
-    if (h.shapes_recorded && !shape_fits) {
+    // (a.rows * a.batches: "dims" divided "tens"'s rows by batches, which it checked)
+    std::uint64_t const rows = a.rows * a.batches;
+    bool const shape_fits = a.columns == 0 ? a.count == 0 : a.count % a.columns == 0 && a.count / a.columns == rows;
+    auto const shape_text = [&](checkpoint::header::tensor_entry const& e) {
+      if (!h.dims_recorded) { return std::to_string(e.rows * e.batches) + " x " + std::to_string(e.columns); }
+      return (e.batches != 1 ? std::to_string(e.batches) + " x " : std::string()) + std::to_string(e.rows) + " x " +
+             std::to_string(e.columns) + (e.vector ? " (a vector)" : "");
+    };
+    if (h.shapes_recorded && (!shape_fits || (a.vector && (a.rows != 1 || a.batches != 1)))) {
       throw checkpoint_error(path, "tensor " + quoted(b.name) + " of " + std::to_string(a.count) +
-                                     " elements is shaped " + std::to_string(a.rows) + " x " +
-                                     std::to_string(a.columns) + " (corrupt)");
+                                     " elements is shaped " + shape_text(a) + " (corrupt)");
     }
-    // A shape matters to a rule with a tensor phase; to the others, only the count does.
-    if (has_tensor_phase<rule_type> && h.shapes_recorded && (a.rows != b.rows || a.columns != b.columns)) {
-      differ("tensor " + quoted(b.name) + " shaped", std::to_string(a.rows) + " x " + std::to_string(a.columns),
-             std::to_string(b.rows) + " x " + std::to_string(b.columns));
+    // A shape matters to a rule with a tensor phase; to the others, only the count does. A file
+    // without "dims" (saved before tensors had batches) records (batches x rows) x columns.
+    bool const same_shape = h.dims_recorded ? a.rows == b.rows && a.columns == b.columns && a.batches == b.batches &&
+                                                a.vector == b.vector
+                                            : rows == b.rows * b.batches && a.columns == b.columns;
+    if (has_tensor_phase<rule_type> && h.shapes_recorded && !same_shape) {
+      differ("tensor " + quoted(b.name) + " shaped", shape_text(a), shape_text(b));
     }
     if (a.step < 0 || a.step > detail::max_step_count) {
       throw checkpoint_error(path, "tensor " + quoted(b.name) + " has step count " + std::to_string(a.step) +

@@ -45,7 +45,7 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tens
     param_type* param, std::size_t count,
                                      location where) -> tensor_id
 {
-  return add_tensor(std::move(name), param, tensor_shape{1, count}, where);
+  return add_tensor(std::move(name), param, tensor_shape::of_vector(count), where);
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
@@ -54,9 +54,17 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tens
 {
   detail::gate_entry const gate(gate_, "add_tensor");
   auto const who = "add_tensor('" + name + "')";
-  if (shape.columns != 0 && shape.rows > std::numeric_limits<std::size_t>::max() / shape.columns) {
-    throw logic_error(who + ": a shape of " + std::to_string(shape.rows) + " x " + std::to_string(shape.columns) +
-                      " has more elements than a std::size_t counts");
+  auto const shape_text = [&] {
+    return (shape.batches != 1 ? std::to_string(shape.batches) + " x " : std::string()) + std::to_string(shape.rows) +
+           " x " + std::to_string(shape.columns);
+  };
+  constexpr std::size_t most = std::numeric_limits<std::size_t>::max();
+  if ((shape.columns != 0 && shape.rows > most / shape.columns) ||
+      (shape.rows * shape.columns != 0 && shape.batches > most / (shape.rows * shape.columns))) {
+    throw logic_error(who + ": a shape of " + shape_text() + " has more elements than a std::size_t counts");
+  }
+  if (shape.vector && (shape.rows != 1 || shape.batches != 1)) {
+    throw logic_error(who + ": a vector's shape is one row of one batch, not " + shape_text());
   }
   std::size_t const count = shape.elements();
   if (store_.made()) {

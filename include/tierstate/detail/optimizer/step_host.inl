@@ -82,13 +82,13 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::reduce_t
 {
   if constexpr (has_tensor_phase<rule_type>) {
     tensor_phase_.reduce(grads, std::span<tensor_entry const>(tensors_), coefficients, pool_,
-                         [this](grad_type* to, grad_view<grad_type> const& g) {
+                         [this](void* to, void const* from, std::size_t bytes) {
                            if constexpr (placement::device_params) {  // after the gradients' own work
                              auto& d = store_.device();
-                             device::copy_async(to, g.data, g.size * sizeof(grad_type), d.d2h);
+                             device::copy_async(to, from, bytes, d.d2h);
                              d.d2h.synchronize();
-                           } else {
-                             (void)this, (void)to, (void)g;  // (check_grads refuses device gradients here)
+                           } else {  // (check_grads refuses device gradients here; params are on the host)
+                             (void)this, (void)to, (void)from, (void)bytes;
                            }
                          });
     if constexpr (placement::on_device) {  // the kernels read it on the device

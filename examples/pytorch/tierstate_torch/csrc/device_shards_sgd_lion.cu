@@ -1,3 +1,0 @@
-// SPDX-License-Identifier: Apache-2.0
-// device_shards_sgd_lion.cpp, compiled by nvcc for the GPU.
-#include "device_shards_sgd_lion.cpp"
