@@ -804,8 +804,10 @@ void run_optimizer(options const& o, thread_pool& pool, arrays<P>& arr, double b
   for (std::size_t t = 0, off = 0; t < sizes.size(); off += sizes[t], ++t) {
     std::string name = "t";  // (not "t" + ...: GCC 12 -Wrestrict false positive, bug 105329)
     name += std::to_string(t);
-    // Adafactor's large tensors as matrices of 1024 columns (its statistics per row and column)
-    tensor_shape const shape = sizes[t] % 1024 == 0 ? tensor_shape{sizes[t] / 1024, 1024} : tensor_shape::of_vector(sizes[t]);
+    // Adafactor's large tensors as matrices of 1024 columns (its statistics per row and
+    // column), the biases and norms as vectors
+    tensor_shape const shape = sizes[t] > 4096 && sizes[t] % 1024 == 0 ? tensor_shape{sizes[t] / 1024, 1024}
+                                                                       : tensor_shape::of_vector(sizes[t]);
     with_check.add_tensor(name, param.get<typename P::param_type>() + off, shape);
     without.add_tensor(std::move(name), param.get<typename P::param_type>() + off, shape);
     views.push_back({grad.get<typename P::grad_type>() + off, sizes[t], location::host});

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Adafactor (rules/adafactor.hpp) through the optimizer: against torch's algorithm written
 // out in double (over awkward shapes: 1 x 1, 7 x 4095, 4097 x 3, a batch of matrices, a vector
-// added by count, a scalar; 120 steps of a changing learning rate, with weight decay), in fp32
+// added by count, a scalar, a matrix reduced in blocks; 120 steps of a changing learning rate, with weight decay), in fp32
 // and with bf16 params over an fp32 master; and bit for bit the same on any chunks, threads,
 // tier and kind of step (torch's own values: test_golden.cpp).
 #include "nvme_support.hpp"
@@ -19,9 +19,11 @@ using namespace tierstate::test;
 
 namespace {
 
+// 300 x 1000 is reduced in blocks of rows on several threads (tensor_phase::blocks_of).
 std::vector<tensor_shape> const shapes = {tensor_shape::of({1, 1}),   tensor_shape::of({7, 4095}),
                                          tensor_shape::of({4097, 3}), tensor_shape::of({2, 3, 5}),
-                                         tensor_shape::of_vector(1000), tensor_shape::of({})};
+                                         tensor_shape::of_vector(1000), tensor_shape::of({}),
+                                         tensor_shape::of({300, 1000})};
 
 Adafactor::hyperparameters numbers(int t, int steps)
 {
@@ -240,6 +242,8 @@ TEST_CASE("Adafactor's shapes: a vector is not a 1 x n matrix, a batch is matric
   CHECK(tensor_shape::of({64, 3, 7, 7}) == tensor_shape{7, 7, 192, false});
   CHECK(tensor_shape::of({5}) == tensor_shape::of_vector(5));
   CHECK(tensor_shape::of({}) == tensor_shape::of_vector(1));
+  CHECK(tensor_shape::of({0, 3, 5}) == tensor_shape::of_vector(0));  // (no elements: an empty vector)
+  CHECK_THROWS_WITH(opt.add_tensor("none", a.data(), tensor_shape{3, 5, 0}), Catch::Contains("has no batches"));
   CHECK_THROWS_WITH(opt.add_tensor("bad", a.data(), tensor_shape{2, 20, 1, true}),
                     Catch::Contains("a vector's shape is one row of one batch, not 2 x 20"));
 
@@ -264,6 +268,11 @@ TEST_CASE("Adafactor's shapes: a vector is not a 1 x n matrix, a batch is matric
   for (std::size_t c = 0; c < 4; ++c) { CHECK(s_batched[6 + c] == s_first[3 + c]); }  // its columns
   CHECK(s_batched[6 + 8] == s_first[3 + 4]);                                           // its row mean
   CHECK(s_batched[6 + 8 + 1] != s_batched[6 + 8]);  // the second matrix's own mean
+  using phase = detail::tensor_phase<Adafactor>;
+  CHECK(phase::blocks_of(tensor_shape{300, 1000}) == 5);
+  CHECK(phase::blocks_of(tensor_shape{4097, 3}) == 1);
+  CHECK(phase::blocks_of(tensor_shape::of_vector(1 << 20)) == 1);
+  CHECK(phase::blocks_of(tensor_shape{std::size_t{1} << 20, 2}) == 1);  // (64 sets of its statistics: 512 MiB)
 
   // A checkpoint records batches and vectors, and refuses another shape by name.
   scratch_dir d;

@@ -688,6 +688,24 @@ class Parity(unittest.TestCase):
             self.assertTrue(torch.allclose(p, q, rtol=1e-5, atol=1e-6), f"a param of shape {tuple(p.shape)}")
         self.assertEqual(opt.step_count(ours[1]), 8)
         self.assertEqual(opt.step_count(ours[0]), 12)
+        # Backward's hooks (the passes wait for every gradient) and a GradScaler's scale give
+        # the same bits.
+        hooked = make()
+        hooked_opt = tierstate_torch.Adafactor(hooked, chunk_elements=2048, overlap_backward=True, **kw)
+        run(hooked, hooked_opt, 12)
+        scaled = make()
+        scaled_opt = tierstate_torch.Adafactor(scaled, chunk_elements=2048, **kw)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for i in range(12):
+            scaled_opt.zero_grad(set_to_none=True)
+            loss = sum(((p - t * (1 + 0.1 * i)) ** 2).sum() * (k + 1)
+                       for k, (p, t) in enumerate(zip(scaled, targets)) if not (i % 3 == 2 and k == 1))
+            scaler.scale(loss).backward()
+            scaler.step(scaled_opt)
+            scaler.update()
+        for p, q, r in zip(ours, hooked, scaled):
+            self.assertTrue(torch.equal(p, q), f"overlap_backward, a param of shape {tuple(p.shape)}")
+            self.assertTrue(torch.equal(p, r), f"GradScaler, a param of shape {tuple(p.shape)}")
         mine = opt.torch_state_dict()["state"]
         for i, p in enumerate(ref):
             theirs = ref_opt.state[p]

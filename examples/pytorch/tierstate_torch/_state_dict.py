@@ -119,6 +119,14 @@ class _StateDicts:
         out.update((k, v) for k, v in g.items() if k in keep)
         return out
 
+    def _as_state(self, v: torch.Tensor, what: str) -> torch.Tensor:
+        """A state tensor as float32 on the CPU, as the shards take it: converted while the load
+        is planned, so that one that cannot be (a complex or meta tensor) refuses it whole."""
+        if not (v.is_floating_point() and v.device.type in ("cpu", "cuda")):
+            raise ValueError(f"{type(self).__name__}: the state_dict's {what} is a {v.dtype} tensor on {v.device}; "
+                             "the state is real numbers on the CPU or a GPU")
+        return v.detach().to("cpu", torch.float32).reshape(-1)
+
     def _load_torch_state_dict(self, sd: dict[str, Any]) -> None:
         """Everything is checked, and what goes where is planned, before anything changes."""
         name = type(self).__name__
@@ -169,7 +177,7 @@ class _StateDicts:
                     got = f"{v.numel()} elements" if torch.is_tensor(v) else type(v).__name__
                     raise ValueError(f"{name}: the state_dict's state[{key!r}][{slot!r}] is {got}; its param has "
                                      f"{params[i].numel()} elements")
-                values[slot] = v
+                values[slot] = self._as_state(v, f"state[{key!r}][{slot!r}]")
             tensor_values = {}
             for k, n in tensor_keys.items():
                 v = s.get(k)
@@ -179,7 +187,7 @@ class _StateDicts:
                     got = f"{v.numel()} elements" if torch.is_tensor(v) else type(v).__name__
                     raise ValueError(f"{name}: the state_dict's state[{key!r}][{k!r}] is {got}; for its param of "
                                      f"shape {tuple(params[i].shape)} it has {n}")
-                tensor_values[k] = v
+                tensor_values[k] = self._as_state(v, f"state[{key!r}][{k!r}]")
             if self._torch_keeps_step:
                 if "step" not in s:
                     raise ValueError(f"{name}: the state_dict's state[{key!r}] has no 'step'")

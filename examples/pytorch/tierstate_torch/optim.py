@@ -728,7 +728,8 @@ class Adafactor(_OffloadedBase):
     scaled by the param's RMS; the update clipped by its RMS over d; decoupled weight decay
     lr * weight_decay. The params' master (bf16/fp16 params) is offloaded; the statistics, which
     are small (rows + columns per matrix), stay in host memory beside the optimizer. eps[0] =
-    None is, as in torch, the machine epsilon of the dtype of the group's first param.
+    None is the machine epsilon of the dtype of the group's first param (torch's: of the first
+    param with a gradient in that step; the two differ only for a group of several dtypes).
     state_dict() and torch_state_dict() give torch's layout (step, row_var and col_var, or
     variance), which load_state_dict() also takes. Unlike torch's, it takes a GradScaler's
     scale (the update divides it out)."""
@@ -753,6 +754,9 @@ class Adafactor(_OffloadedBase):
 
     def _validate_hyper(self, group: dict[str, Any]) -> None:
         lr, beta2_decay = _number(group["lr"], "lr"), _number(group["beta2_decay"], "beta2_decay")
+        if not isinstance(group["eps"], (tuple, list)) or len(group["eps"]) != 2:
+            raise ValueError(f"{type(self).__name__}: eps must be a pair (epsilon1 or None, epsilon2), "
+                             f"not {group['eps']!r}")
         eps1, eps2 = group["eps"]
         d, wd = _number(group["d"], "d"), _number(group["weight_decay"], "weight_decay")
         name = type(self).__name__
@@ -799,8 +803,7 @@ class Adafactor(_OffloadedBase):
                 "col_var": out(flat[b * r:b * r + b * c], (*p.shape[:-2], 1, c))}
 
     def _from_torch_tensor_state(self, p: torch.Tensor, values: dict[str, torch.Tensor]) -> torch.Tensor:
-        flat = lambda k, n: (values[k].detach().reshape(-1).to("cpu", torch.float32)  # noqa: E731
-                             if k in values else torch.zeros(n))
+        flat = lambda k, n: values[k].reshape(-1) if k in values else torch.zeros(n)  # noqa: E731
         if p.dim() < 2:
             return torch.cat([flat("variance", p.numel()), torch.zeros(1)])
         b, r, c = self._matrices(p)

@@ -10,6 +10,7 @@
 #include <limits>
 #include <span>
 #include <stdexcept>
+#include <string>
 #include <string_view>
 
 namespace tierstate::inline TIERSTATE_ABI {
@@ -44,8 +45,9 @@ struct tensor_shape {
   /// A vector of n elements (rank 1).
   [[nodiscard]] static constexpr tensor_shape of_vector(std::size_t n) noexcept { return {1, n, 1, true}; }
   /// A tensor by its dimensions, as torch's `p.shape` lists them: none or one is a vector;
-  /// two a matrix; more, the product of the leading ones of matrices. Refused
-  /// (std::overflow_error) where the elements overflow a std::size_t.
+  /// two a matrix; more, the product of the leading ones of matrices; none of its elements
+  /// (a dimension of 0), a vector of 0. Refused (std::overflow_error, naming the dimensions)
+  /// where the elements overflow a std::size_t.
   [[nodiscard]] static tensor_shape of(std::initializer_list<std::size_t> dims) { return of({dims.begin(), dims.size()}); }
   [[nodiscard]] static tensor_shape of(std::span<std::size_t const> dims)
   {
@@ -54,12 +56,14 @@ struct tensor_shape {
     std::size_t total = 1, batches = 1;
     for (std::size_t d = 0; d < rank; ++d) {
       if (dims[d] != 0 && total > std::numeric_limits<std::size_t>::max() / dims[d]) {
-        throw std::overflow_error("tensor_shape::of: a tensor of these dimensions has more elements than a "
-                                  "std::size_t counts");
+        std::string text;
+        for (std::size_t const x : dims) { text += (text.empty() ? "" : " x ") + std::to_string(x); }
+        throw std::overflow_error("tensor_shape::of: a tensor of " + text + " has more elements than a std::size_t counts");
       }
       total *= dims[d];
       if (d + 2 < rank) { batches *= dims[d]; }
     }
+    if (total == 0) { return of_vector(0); }
     return {dims[rank - 2], dims[rank - 1], batches, false};
   }
 };

@@ -96,7 +96,7 @@ struct Adafactor {
     float const inv   = static_cast<float>(1.0 / grad_scale);
     coefficients k{};
     k.grad_mul     = h.maximize ? -inv : inv;
-    k.decay        = static_cast<float>(1.0 - h.lr * h.weight_decay);
+    k.decay        = h.weight_decay == 0.0 ? 1.0f : static_cast<float>(1.0 - h.lr * h.weight_decay);  // (lr may be inf)
     k.w2           = static_cast<float>(std::pow(t, h.beta2_decay));
     k.eps1         = static_cast<float>(h.eps[0]);
     k.eps1_squared = static_cast<float>(h.eps[0] * h.eps[0]);
@@ -127,32 +127,47 @@ struct Adafactor {
                          std::span<float const> grad, std::span<float const> param, double* statistics) noexcept
   {
     std::size_t const columns = s.columns;
+    float const mul           = k.grad_mul;
     if (pass == 0) {
       if (s.vector) {
         for (std::size_t c = 0; c < columns; ++c) {
-          float const g = grad[c] * k.grad_mul;
-          statistics[c] = g * g;  // torch's grad * grad, in float
+          float const g = grad[c] * mul;
+          statistics[c] += g * g;  // torch's grad * grad, in float
         }
         return;
       }
       double* column_sums = statistics + s.total_rows() + (r / s.rows) * columns;
-      double row_sum      = 0.0;
       for (std::size_t c = 0; c < columns; ++c) {
-        double const g = grad[c] * k.grad_mul;
-        row_sum += g * g;
+        double const g = grad[c] * mul;
         column_sums[c] += g * g;
       }
-      statistics[r] = row_sum;
+      statistics[r] += sum_of(columns, [&](std::size_t c) {
+        double const g = grad[c] * mul;
+        return g * g;
+      });
       return;
     }
-    double sum = 0.0, param_squares = 0.0;
-    for (std::size_t c = 0; c < columns; ++c) {
-      float const u = normalized<float>(k, grad[c] * k.grad_mul, variance_at<float>(s, state, r, c, 1));
-      sum += static_cast<double>(u) * u;
-      param_squares += static_cast<double>(param[c]) * param[c];
+    // U at this row's columns, as update() makes it: V is row x column / mean (a matrix).
+    float const row     = s.vector ? 1.0f : state[r];
+    float const mean    = s.vector ? 1.0f : state[s.total_rows() + s.batches * s.columns + r / s.rows];
+    float const* column = s.vector ? state : state + s.total_rows() + (r / s.rows) * columns;
+    // In pieces: U in float first (a loop the compiler vectorizes), then its squares summed.
+    constexpr std::size_t piece = 512;
+    float u[piece];
+    double sum = 0.0;
+    for (std::size_t c0 = 0; c0 < columns; c0 += piece) {
+      std::size_t const m = std::min(piece, columns - c0);
+      if (s.vector) {
+        for (std::size_t c = 0; c < m; ++c) { u[c] = normalized<float>(k, grad[c0 + c] * mul, column[c0 + c]); }
+      } else {
+        for (std::size_t c = 0; c < m; ++c) {
+          u[c] = normalized<float>(k, grad[c0 + c] * mul, row * column[c0 + c] / mean);
+        }
+      }
+      sum += sum_of(m, [&](std::size_t c) { return static_cast<double>(u[c]) * u[c]; });
     }
     statistics[0] += sum;
-    statistics[1] += param_squares;
+    statistics[1] += sum_of(columns, [&](std::size_t c) { return static_cast<double>(param[c]) * param[c]; });
   }
 
   static void finish_pass(coefficients const& k, unsigned pass, tensor_shape s, double const* statistics,
@@ -209,6 +224,20 @@ struct Adafactor {
   TIERSTATE_HOST_DEVICE static V normalized(coefficients const& k, V g, V v) noexcept
   {
     return V(1.0f) / math::sqrt(math::maximum(v, V(k.eps1_squared))) * g;
+  }
+
+  /// The sum of f(0), ..., f(n - 1) in four interleaved partial sums (not one dependent
+  /// chain), in a fixed order.
+  template <class F>
+  [[nodiscard]] static double sum_of(std::size_t n, F&& f) noexcept
+  {
+    double part[4] = {0.0, 0.0, 0.0, 0.0};
+    std::size_t c = 0;
+    for (; c + 4 <= n; c += 4) {
+      for (std::size_t j = 0; j < 4; ++j) { part[j] += f(c + j); }
+    }
+    for (; c < n; ++c) { part[c % 4] += f(c); }
+    return (part[0] + part[1]) + (part[2] + part[3]);
   }
 
   /// torch's lerp of floats.

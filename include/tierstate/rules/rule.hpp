@@ -31,12 +31,14 @@
 //   - `reduce_passes` (>= 1): how many passes over a tensor's gradient each step makes;
 //   - `tensor_state_size(tensor_shape)`: the floats of state it keeps per tensor (zeros
 //     before the first step);
-//   - `statistics_size(tensor_shape, pass)`: the doubles a pass accumulates into (zeroed
-//     before the pass);
+//   - `statistics_size(tensor_shape, pass)`: the doubles a pass sums into;
 //   - `reduce_row(coefficients, pass, shape, tensor_state, row, grad_row, statistics)`: one
-//     row of the gradient (as float, still multiplied by the grad scale), in row order, over
+//     row of the gradient (as float, still multiplied by the grad scale), of
 //     shape.total_rows() rows (a batch's matrices one after the other: row r is in matrix
-//     r / shape.rows);
+//     r / shape.rows), which *adds* to statistics: a large tensor's rows are cut into
+//     blocks (a function of its shape alone), each block's rows reduced in order into
+//     zeroed statistics of its own on some thread, and the blocks' statistics added, element
+//     by element, in block order;
 //   - `finish_pass(coefficients, pass, shape, statistics, tensor_state)`: after the pass's
 //     last row (so a second pass sees what the first one made);
 //   - and its `update` takes one more argument, a tensor_position<V>: where its values lie
@@ -47,8 +49,8 @@
 // tensor_state, row, grad_row, param_row, statistics)`. That is the param the model computes
 // with (with a master, its rounded copy: what the step is about to replace), as it was
 // before this step.
-// The passes run on the host, one tensor after the other in row order, in double, so they
-// are deterministic whatever the chunks, threads, tier and compute. A tensor whose gradient
+// The passes run on the host, in double, blocks fixed by the shape, so they are
+// deterministic whatever the chunks, threads, tier and compute. A tensor whose gradient
 // is absent in a step keeps its state as it was.
 //
 // A type that misses one of these is refused where the optimizer is instantiated, with one

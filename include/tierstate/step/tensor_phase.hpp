@@ -13,11 +13,13 @@
 #include <tierstate/core/thread_pool.hpp>
 #include <tierstate/rules/rule.hpp>
 
+#include <algorithm>
 #include <concepts>
 #include <cstddef>
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace tierstate::inline TIERSTATE_ABI::detail {
@@ -48,8 +50,9 @@ class tensor_phase {
 
   /// This step's passes over every tensor that has a gradient, into `next`. Host gradients
   /// (and params, for a rule whose passes read them) are read where they are; `fetch(void*
-  /// to, void const* from, std::size_t bytes)` copies device memory to the host (and then the
-  /// tensors go one at a time).
+  /// to, void const* from, std::size_t bytes)` copies device memory to the host. A tensor of
+  /// one block (see blocks_of) is reduced on one thread, beside others; a larger one by all
+  /// the threads, block by block.
   template <class Grad, class Entry, class Coefficients, class Fetch>
   void reduce(std::span<grad_view<Grad> const> grads, std::span<Entry const> tensors,
               std::vector<Coefficients> const& k, thread_pool& pool, Fetch&& fetch)
@@ -57,15 +60,9 @@ class tensor_phase {
     if constexpr (active) {
       using Param = std::remove_cvref_t<decltype(*tensors[0].param)>;
       next_ = current_;
-      bool device_memory = false;
-      for (std::size_t t = 0; t < grads.size(); ++t) {
-        bool const has = grads[t].data != nullptr;
-        device_memory  = device_memory || (has && grads[t].where == location::device) ||
-                        (has && reads_params && tensors[t].where == location::device);
-      }
-      auto one = [&](std::size_t t, scratch<Grad, Param>& buffers) {
-        auto const& g = grads[t];
-        if (g.data == nullptr) { return; }  // no gradient: its state stays
+      // Where tensor t's gradient and param are on the host (fetched there if on the device).
+      auto sources = [&](std::size_t t, scratch<Grad, Param>& buffers) {
+        auto const& g   = grads[t];
         Grad const* src = g.data;
         if (g.where == location::device) {
           buffers.grad.resize(g.size);
@@ -82,19 +79,54 @@ class tensor_phase {
             param = buffers.param.data();
           }
         }
-        reduce_tensor(k[t], tensors[t].shape, src, param, next_.data() + offset_[t], buffers);
+        return std::pair{src, param};
       };
-      if (device_memory) {
+      auto const on_device = [&](std::size_t t) {
+        return grads[t].where == location::device || (reads_params && tensors[t].where == location::device);
+      };
+      std::vector<std::size_t> small, large;  // with a gradient; one block and more
+      for (std::size_t t = 0; t < grads.size(); ++t) {
+        if (grads[t].data == nullptr) { continue; }  // no gradient: its state stays
+        (blocks_of(tensors[t].shape) == 1 && !on_device(t) ? small : large).push_back(t);
+      }
+      pool.parallel_for(small.size(), 1, [&](std::size_t b, std::size_t e) {
         scratch<Grad, Param> buffers;
-        for (std::size_t t = 0; t < grads.size(); ++t) { one(t, buffers); }
-      } else {  // each tensor on one thread, in row order: the same sums for any thread count
-        pool.parallel_for(grads.size(), 1, [&](std::size_t b, std::size_t e) {
-          scratch<Grad, Param> buffers;
-          for (std::size_t t = b; t < e; ++t) { one(t, buffers); }
-        });
+        for (std::size_t i = b; i < e; ++i) {
+          std::size_t const t = small[i];
+          auto const [g, p]   = sources(t, buffers);
+          reduce_tensor(k[t], tensors[t].shape, g, p, next_.data() + offset_[t], nullptr);
+        }
+      });
+      scratch<Grad, Param> buffers;
+      for (std::size_t const t : large) {
+        auto const [g, p] = sources(t, buffers);
+        reduce_tensor(k[t], tensors[t].shape, g, p, next_.data() + offset_[t], &pool);
       }
     } else {
       (void)grads, (void)tensors, (void)k, (void)pool, (void)fetch;
+    }
+  }
+
+  /// The blocks of rows a tensor's passes are cut into: a function of its shape alone (never
+  /// of the threads), so its sums are the same bits on any machine. Each block reduces into
+  /// statistics of its own, added in block order: about 64 Ki elements a block, at most 64
+  /// blocks, and one where 64 sets of statistics would pass 64 MiB.
+  [[nodiscard]] static std::size_t blocks_of(tensor_shape s) noexcept
+  {
+    if constexpr (active) {
+      std::size_t const rows = s.total_rows();
+      if (rows <= 1) { return 1; }
+      std::size_t max_stats = 0;
+      for (unsigned pass = 0; pass < static_cast<unsigned>(Rule::reduce_passes); ++pass) {
+        max_stats = std::max(max_stats, Rule::statistics_size(s, pass));
+      }
+      if (max_stats * sizeof(double) * 64 > (std::size_t{64} << 20)) { return 1; }
+      std::size_t const per = std::max(std::max<std::size_t>(1, (std::size_t{1} << 16) / std::max<std::size_t>(s.columns, 1)),
+                                       (rows + 63) / 64);
+      return (rows + per - 1) / per;
+    } else {
+      (void)s;
+      return 1;
     }
   }
 
@@ -144,25 +176,54 @@ class tensor_phase {
     }
   }
 
+  /// Rows [begin, end) of one pass into `statistics`.
+  template <class Coefficients, class Grad, class Param>
+  static void reduce_rows(Coefficients const& k, unsigned pass, tensor_shape shape, Grad const* g, Param const* p,
+                          float const* state, std::size_t begin, std::size_t end, double* statistics,
+                          scratch<Grad, Param>& buffers)
+  {
+    std::size_t const columns = shape.columns;
+    for (std::size_t r = begin; r < end; ++r) {
+      auto const grad_row = row_of(g + r * columns, columns, buffers.grad_row);
+      if constexpr (reads_params) {
+        auto const param_row = row_of(p + r * columns, columns, buffers.param_row);
+        Rule::reduce_row(k, pass, shape, state, r, grad_row, param_row, statistics);
+      } else {
+        (void)p;
+        Rule::reduce_row(k, pass, shape, state, r, grad_row, statistics);
+      }
+    }
+  }
+
+  /// Every pass over one tensor: its blocks (blocks_of) on the pool's threads when `pool` is
+  /// given, else on this one, each into its own statistics, added in block order.
   template <class Coefficients, class Grad, class Param>
   static void reduce_tensor(Coefficients const& k, tensor_shape shape, Grad const* g, Param const* p, float* state,
-                            scratch<Grad, Param>& buffers)
+                            thread_pool* pool)
   {
-    std::vector<double> statistics;
-    std::size_t const rows = shape.total_rows(), columns = shape.columns;
+    std::size_t const rows   = shape.total_rows();
+    std::size_t const blocks = blocks_of(shape);
+    std::size_t const per    = (rows + blocks - 1) / std::max<std::size_t>(blocks, 1);
+    std::vector<std::vector<double>> partial(blocks);
     for (unsigned pass = 0; pass < static_cast<unsigned>(Rule::reduce_passes); ++pass) {
-      statistics.assign(Rule::statistics_size(shape, pass), 0.0);
-      for (std::size_t r = 0; r < rows; ++r) {
-        auto const grad_row = row_of(g + r * columns, columns, buffers.grad_row);
-        if constexpr (reads_params) {
-          auto const param_row = row_of(p + r * columns, columns, buffers.param_row);
-          Rule::reduce_row(k, pass, shape, state, r, grad_row, param_row, statistics.data());
-        } else {
-          (void)p;
-          Rule::reduce_row(k, pass, shape, state, r, grad_row, statistics.data());
+      std::size_t const n = Rule::statistics_size(shape, pass);
+      auto run = [&](std::size_t b, std::size_t e) {
+        scratch<Grad, Param> buffers;
+        for (std::size_t block = b; block < e; ++block) {
+          partial[block].assign(n, 0.0);
+          reduce_rows(k, pass, shape, g, p, state, block * per, std::min(rows, (block + 1) * per),
+                      partial[block].data(), buffers);
         }
+      };
+      if (pool != nullptr && blocks > 1) {
+        pool->parallel_for(blocks, 1, run);
+      } else {
+        run(0, blocks);
       }
-      Rule::finish_pass(k, pass, shape, statistics.data(), state);
+      for (std::size_t block = 1; block < blocks; ++block) {
+        for (std::size_t i = 0; i < n; ++i) { partial[0][i] += partial[block][i]; }
+      }
+      Rule::finish_pass(k, pass, shape, partial[0].data(), state);
     }
   }
 

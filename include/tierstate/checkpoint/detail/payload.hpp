@@ -243,7 +243,7 @@ inline void decode_payload_v1(reader& r, header& h, std::string const& path)
 inline void decode_payload(reader& r, header& h, std::string const& path)
 {
   auto const count = r.get<std::uint32_t>("section count");
-  std::uint64_t dims = 0;
+  std::vector<std::pair<std::uint64_t, bool>> dims;  // section "dims": each tensor's batches and vector flag
   std::array<bool, known_sections.size()> seen{};
   for (std::uint32_t i = 0; i < count; ++i) {
     auto const t     = r.get<std::uint32_t>("section tag");
@@ -299,16 +299,12 @@ inline void decode_payload(reader& r, header& h, std::string const& path)
       read_groups(s, h, path);
     } else if (t == tag("dims")) {
       auto const n = s.count("dims tensor count", 9);
-      for (std::uint64_t j = 0; j < n; ++j) {
+      for (std::uint64_t j = 0; j < n; ++j) {  // (applied once "tens", wherever it is, has been read)
         auto const batches = s.get<std::uint64_t>("tensor batches");
         auto const vector  = s.get<std::uint8_t>("tensor vector flag");
-        if (j < h.tensors.size()) {  // (a count that differs from "tens"'s is refused below)
-          h.tensors[j].batches = batches;
-          h.tensors[j].vector  = vector != 0;
-        }
         if (vector > 1) { throw checkpoint_error(path, "a tensor's vector flag is " + std::to_string(vector) + " (corrupt)"); }
+        dims.emplace_back(batches, vector != 0);
       }
-      dims = n;
     } else {  // "tphs"
       auto const ntensors = s.count("tensor state count", 8);
       for (std::uint64_t j = 0; j < ntensors; ++j) { h.tensor_states.push_back({read_floats(s)}); }
@@ -323,9 +319,13 @@ inline void decode_payload(reader& r, header& h, std::string const& path)
   }
   h.dims_recorded = seen[7];
   if (h.dims_recorded) {  // "tens" counted every batch's rows
-    if (dims != h.tensors.size()) {
-      throw checkpoint_error(path, "section \"dims\" has " + std::to_string(dims) + " tensors and section \"tens\" " +
+    if (dims.size() != h.tensors.size()) {
+      throw checkpoint_error(path, "section \"dims\" has " + std::to_string(dims.size()) + " tensors and section \"tens\" " +
                                      std::to_string(h.tensors.size()) + " (corrupt)");
+    }
+    for (std::size_t j = 0; j < dims.size(); ++j) {
+      h.tensors[j].batches = dims[j].first;
+      h.tensors[j].vector  = dims[j].second;
     }
     for (auto& e : h.tensors) {
       if (e.batches == 0 || e.rows % e.batches != 0) {  // (the optimizer checks the rest of a shape)

@@ -60,8 +60,13 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tens
   };
   constexpr std::size_t most = std::numeric_limits<std::size_t>::max();
   if ((shape.columns != 0 && shape.rows > most / shape.columns) ||
-      (shape.rows * shape.columns != 0 && shape.batches > most / (shape.rows * shape.columns))) {
+      (shape.rows * shape.columns != 0 && shape.batches > most / (shape.rows * shape.columns)) ||
+      (shape.rows != 0 && shape.batches > most / shape.rows)) {
     throw logic_error(who + ": a shape of " + shape_text() + " has more elements than a std::size_t counts");
+  }
+  if (shape.batches == 0) {
+    throw logic_error(who + ": a shape of " + shape_text() + " has no batches (a tensor without elements is a vector "
+                            "of 0: tensor_shape::of_vector(0))");
   }
   if (shape.vector && (shape.rows != 1 || shape.batches != 1)) {
     throw logic_error(who + ": a vector's shape is one row of one batch, not " + shape_text());

@@ -322,7 +322,8 @@ void update(thread_pool& pool, typename R::coefficients const& k,
     TIERSTATE_EXPECTS(n == 0 || (a.shape.columns > 0 && a.tensor_offset + n <= a.shape.elements()),
                       "update_arrays: elements [" + std::to_string(a.tensor_offset) + ", " +
                         std::to_string(a.tensor_offset + n) + ") do not lie in a tensor of " +
-                        std::to_string(a.shape.rows) + " x " + std::to_string(a.shape.columns));
+                        std::to_string(a.shape.batches) + " x " + std::to_string(a.shape.rows) + " x " +
+                        std::to_string(a.shape.columns));
   }
   // Parts start on multiples of 64 batches (and of the largest codec block): cache-line
   // aligned, and large enough that no two threads write the same line.
