@@ -703,13 +703,7 @@ TEMPLATE_LIST_TEST_CASE("Adafactor through the device routes gives the host's bi
         g[t]->upload();
         views.push_back({g[t]->device, g[t]->host.size(), location::device});
       }
-      if (streaming) {
-        opt.begin_step();
-        for (std::size_t t = views.size(); t-- > 0;) { opt.grad_ready(t, views[t]); }
-        (void)opt.finish_step();
-      } else {
-        (void)opt.step(views);
-      }
+      rc_step(opt, views, streaming);  // (tests/row_column_rule.hpp: step() or a streaming step)
     }
     for (std::size_t t = 0; t < shapes.size(); ++t) {
       std::vector<float> params;

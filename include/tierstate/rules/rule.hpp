@@ -20,10 +20,9 @@
 //     value type, so that the same text runs on float, on xsimd batches and on the device.
 //     `state` is a `V (&)[N]`, which is `slot_values<V, N>&`; without slots, a `no_slots&`.
 //
-// A rule whose numbers constrain each other (torch.optim.SGD: Nesterov needs a momentum and
-// zero dampening) adds `validate_combination(hyperparameters const&)`, which throws
-// tierstate::invalid_option naming one of them; it runs after the table's ranges, wherever
-// they are checked.
+// A rule whose numbers constrain each other (torch.optim.SGD: Nesterov needs a momentum and zero
+// dampening) adds `validate_combination(hyperparameters const&)`, which throws tierstate::invalid_option
+// naming one of them; it runs after the table's ranges, wherever they are checked.
 //
 // A rule may add a *tensor phase*: statistics over each whole tensor before its update (a
 // row and column factor, a trust ratio), with state of its own per tensor that persists
@@ -33,24 +32,17 @@
 //     before the first step);
 //   - `statistics_size(tensor_shape, pass)`: the doubles a pass sums into;
 //   - `reduce_row(coefficients, pass, shape, tensor_state, row, grad_row, statistics)`: one
-//     row of the gradient (as float, still multiplied by the grad scale), of
-//     shape.total_rows() rows (a batch's matrices one after the other: row r is in matrix
-//     r / shape.rows), which *adds* to statistics: a large tensor's rows are cut into
-//     blocks (a function of its shape alone), each block's rows reduced in order into
-//     zeroed statistics of its own on some thread, and the blocks' statistics added, element
-//     by element, in block order;
+//     of shape.total_rows() rows of the gradient (float, still times the grad scale; row r
+//     is in matrix r / shape.rows), which only *adds* to statistics (step/tensor_phase.hpp
+//     sums a large tensor's fixed blocks of rows apart, then in block order);
 //   - `finish_pass(coefficients, pass, shape, statistics, tensor_state)`: after the pass's
 //     last row (so a second pass sees what the first one made);
 //   - and its `update` takes one more argument, a tensor_position<V>: where its values lie
 //     in the tensor, and that tensor's state.
-// A rule whose passes read the weights too (Adafactor scales its step by the param's RMS)
-// declares `static constexpr bool reduce_reads_params = true`; its reduce_row then takes the
-// row of the param, as float, after the gradient's: `reduce_row(k, pass, shape,
-// tensor_state, row, grad_row, param_row, statistics)`. That is the param the model computes
-// with (with a master, its rounded copy: what the step is about to replace), as it was
-// before this step.
-// The passes run on the host, in double, blocks fixed by the shape, so they are
-// deterministic whatever the chunks, threads, tier and compute. A tensor whose gradient
+// With `static constexpr bool reduce_reads_params = true` (Adafactor's RMS of the param),
+// reduce_row also takes the param's row, as float, after the gradient's: the param the model
+// computes with, as it was before this step. The passes run on the host, in double, so they
+// are the same bits whatever the chunks, threads, tier and compute. A tensor whose gradient
 // is absent in a step keeps its state as it was.
 //
 // A type that misses one of these is refused where the optimizer is instantiated, with one
@@ -233,9 +225,7 @@ concept rule_updates_float = requires(typename R::coefficients const& k, float& 
 template <class R>
 concept rule_declares_tensor_phase = requires { R::reduce_passes; };
 template <class R>
-concept rule_reduce_reads_params = requires {
-  { R::reduce_reads_params } -> std::convertible_to<bool>;
-} && R::reduce_reads_params;
+concept rule_reduce_reads_params = requires { requires static_cast<bool>(R::reduce_reads_params); };
 template <class R>
 concept rule_reduces_rows =
   (rule_reduce_reads_params<R> &&
