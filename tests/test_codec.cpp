@@ -5,6 +5,7 @@
 // chunk size and thread count; copy_state and write_state decode and encode whole blocks;
 // checkpoints move it between tiers. (The device routes: test_device.cpp.)
 #include "block_codec.hpp"
+#include <tierstate/codecs/dynamic8.hpp>
 #include "nvme_support.hpp"
 
 #include <catch2/catch.hpp>
@@ -71,6 +72,10 @@ run_result plain(int steps)
           R::update(c, w, convert<float>(m.grads[k][i]), s);
           m.params[k][i] = convert<typename P::param_type>(w);
           comp[k][i]     = convert<float>(convert<bf16>(w - convert<float>(m.params[k][i])));
+        } else if constexpr (P::has_stochastic_rounding) {  // the param is the weight, rounded with its bits
+          float w = convert<float>(m.params[k][i]);
+          R::update(c, w, convert<float>(m.grads[k][i]), s);
+          m.params[k][i] = bf16::from_bits(codecs::round_stochastic_bf16(w, codecs::rounding_key(0, t, k), i));
         } else {
           R::update(c, master[k][i], convert<float>(m.grads[k][i]), s);
           m.params[k][i] = convert<typename P::param_type>(master[k][i]);
@@ -104,7 +109,8 @@ run_result plain(int steps)
 }  // namespace
 
 TEMPLATE_TEST_CASE("a block codec's state is what a plain loop over its blocks makes, for any chunk size and thread count",
-                   "[codec]", Bf16MixedInt8M, Fp32Int8M, Bf16Compensated)
+                   "[codec]", Bf16MixedInt8M, Fp32Int8M, Bf16Compensated, Bf16Mixed8bit, Fp32With8bitState,
+                   Bf16Stochastic, (Precision<bf16, bf16, StochasticRounding, slot_codecs<codecs::dynamic8, codecs::udynamic8>>))
 {
   using P         = TestType;
   auto const want = plain<P>(12);
@@ -120,7 +126,7 @@ TEMPLATE_TEST_CASE("a block codec's state is what a plain loop over its blocks m
 }
 
 TEMPLATE_TEST_CASE("a block codec's state staged through NvmeFile gives the same bits", "[codec][nvme]", Bf16MixedInt8M,
-                   Fp32Int8M, Bf16Compensated)
+                   Fp32Int8M, Bf16Compensated, Bf16Mixed8bit, Bf16Stochastic)
 {
   using P = TestType;
   scratch_dir d;
@@ -157,7 +163,7 @@ TEST_CASE("a block codec's layout: tensors start on whole blocks, and its slots 
   CHECK(P::name() == "bf16/bf16/fp32/(test_absmax_int8_256,fp32)");
 }
 
-TEMPLATE_TEST_CASE("write_state encodes whole blocks and copy_state decodes them", "[codec]", Bf16MixedInt8M, Fp32Int8M)
+TEMPLATE_TEST_CASE("write_state encodes whole blocks and copy_state decodes them", "[codec]", Bf16MixedInt8M, Fp32Int8M, Bf16Mixed8bit)
 {
   using P = TestType;
   using C = typename P::template state_codec<0>;
@@ -190,7 +196,7 @@ TEMPLATE_TEST_CASE("write_state encodes whole blocks and copy_state decodes them
 }
 
 TEMPLATE_TEST_CASE("a block codec's checkpoint moves between tiers and resumes exactly", "[codec][checkpoint]",
-                   Bf16MixedInt8M, Fp32Int8M, Bf16Compensated)
+                   Bf16MixedInt8M, Fp32Int8M, Bf16Compensated, Bf16Mixed8bit, Bf16Stochastic)
 {
   using P = TestType;
   scratch_dir d;
@@ -270,4 +276,59 @@ TEST_CASE("Compensated keeps no master: asking for one says what it keeps instea
   CHECK_NOTHROW(opt.copy_state(tensor_name(0), slot::compensation, v));
   CHECK(Bf16Compensated::name() == "bf16/bf16/comp/fp32");
   CHECK(opt.state_layout().chunk_bytes() == 2048 * (2 + 4 + 4));  // 10 bytes per element, not 12
+}
+
+TEST_CASE("StochasticRounding: bf16 params follow an fp32 master on average, where rounding to nearest would not",
+          "[codec][stochastic]")
+{
+  // Updates of 1e-4 against a bf16 ulp of 2^-7 at 1.0: rounded to nearest, every one is lost.
+  using Opt = OffloadedOptimizer<AdamW, Bf16Stochastic, PinnedHost>;
+  std::size_t const n = 1 << 14;
+  Opt::hyperparameters h;
+  h.lr           = 1e-4;
+  h.weight_decay = 0.0;
+  Opt::options o;
+  o.rounding_seed = 12345;
+  Opt opt(h, o);
+  std::vector<bf16> p(n, convert<bf16>(1.0f)), g(n, convert<bf16>(1.0f));
+  opt.add_tensor("w", p.data(), n);
+  std::vector<grad_view<bf16>> const v{{g.data(), n, location::host}};
+  int const steps = 50;
+  for (int t = 0; t < steps; ++t) { opt.step(v); }
+  double sum = 0.0;
+  std::size_t moved = 0;
+  for (auto const x : p) {
+    sum += convert<float>(x);
+    moved += convert<float>(x) != 1.0f;
+  }
+  double const mean = sum / n, exact = 1.0 - steps * 1e-4;  // Adam's step is lr with a constant gradient
+  INFO("mean " << mean << ", exact " << exact << ", " << moved << " of " << n << " moved");
+  // Each param ends within an ulp or two of exact, at random: the mean's error is about
+  // ulp / sqrt(n) = 6e-5; round to nearest would leave it at 1.0, 5e-3 away.
+  CHECK(std::fabs(mean - exact) < 5e-4);
+  CHECK(moved > n / 2);
+  CHECK(Bf16Stochastic::name() == "bf16/bf16/sr/fp32");
+  CHECK(opt.state_layout().chunk_bytes() == opt.state_layout().chunk_elements() * 8);  // m and v only
+  std::vector<float> out(n);
+  CHECK_THROWS_WITH(opt.copy_state("w", slot::master, out), Catch::Contains("rounded stochastically"));
+
+  // Another seed rounds otherwise; the same seed the same.
+  auto run = [&](std::uint64_t seed, bool delayed = false) {
+    Opt::options os;
+    os.rounding_seed  = seed;
+    os.delayed_update = delayed;
+    Opt other(h, os);
+    std::vector<bf16> q(n, convert<bf16>(1.0f));
+    other.add_tensor("w", q.data(), n);
+    for (int t = 0; t < steps; ++t) { other.step(v); }
+    other.flush();
+    std::vector<std::uint16_t> b;
+    for (auto const x : q) { b.push_back(x.bits); }
+    return b;
+  };
+  std::vector<std::uint16_t> mine;
+  for (auto const x : p) { mine.push_back(x.bits); }
+  CHECK(run(12345) == mine);
+  CHECK(run(12345, true) == mine);  // the delayed update rounds each step as the plain one
+  CHECK(run(54321) != mine);
 }

@@ -7,6 +7,7 @@
 // are threads. And by nvcc with TIERSTATE_ENABLE_CUDA (test_device_cuda.cu), on the GPU,
 // where it runs only when there is a device.
 #include "block_codec.hpp"
+#include <tierstate/codecs/dynamic8.hpp>
 #include "device_matrix.hpp"
 #include "nvme_support.hpp"
 #include "row_column_rule.hpp"
@@ -546,8 +547,10 @@ TEMPLATE_LIST_TEST_CASE("a tensor without a gradient keeps its own step count on
 /// The test's block codecs (tests/block_codec.hpp) over the device routes: all five with 8-bit
 /// m in blocks of 256, two with blocks of 64 (smaller than some chunks' pieces, larger than
 /// others), and Compensated (no master) on an OnDevice and an OnHost route (whose params
-/// come down from the device, since the update reads them); reduced: one OnHost and one
-/// OnDevice route.
+/// come down from the device, since the update reads them); the library's 8-bit moments
+/// (codecs/dynamic8.hpp: its tables are the device's own copies under nvcc) on three routes,
+/// and StochasticRounding (its bits a hash of the element's place) on two; reduced: one OnHost
+/// and three OnDevice routes.
 using codec_device_routes =
   pick<std::tuple<overlapped_on_device<Bf16MixedInt8M, Device, OnDevice>,
                   overlapped_on_device<Bf16MixedInt8M, PinnedHost, OnDevice>,
@@ -556,9 +559,16 @@ using codec_device_routes =
                   overlapped_on_device<Bf16MixedInt8M, NvmeFile, OnHost<>>,
                   overlapped_on_device<Fp32Int8M, Device, OnDevice>, overlapped_on_device<Fp32Int8M, NvmeFile, OnHost<>>,
                   overlapped_on_device<Bf16Compensated, Device, OnDevice>,
-                  overlapped_on_device<Bf16Compensated, PinnedHost, OnHost<>>>,
+                  overlapped_on_device<Bf16Compensated, PinnedHost, OnHost<>>,
+                  overlapped_on_device<Bf16Mixed8bit, Device, OnDevice>,
+                  overlapped_on_device<Bf16Mixed8bit, NvmeFile, OnDevice>,
+                  overlapped_on_device<Bf16Mixed8bit, PinnedHost, OnHost<>>,
+                  overlapped_on_device<Bf16Stochastic, Device, OnDevice>,
+                  overlapped_on_device<Bf16Stochastic, PinnedHost, OnHost<>>>,
        std::tuple<overlapped_on_device<Bf16MixedInt8M, NvmeFile, OnDevice>,
-                  overlapped_on_device<Bf16Compensated, PinnedHost, OnHost<>>>>;
+                  overlapped_on_device<Bf16Compensated, PinnedHost, OnHost<>>,
+                  overlapped_on_device<Bf16Mixed8bit, Device, OnDevice>,
+                  overlapped_on_device<Bf16Stochastic, Device, OnDevice>>>;
 
 TEMPLATE_LIST_TEST_CASE("a block codec through every device route gives PinnedHost's bits, plain and streaming",
                         "[device][codec]", codec_device_routes)

@@ -3,8 +3,8 @@
 //
 //   OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>
 //
-//   Rule       Adam, AdamW, AdamAmsgrad, AdamWAmsgrad (rules/adam.hpp)
-//   Precision  Fp32, Bf16Mixed, Fp16Mixed, Bf16MixedBf16State, or any Precision<...>
+//   Rule       Adam, AdamW, ... (rules/), SGD, SGDMomentum, Lion, Adafactor, or your own
+//   Precision  Fp32, Bf16Mixed, Bf16Mixed8bit, Bf16Stochastic, ..., any Precision<...>
 //   StateTier  where master and slots rest between steps: Device, PinnedHost, NvmeFile, or
 //              a type of yours that models the `tier` concept (tiers/tier.hpp)
 //   Transfer   how chunks move between the tier, the host and the GPU: Synchronous,
@@ -15,7 +15,6 @@
 // The compositions and what each is for (CPU training with the state in RAM or on NVMe, the
 // GPU baseline, ZeRO-Offload, ZeRO-Infinity's optimizer offload, the state streamed to the
 // GPU): README.md, "Using it", "On the GPU" and "State on NVMe".
-//
 // Usage: register every parameter tensor (its name, its memory, its element count, where
 // it lives), group tensors that need their own hyper-parameters, then call step() once per
 // iteration with one gradient view per tensor, in registration order. The state is made on
@@ -371,6 +370,7 @@ class OffloadedOptimizer {
   std::unordered_map<std::string, std::size_t, detail::name_hash, std::equal_to<>> index_;  ///< name -> tensor
   mutable detail::call_gate gate_;
   std::atomic<std::int64_t> step_{0};  ///< (step_count() may read it while a streaming step counts)
+  std::int64_t rounding_step_ = 0;  ///< the step StochasticRounding's keys are made for
   thread_pool pool_;
 
   /// The layout, the tier, the staging, the I/O thread, the device resources and the lost

@@ -42,6 +42,10 @@ struct optimizer_options {
   /// copy_state and write_state) waits for the update in flight and writes its params.
   /// Off by default; streaming steps are refused with it.
   bool delayed_update = false;
+  /// StochasticRounding's seed: with the step count and the tensor's index it picks each
+  /// element's random bits (codecs/stochastic_rounding.hpp), so the same seed, model and
+  /// gradients give the same params, resumed from a checkpoint or not. Unused otherwise.
+  std::uint64_t rounding_seed = 0;
   TierOptions tier{};  ///< the state tier's own (StateTier::options)
 };
 

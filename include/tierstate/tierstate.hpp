@@ -7,6 +7,7 @@
 
 #include <tierstate/checkpoint/format.hpp>
 #include <tierstate/codecs/codec.hpp>
+#include <tierstate/codecs/dynamic8.hpp>
 #include <tierstate/core/concepts.hpp>
 #include <tierstate/core/config.hpp>
 #include <tierstate/core/device_runtime.hpp>

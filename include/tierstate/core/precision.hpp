@@ -3,6 +3,7 @@
 #pragma once
 
 #include <tierstate/codecs/codec.hpp>
+#include <tierstate/codecs/stochastic_rounding.hpp>
 #include <tierstate/core/concepts.hpp>
 #include <tierstate/core/numeric.hpp>
 
@@ -27,7 +28,9 @@ struct Compensated {};
 ///   Grad    what backward produces: float, bf16, fp16
 ///   Master  float: the fp32 master copy, which exists only when Param is not float (with
 ///           fp32 params the param is its own master and is updated in place); or
-///           Compensated (bf16 params only): no master, a bf16 compensation slot instead
+///           Compensated (bf16 params only): no master, a bf16 compensation slot instead; or
+///           StochasticRounding (bf16 params only): no master and no slot, the param rounded
+///           stochastically (codecs/stochastic_rounding.hpp)
 ///   State   how the rule's slots (Adam's m and v) are stored: float, bf16, a codec
 ///           (codecs/codec.hpp: every slot with it), or slot_codecs<C...> (one per slot)
 ///
@@ -39,9 +42,12 @@ struct Precision {
                 "tierstate::Precision: Param must be float, tierstate::bf16 or tierstate::fp16.");
   static_assert(storage_type<Grad>,
                 "tierstate::Precision: Grad must be float, tierstate::bf16 or tierstate::fp16.");
-  static_assert(std::is_same_v<Master, float> || (std::is_same_v<Master, Compensated> && std::is_same_v<Param, bf16>),
-                "tierstate::Precision: Master must be float (an fp32 master copy), or Compensated with bf16 "
-                "params (a bf16 compensation slot instead of the master).");
+  static_assert(std::is_same_v<Master, float> ||
+                  ((std::is_same_v<Master, Compensated> || std::is_same_v<Master, StochasticRounding>) &&
+                   std::is_same_v<Param, bf16>),
+                "tierstate::Precision: Master must be float (an fp32 master copy), or, with bf16 params only, "
+                "Compensated (a bf16 compensation slot instead of the master) or StochasticRounding (the param "
+                "rounded stochastically, no master).");
   static_assert(detail::state_format_traits<State>::valid,
                 "tierstate::Precision: State must be float, tierstate::bf16, a codec or tierstate::slot_codecs<C...> "
                 "of codecs (codecs/codec.hpp: a block codec has name, block (a power of two up to 2048), "
@@ -62,6 +68,8 @@ struct Precision {
   static constexpr bool has_master = !std::is_same_v<Param, float> && std::is_same_v<Master, float>;
   /// Whether the param is its own master with a compensation slot (Compensated).
   static constexpr bool has_compensation = std::is_same_v<Master, Compensated>;
+  /// Whether the param is its own master, rounded stochastically (StochasticRounding).
+  static constexpr bool has_stochastic_rounding = std::is_same_v<Master, StochasticRounding>;
   /// The slots the layout keeps before the rule's: the master or the compensation, or none.
   static constexpr std::size_t leading_slots = has_master || has_compensation ? 1 : 0;
   /// The leading slot, where there is one, and how it is stored: the master in fp32, or the
@@ -78,6 +86,8 @@ struct Precision {
     n += '/';
     if constexpr (has_compensation) {
       n += "comp";
+    } else if constexpr (has_stochastic_rounding) {
+      n += "sr";
     } else {
       n += type_name_v<Master>;
     }
@@ -108,6 +118,8 @@ using Bf16Mixed = Precision<bf16, bf16, float, float>;
 using Fp16Mixed = Precision<fp16, fp16, float, float>;
 /// bf16 params and grads, no master but a bf16 compensation slot, fp32 m and v.
 using Bf16Compensated = Precision<bf16, bf16, Compensated, float>;
+/// bf16 params and grads, no master and no slot but stochastic rounding, fp32 m and v.
+using Bf16Stochastic = Precision<bf16, bf16, StochasticRounding, float>;
 /// bf16 params and grads, fp32 master, bf16 m and v: 4 bytes of state per element less.
 using Bf16MixedBf16State = Precision<bf16, bf16, float, bf16>;
 

@@ -14,6 +14,7 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
   step_result const previous = flush();  // also the first place a failed update is reported
   store_.check_not_lost("step");
   auto coefficients = coefficients_for(grad_scale);
+  rounding_step_    = step_ + 1;  // (the update runs after count_step: the key is this step's)
   materialize();
   if (!delayed_.made()) { delayed_.make(store_.layout(), std::span<tensor_entry const>(tensors_)); }
   device::stream* d2h = nullptr;

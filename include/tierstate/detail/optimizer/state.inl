@@ -125,6 +125,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_sl
     throw logic_error(std::string(call) + ": this optimizer keeps no slot " + std::string(slot_name(s)) +
                       (s != slot::master     ? ""
                        : Precision::has_compensation ? " (its bf16 params are their own master, with slot compensation)"
+                       : Precision::has_stochastic_rounding ? " (its bf16 params are their own master, rounded stochastically)"
                                                      : " (fp32 params are their own master)"));
   }
 }

@@ -25,6 +25,10 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::launch_c
         a.shape         = tensor.shape;
         a.tensor_offset = pc.tensor_begin;
       }
+      if constexpr (Precision::has_stochastic_rounding) {
+        a.tensor_offset = pc.tensor_begin;
+        a.rounding_key  = codecs::rounding_key(opts_.rounding_seed, rounding_step_, pc.tensor);
+      }
       Compute::template update_async<rule_type, Precision>(store_.device().compute, coefficients[pc.tensor], a,
                                                       pc.count);
     }

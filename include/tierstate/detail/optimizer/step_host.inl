@@ -33,6 +33,10 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
         a.shape         = tensor.shape;
         a.tensor_offset = tofs;
       }
+      if constexpr (Precision::has_stochastic_rounding) {
+        a.tensor_offset = tofs;
+        a.rounding_key  = codecs::rounding_key(opts_.rounding_seed, rounding_step_, pc.tensor);
+      }
       Compute::template update_range<rule_type, Precision>(coefficients[pc.tensor], a, 0, hi - lo);
     }
   }
@@ -51,6 +55,7 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
   checks::check_grads(grads, std::span<tensor_entry const>(tensors_));
   // Every group's coefficients first: a refused hyper-parameter or scale changes nothing.
   auto coefficients = coefficients_for(grad_scale);
+  rounding_step_    = step_ + 1;
   materialize();
 
   if constexpr (placement::device_params) {

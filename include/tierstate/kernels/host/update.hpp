@@ -16,6 +16,7 @@
 #include <tierstate/core/error.hpp>
 #include <tierstate/core/precision.hpp>
 #include <tierstate/core/thread_pool.hpp>
+#include <tierstate/kernels/host/detail/codec_simd.hpp>
 #include <tierstate/kernels/host/detail/prefetch.hpp>
 #include <tierstate/kernels/host/detail/simd.hpp>
 #include <tierstate/rules/rule.hpp>
@@ -38,7 +39,8 @@ namespace tierstate::inline TIERSTATE_ABI {
 /// first block for a block codec (element 0 then starts a block).
 /// For a rule with a tensor phase (rules/rule.hpp), the elements are part of one tensor:
 /// `shape` is its shape, `tensor_offset` the index of element 0 in it, and `tensor_state`
-/// its state (in the memory the kernel runs in).
+/// its state (in the memory the kernel runs in). With StochasticRounding, element i's random
+/// bits are codecs::rounding_bits(rounding_key, tensor_offset + i).
 template <precision P, std::size_t Slots>
 struct update_arrays {
   typename P::param_type* param = nullptr;
@@ -49,6 +51,7 @@ struct update_arrays {
   float const* tensor_state = nullptr;
   tensor_shape shape{};
   std::size_t tensor_offset = 0;
+  std::uint32_t rounding_key = 0;  ///< StochasticRounding: this tensor's key at this step
 };
 
 namespace host {

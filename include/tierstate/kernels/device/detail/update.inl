@@ -79,6 +79,22 @@ TIERSTATE_HOST_DEVICE T from_float(float x) noexcept
 #endif
 }
 
+/// A bf16 (native) from its bits.
+template <class T>
+TIERSTATE_HOST_DEVICE T bf16_from_bits(std::uint16_t bits) noexcept
+{
+#if defined(TIERSTATE_ENABLE_CUDA)
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    __nv_bfloat16_raw raw;
+    raw.x = bits;
+    return T(raw);
+  } else
+#endif
+  {
+    return T::from_bits(bits);
+  }
+}
+
 /// The type a kernel reads and writes for slot J, stored with an element codec.
 template <class P, std::size_t J>
 using slot_native_t = native_t<typename P::template state_codec<J>::element_type>;
@@ -143,8 +159,8 @@ struct update_element {
 /// One block of B elements (the precision's largest codec block), where a slot has a block
 /// codec: its block-coded slots decoded into scratch, each element updated as update_element
 /// does, the blocks encoded back. The last block may be partial (m < B). A tensor-phase rule
-/// always runs here (B = 1 without a block codec): each element's place in its tensor is
-/// its index.
+/// and StochasticRounding always run here (B = 1 without a block codec): each element's
+/// place in its tensor is its index.
 template <class R, class P, std::size_t Slots>
 struct update_block {
   static constexpr std::size_t B = tierstate::detail::state_block_v<P, Slots>;
@@ -160,7 +176,8 @@ struct update_block {
   std::size_t n;
   float const* tensor_state;  ///< a tensor-phase rule: its tensor's state, shape and element 0's index
   tensor_shape shape;
-  std::size_t tensor_offset;
+  std::size_t tensor_offset;  ///< (and with StochasticRounding, element 0's index and the tensor's key)
+  std::uint32_t rounding_key;
 
   template <std::size_t J>
   using codec_t = typename P::template state_codec<J>;
@@ -180,7 +197,11 @@ struct update_block {
       } else {
         R::update(k, w, g, s);
       }
-      store_weight<P>(w, param[i + e], lead_at(i + e));
+      if constexpr (P::has_stochastic_rounding) {
+        param[i + e] = bf16_from_bits<param_t>(codecs::round_stochastic_bf16(w, rounding_key, tensor_offset + i + e));
+      } else {
+        store_weight<P>(w, param[i + e], lead_at(i + e));
+      }
       ((scratch[J][e] = s[J]), ...);
     }
     (store_slot<J>(scratch[J], i, m), ...);
@@ -293,12 +314,12 @@ void update_async(stream_view s, typename R::coefficients const& k,
   host::check_arrays(a, n);
   if (n == 0) { return; }
   constexpr std::size_t slots = R::slots.size();
-  if constexpr (tierstate::detail::state_block_v<P, slots> > 1 || has_tensor_phase<R>) {
+  if constexpr (tierstate::detail::state_block_v<P, slots> > 1 || has_tensor_phase<R> || P::has_stochastic_rounding) {
     using block_f = detail::update_block<R, P, slots>;
     block_f f{k, reinterpret_cast<typename block_f::param_t*>(a.param),
               reinterpret_cast<typename block_f::grad_t const*>(a.grad), a.master,
               reinterpret_cast<typename block_f::param_t*>(a.compensation), {}, n,
-              a.tensor_state, a.shape, a.tensor_offset};
+              a.tensor_state, a.shape, a.tensor_offset, a.rounding_key};
     for (std::size_t j = 0; j != slots; ++j) { f.state[j] = a.state[j]; }
     auto const first = thrust::counting_iterator<std::size_t>(0);
     auto const last  = first + static_cast<std::ptrdiff_t>((n + block_f::B - 1) / block_f::B);

@@ -93,7 +93,11 @@ TIERSTATE_ALWAYS_INLINE void update_batch(typename R::coefficients const& k,
   }
 
   if constexpr (P::has_master) { detail::store_rounded<Arch>(a.master + i, w); }
-  detail::store_rounded<Arch, typename P::param_type, StreamParam>(a.param + i, w);
+  if constexpr (P::has_stochastic_rounding) {
+    detail::store_stochastic<Arch>(a.param + i, w, a.rounding_key, a.tensor_offset + i);
+  } else {
+    detail::store_rounded<Arch, typename P::param_type, StreamParam>(a.param + i, w);
+  }
   if constexpr (P::has_compensation) {  // what the rounding lost (w - param is exact in float)
     detail::store_rounded<Arch>(a.compensation + i, w - detail::load_as_float<Arch>(a.param + i));
   }
@@ -127,6 +131,8 @@ void update_tail(typename R::coefficients const& k, update_arrays<P, Slots> cons
   t.compensation = compensation;
   t.tensor_state = a.tensor_state;
   t.shape        = a.shape;
+  t.tensor_offset = a.tensor_offset + i;
+  t.rounding_key  = a.rounding_key;
 
   if constexpr (P::has_master) {
     std::memcpy(master, a.master + i, m * sizeof(float));
@@ -267,12 +273,13 @@ void update_blocks(typename R::coefficients const& k, update_arrays<P, Slots> co
     t.tensor_state  = a.tensor_state;
     t.shape         = a.shape;
     t.tensor_offset = a.tensor_offset + i;
+    t.rounding_key  = a.rounding_key;
     for_each_slot<Slots>([&](auto j) {
       using C = typename P::template state_codec<j>;
       if constexpr (block_codec<C>) {
         auto const* base = static_cast<std::byte const*>(a.state[j]);
         for (std::size_t q = 0; q < m; q += C::block) {
-          C::decode(tierstate::detail::codec_address<C>(base, i + q), scratch[j] + q, std::min(C::block, m - q));
+          decode_block<C, Arch>(tierstate::detail::codec_address<C>(base, i + q), scratch[j] + q, std::min(C::block, m - q));
         }
         t.state[j] = scratch[j];
       } else {
@@ -285,7 +292,7 @@ void update_blocks(typename R::coefficients const& k, update_arrays<P, Slots> co
       if constexpr (block_codec<C>) {
         auto* base = static_cast<std::byte*>(a.state[j]);
         for (std::size_t q = 0; q < m; q += C::block) {
-          C::encode(scratch[j] + q, std::min(C::block, m - q), tierstate::detail::codec_address<C>(base, i + q));
+          encode_block<C, Arch>(scratch[j] + q, std::min(C::block, m - q), tierstate::detail::codec_address<C>(base, i + q));
         }
       }
     });

@@ -1,0 +1,215 @@
+// SPDX-License-Identifier: Apache-2.0
+// Codecs on the host: decode and encode one block through xsimd batches where the codec has a
+// batch path, else through its own decode and encode; and a batch of bf16 params rounded
+// stochastically (codecs/stochastic_rounding.hpp).
+//
+// A map codec (codecs/dynamic8.hpp: codes into a fixed map, times the block's scale)
+// decodes with one table gather per batch, and encodes with two: its bucket table, indexed by
+// the magnitude's exponent and leading mantissa bits, gives a rung, and one comparison with
+// that rung's midpoint settles the code. The codes are the ones the codec's encode() makes by
+// binary search (tests/test_dynamic8.cpp compares them at every midpoint), so a block's bytes
+// do not depend on which path wrote it, nor on host or device.
+#pragma once
+
+#include <tierstate/codecs/codec.hpp>
+#include <tierstate/codecs/dynamic8.hpp>
+#include <tierstate/codecs/stochastic_rounding.hpp>
+#include <tierstate/kernels/host/detail/simd.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace tierstate::inline TIERSTATE_ABI::host::detail {
+
+/// A block codec whose blocks are a float scale then one 8-bit code per element of a
+/// codecs::dynamic_map.
+template <class C>
+concept map_codec = block_codec<C> && requires {
+  { C::map() } -> std::same_as<codecs::dynamic_map const&>;
+  { C::is_signed } -> std::convertible_to<bool>;
+} && C::block_bytes == sizeof(float) + C::block;
+
+/// Loads n = batch size uint8 values, zero-extended into int32 lanes.
+template <class A>
+TIERSTATE_ALWAYS_INLINE int_batch<A> load_u8(std::uint8_t const* p) noexcept
+{
+#if XSIMD_WITH_AVX512F
+  if constexpr (is_avx512<A>) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<__m128i const*>(p)));
+  } else
+#endif
+#if XSIMD_WITH_AVX2
+  if constexpr (is_avx2<A>) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<__m128i const*>(p)));
+  } else
+#endif
+  {
+    constexpr std::size_t n = int_batch<A>::size;
+    alignas(64) std::int32_t wide[n];
+    for (std::size_t i = 0; i < n; ++i) { wide[i] = p[i]; }
+    return int_batch<A>::load_unaligned(wide);
+  }
+}
+
+/// Stores int32 lanes, each in [0, 255], as uint8.
+template <class A>
+TIERSTATE_ALWAYS_INLINE void store_u8(std::uint8_t* p, int_batch<A> const& v) noexcept
+{
+#if XSIMD_WITH_AVX512F
+  if constexpr (is_avx512<A>) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(v));
+  } else
+#endif
+  {
+    constexpr std::size_t n = int_batch<A>::size;
+    alignas(64) std::int32_t wide[n];
+    v.store_aligned(wide);
+    for (std::size_t i = 0; i < n; ++i) { p[i] = static_cast<std::uint8_t>(wide[i]); }
+  }
+}
+
+/// table[index] per lane. (xsimd 8.1's batch::gather passes two template arguments to its
+/// kernels, which its AVX-512 and AVX2 float overloads do not take: it falls back to a lane
+/// by lane insert, several times slower. The instructions, then, where there are some.)
+template <class A, class T>
+TIERSTATE_ALWAYS_INLINE xsimd::batch<T, A> gather(T const* table, int_batch<A> const& index) noexcept
+{
+  static_assert(sizeof(T) == 4);
+#if XSIMD_WITH_AVX512F
+  if constexpr (is_avx512<A>) {
+    if constexpr (std::is_same_v<T, float>) {
+      return _mm512_i32gather_ps(index, table, 4);
+    } else {
+      return _mm512_i32gather_epi32(index, table, 4);
+    }
+  } else
+#endif
+#if XSIMD_WITH_AVX2
+  if constexpr (is_avx2<A>) {
+    if constexpr (std::is_same_v<T, float>) {
+      return _mm256_i32gather_ps(table, index, 4);
+    } else {
+      return _mm256_i32gather_epi32(reinterpret_cast<int const*>(table), index, 4);
+    }
+  } else
+#endif
+  {
+    constexpr std::size_t n = int_batch<A>::size;
+    alignas(64) std::int32_t at[n];
+    alignas(64) T out[n];
+    index.store_aligned(at);
+    for (std::size_t i = 0; i < n; ++i) { out[i] = table[at[i]]; }
+    return xsimd::batch<T, A>::load_aligned(out);
+  }
+}
+
+/// Decodes a block's first n values into `out`.
+template <class C, class A>
+TIERSTATE_ALWAYS_INLINE void decode_block(std::byte const* from, float* out, std::size_t n) noexcept
+{
+  if constexpr (map_codec<C>) {
+    constexpr std::size_t N = float_batch<A>::size;
+    auto const& m           = C::map();
+    float scale;
+    std::memcpy(&scale, from, sizeof scale);
+    auto const* codes = reinterpret_cast<std::uint8_t const*>(from + sizeof(float));
+    float_batch<A> const s(scale);
+    std::size_t i = 0;
+    for (; i + N <= n; i += N) {
+      (gather<A>(m.value, load_u8<A>(codes + i)) * s).store_unaligned(out + i);
+    }
+    for (; i < n; ++i) { out[i] = m.value[codes[i]] * scale; }
+  } else {
+    C::decode(from, out, n);
+  }
+}
+
+/// Encodes a block from its first n values (the rest of its codes: the zero code).
+template <class C, class A>
+TIERSTATE_ALWAYS_INLINE void encode_block(float const* in, std::size_t n, std::byte* to) noexcept
+{
+  if constexpr (map_codec<C>) {
+    using F                 = float_batch<A>;
+    using I                 = int_batch<A>;
+    constexpr std::size_t N = F::size;
+    auto const& m           = C::map();
+    std::size_t const whole = n / N * N;
+
+    // The scale (codecs::blockwise8::extremes): the largest and smallest values, any NaN.
+    F hi(0.0f), lo(0.0f);
+    xsimd::batch_bool<float, A> nan(false);
+    for (std::size_t i = 0; i < whole; i += N) {
+      F const x = F::load_unaligned(in + i);
+      nan       = nan | xsimd::isnan(x);  // (x != x is an ordered compare here: never true)
+      hi        = xsimd::max(hi, x);
+      lo        = xsimd::min(lo, x);
+    }
+    alignas(64) float his[N], los[N];
+    hi.store_aligned(his);
+    lo.store_aligned(los);
+    typename C::extremes e;  // (xsimd 8.1 has no reduce_max)
+    e.add(his, N);
+    e.add(los, N);
+    e.nan = e.nan || xsimd::any(nan);
+    e.add(in + whole, n - whole);
+    float const scale = e.scale();
+    std::memcpy(to, &scale, sizeof scale);
+
+    auto* codes         = reinterpret_cast<std::uint8_t*>(to + sizeof(float));
+    float const inverse = C::inverse_scale(scale);
+    if (inverse == 0.0f) {
+      std::memset(codes, m.zero_code, C::block);
+      return;
+    }
+    F const inv(inverse);
+    I const zero(m.zero_code), first(0), last(codecs::dynamic_map::buckets - 1), base(codecs::dynamic_map::bucket_base);
+    for (std::size_t i = 0; i < whole; i += N) {
+      F const x  = F::load_unaligned(in + i) * inv;
+      F const ax = xsimd::abs(x);
+      I const q  = xsimd::min(xsimd::max((xsimd::bitwise_cast<I>(ax) >> codecs::dynamic_map::bucket_shift) - base, first), last);
+      I const e  = gather<A>(m.bucket, q);
+      // e + 1 where the rung's midpoint lies below (a lane of bits 1 where the mask is set).
+      F const one_bit = xsimd::bitwise_cast<F>(I(1)), no_bit(0.0f);
+      I const k       = e + xsimd::bitwise_cast<I>(xsimd::select(gather<A>(m.midpoint, e) < ax, one_bit, no_bit));
+      if constexpr (C::is_signed) {
+        auto const negative = xsimd::bitwise_cast<I>(xsimd::select(x < no_bit, one_bit, no_bit)) != first;
+        store_u8<A>(codes + i, xsimd::select(negative, zero - xsimd::min(k, zero), zero + k));
+      } else {
+        store_u8<A>(codes + i, k);
+      }
+    }
+    for (std::size_t i = whole; i < C::block; ++i) {
+      codes[i] = i < n ? C::code_of(m, in[i] * inverse) : static_cast<std::uint8_t>(m.zero_code);
+    }
+  } else {
+    C::encode(in, n, to);
+  }
+}
+
+/// Stores w rounded stochastically to bf16 at p[0 .. batch size), lane j the tensor's element
+/// index + j with `key`: the bits of codecs::round_stochastic_bf16, lane for lane.
+template <class A>
+TIERSTATE_ALWAYS_INLINE void store_stochastic(bf16* p, float_batch<A> const& w, std::uint32_t key,
+                                              std::size_t index) noexcept
+{
+  using U                 = xsimd::batch<std::uint32_t, A>;
+  constexpr std::size_t N = U::size;
+  alignas(64) static constexpr std::uint32_t lane[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  static_assert(N <= 16);
+  U x = (U::load_aligned(lane) + U(static_cast<std::uint32_t>(index))) * U(0x9E3779B1u) + U(key);
+  x ^= x >> 16;
+  x *= U(0x7FEB352Du);
+  x ^= x >> 15;
+  x *= U(0x846CA68Bu);
+  x ^= x >> 16;
+  U const b       = xsimd::bitwise_cast<U>(w);
+  U const rounded = (b + (x & U(0xFFFFu))) >> 16;
+  U const nearest = xsimd::bitwise_cast<U>(float_to_bf16<A>(w));  // infinities and NaN
+  auto const finite = (b & U(0x7F800000u)) != U(0x7F800000u);
+  store_u16<A>(reinterpret_cast<std::uint16_t*>(p), xsimd::bitwise_cast<int_batch<A>>(xsimd::select(finite, rounded, nearest)));
+}
+
+}  // namespace tierstate::inline TIERSTATE_ABI::host::detail
