@@ -39,7 +39,14 @@
 //                        check_cost is the checked step's time over the unchecked one's,
 //                        check_byte_ratio what the extra bytes alone would cost, and
 //                        check_cost_limit what they cost the best loops (a separate read
-//                        pass runs at the read-only bandwidth).
+//                        pass runs at the read-only bandwidth);
+//   variant "compact"    AdamW's unchecked step with bf16 params and fp32 moments, and with
+//                        8-bit moments (codecs/dynamic8.hpp) and an fp32 master, a
+//                        compensation or stochastic rounding, and with bf16 moments and an
+//                        fp32 master or stochastic rounding, in one interleaved set:
+//                        `speedup` over the first, each against the loops of its own bytes
+//                        (an 8-bit slot counted as 1 byte per element, its scales left out),
+//                        state_bytes_per_elem what its chunks keep per element.
 //
 //   host_step [--elements N] [--reps R] [--threads T] [--rule NAME] [--precision p/g/m/s]
 #include <tierstate/tierstate.hpp>
@@ -54,9 +61,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <system_error>
+#include <tuple>
 #include <vector>
 
 #include <sys/mman.h>
@@ -239,6 +248,15 @@ inline std::uint32_t fold(B const& acc) noexcept
   return sum;
 }
 
+/// Bytes per element of one slot of P's state: its element type's, or for a block codec its
+/// block's bytes over its elements, rounded down (an 8-bit block's scale, 4 bytes in 260, is
+/// left out: the limit's loop moves a little less than the step, so it is no looser).
+template <class P>
+inline constexpr std::size_t state_size_v = P::template state_codec<0>::block_bytes / P::template state_codec<0>::block;
+/// Whether P's state is one storage type per element (the plain loops' pointers).
+template <class P>
+inline constexpr bool element_state_v = element_codec<typename P::template state_codec<0>>;
+
 /// Where one step's streams are for a range of elements: byte pointers to element 0 of the
 /// range (each stream's element size is the precision's).
 template <std::size_t Slots>
@@ -246,6 +264,7 @@ struct traffic {
   std::byte* param       = nullptr;
   std::byte const* grad  = nullptr;
   std::byte* master      = nullptr;  // null: the param is the weight
+  std::byte* compensation = nullptr;  // Compensated: read and written with the param
   std::array<std::byte*, Slots> state{};
 };
 
@@ -309,7 +328,7 @@ template <class P, std::size_t Slots, stores S, std::size_t Block, bool Prefetch
 std::uint32_t touch(traffic<Slots> const& t, std::size_t n) noexcept
 {
   constexpr std::size_t ps = sizeof(typename P::param_type), gs = sizeof(typename P::grad_type);
-  constexpr std::size_t ss = sizeof(typename P::state_type);
+  constexpr std::size_t ss = state_size_v<P>;
   constexpr bool rw_stream = S == stores::nt_all, w_stream = S != stores::plain;
   checksums acc;
   std::size_t i = 0;
@@ -318,14 +337,17 @@ std::uint32_t touch(traffic<Slots> const& t, std::size_t n) noexcept
       if (i % 1024 < Block) {
         host::detail::prefetch_page_ahead(t.grad + i * gs);
         host::detail::prefetch_page_ahead(P::has_master ? t.master + i * 4 : t.param + i * ps);
+        if constexpr (P::has_compensation) { host::detail::prefetch_page_ahead(t.compensation + i * 2); }
         for (std::size_t j = 0; j < Slots; ++j) { host::detail::prefetch_page_ahead(t.state[j] + i * ss); }
       }
     }
     block_of<gs, Block> g;
     block_of<P::has_master ? 4 : ps, Block> w;
     block_of<ss, Block> st[Slots == 0 ? 1 : Slots];  // (a zero-length array is not C++)
+    [[maybe_unused]] block_of<2, Block> c;
     g.load(t.grad, i, acc);
     w.load(P::has_master ? t.master : t.param, i, acc);
+    if constexpr (P::has_compensation) { c.load(t.compensation, i, acc); }
     for (std::size_t j = 0; j < Slots; ++j) { st[j].load(t.state[j], i, acc); }
     w.template store<rw_stream>(P::has_master ? t.master : t.param, i);
     if constexpr (P::has_master) {  // the param is written, not read: from the checksum
@@ -333,6 +355,7 @@ std::uint32_t touch(traffic<Slots> const& t, std::size_t n) noexcept
       for (auto& x : out.v) { x = acc.of<typename block_of<ps, Block>::batch>(); }
       out.template store<w_stream>(t.param, i);
     }
+    if constexpr (P::has_compensation) { c.template store<rw_stream>(t.compensation, i); }
     for (std::size_t j = 0; j < Slots; ++j) { st[j].template store<rw_stream>(t.state[j], i); }
   }
   std::uint32_t sum = fold(acc.full) ^ fold(acc.half);
@@ -345,6 +368,7 @@ std::uint32_t touch(traffic<Slots> const& t, std::size_t n) noexcept
   };
   bytewise(const_cast<std::byte*>(t.grad), gs, true, false);
   if (t.master != nullptr) { bytewise(t.master, 4, true, true); }
+  if (t.compensation != nullptr) { bytewise(t.compensation, 2, true, true); }
   bytewise(t.param, ps, t.master == nullptr, true);
   for (std::size_t j = 0; j < Slots; ++j) { bytewise(t.state[j], ss, true, true); }
   if constexpr (S != stores::plain) { _mm_sfence(); }
@@ -379,7 +403,8 @@ constexpr std::size_t bytes_per_element(std::size_t slots)
   } else {
     b += 2 * sizeof(typename P::param_type);
   }
-  return b + 2 * slots * sizeof(typename P::state_type);
+  if constexpr (P::has_compensation) { b += 2 * sizeof(bf16); }
+  return b + 2 * slots * state_size_v<P>;
 }
 
 /// One precision's memory: the user's params and gradients (4k), the state as separate
@@ -388,26 +413,33 @@ template <class P>
 struct arrays {
   using param_t = typename P::param_type;
   using grad_t  = typename P::grad_type;
-  using state_t = typename P::state_type;
+  static constexpr std::size_t ss        = state_size_v<P>;
+  static constexpr std::size_t lead      = P::has_master ? 4 : P::has_compensation ? 2 : 0;  // the master or the compensation
   static constexpr std::size_t max_slots = 3;
   static constexpr std::size_t chunk     = std::size_t{1} << 20;  // the optimizer's default chunk_elements
 
   std::size_t n;
   region param, grad;
-  std::array<region, 2> master;                                   // 4k, huge
+  std::array<region, 2> master;                                   // 4k, huge (or the compensation)
   std::array<std::array<std::unique_ptr<region>, max_slots>, 2> state;  // [4k, huge][slot]
   region chunked;  // huge: per chunk, the master (if any) then max_slots slot arrays
 
   static std::size_t chunk_count(std::size_t n) { return (n + chunk - 1) / chunk; }
-  static std::size_t chunk_bytes(std::size_t slots) { return chunk * ((P::has_master ? 4 : 0) + slots * sizeof(state_t)); }
+  static std::size_t chunk_bytes(std::size_t slots) { return chunk * (lead + slots * ss) + slots * state_pad(chunk); }
+  /// A block codec's slot holds more than ss bytes per element (the scales): the excess.
+  static std::size_t state_pad(std::size_t elements)
+  {
+    using C = typename P::template state_codec<0>;
+    return (elements + C::block - 1) / C::block * C::block_bytes - elements * ss;
+  }
 
   arrays(std::size_t size, thread_pool& pool)
     : n(size), param(n * sizeof(param_t), false), grad(n * sizeof(grad_t), false),
-      master{region(P::has_master ? n * 4 : 1, false), region(P::has_master ? n * 4 : 1, true)},
+      master{region(lead > 0 ? n * lead : 1, false), region(lead > 0 ? n * lead : 1, true)},
       chunked(chunk_count(n) * chunk_bytes(max_slots), true)
   {
     for (int h = 0; h < 2; ++h) {
-      for (auto& s : state[h]) { s = std::make_unique<region>(n * sizeof(state_t), h == 1); }
+      for (auto& s : state[h]) { s = std::make_unique<region>(n * ss + state_pad(n), h == 1); }
     }
     // First touch from the threads that will use each part.
     pool.parallel_for(n, 4096, [&](std::size_t b, std::size_t e) {
@@ -417,12 +449,23 @@ struct arrays {
         grad.get<grad_t>()[i] = convert<grad_t>(static_cast<float>(static_cast<int>(i % 201) - 100) * 1e-4f);
         for (int h = 0; h < 2; ++h) {
           if constexpr (P::has_master) { master[h].template get<float>()[i] = w; }
-          for (auto& s : state[h]) { s->template get<state_t>()[i] = convert<state_t>(i % 2 ? 1e-4f : 2e-4f); }
+          if constexpr (P::has_compensation) { master[h].template get<bf16>()[i] = bf16::from_bits(0); }
+          if constexpr (element_state_v<P>) {
+            using state_t = typename P::template state_codec<0>::element_type;
+            for (auto& s : state[h]) { s->template get<state_t>()[i] = convert<state_t>(i % 2 ? 1e-4f : 2e-4f); }
+          }
         }
       }
     });
     std::size_t const cb = chunk_count(n) * chunk_bytes(max_slots);
     pool.parallel_for(cb, 4096, [&](std::size_t b, std::size_t e) { std::memset(chunked.get() + b, 1, e - b); });
+    if constexpr (!element_state_v<P>) {  // fresh blocks (zero bytes) that the kernel can read
+      for (int h = 0; h < 2; ++h) {
+        for (auto& s : state[h]) {
+          pool.parallel_for(n * ss + state_pad(n), 4096, [&](std::size_t b, std::size_t e) { std::memset(s->get() + b, 0, e - b); });
+        }
+      }
+    }
   }
 
   /// The kernel's view of the 4k separate arrays.
@@ -433,6 +476,7 @@ struct arrays {
     a.param  = param.get<param_t>();
     a.grad   = grad.get<grad_t>();
     a.master = P::has_master ? master[0].template get<float>() : nullptr;
+    a.compensation = P::has_compensation ? master[0].template get<bf16>() : nullptr;
     for (std::size_t j = 0; j < R::slot_count; ++j) { a.state[j] = state[0][j]->get(); }
     return a;
   }
@@ -445,7 +489,8 @@ struct arrays {
     t.param = param.get() + b * sizeof(param_t);
     t.grad  = grad.get() + b * sizeof(grad_t);
     t.master = P::has_master ? master[huge].get() + b * 4 : nullptr;
-    for (std::size_t j = 0; j < Slots; ++j) { t.state[j] = state[huge][j]->get() + b * sizeof(state_t); }
+    t.compensation = P::has_compensation ? master[huge].get() + b * 2 : nullptr;
+    for (std::size_t j = 0; j < Slots; ++j) { t.state[j] = state[huge][j]->get() + b * ss; }
     return t;
   }
 
@@ -459,8 +504,11 @@ struct arrays {
     if constexpr (P::has_master) {
       t.master = base + at * 4;
       base += chunk * 4;
+    } else if constexpr (P::has_compensation) {
+      t.compensation = base + at * 2;
+      base += chunk * 2;
     }
-    for (std::size_t j = 0; j < Slots; ++j) { t.state[j] = base + j * chunk * sizeof(state_t) + at * sizeof(state_t); }
+    for (std::size_t j = 0; j < Slots; ++j) { t.state[j] = base + j * (chunk * ss + state_pad(chunk)) + at * ss; }
     return t;
   }
 };
@@ -482,6 +530,11 @@ struct loop_kind {
 
 constexpr std::size_t grain = 1024;  // elements: a multiple of every block
 
+/// Whether a block of B elements is whole vectors of every stream of P (8-bit state in blocks
+/// of 16 is 16 bytes, less than the half vector the loops load).
+template <class P, std::size_t B>
+inline constexpr bool block_fits = B * state_size_v<P> >= 4 * half_batch::size;
+
 /// The step's traffic over all elements with the pool, as `k` says; `check`: the gradients
 /// are read once more first, in their own pass (the non-finite check's traffic).
 template <class P, std::size_t Slots>
@@ -500,6 +553,10 @@ void run_loop(thread_pool& pool, arrays<P>& arr, loop_kind k, bool check)
     std::uint32_t sum = 0;
     auto go = [&](traffic<Slots> const& t, std::size_t count) {
       auto with = [&]<std::size_t B>(std::integral_constant<std::size_t, B>) {
+        if constexpr (!block_fits<P, B>) {  // (kinds_for offers no such kind)
+          std::fprintf(stderr, "host_step: blocks of %zu do not fit %s\n", B, P::name().c_str());
+          std::abort();
+        } else {
         auto with_prefetch = [&]<bool F>(std::bool_constant<F>) {
           switch (k.store) {
             case stores::plain: sum ^= touch<P, Slots, stores::plain, B, F>(t, count); break;
@@ -511,6 +568,7 @@ void run_loop(thread_pool& pool, arrays<P>& arr, loop_kind k, bool check)
           with_prefetch(std::true_type{});
         } else {
           with_prefetch(std::false_type{});
+        }
         }
       };
       if (k.block == blocks[0]) {
@@ -542,9 +600,11 @@ std::vector<loop_kind> kinds_for(bool chunked, bool huge)
 {
   std::vector<loop_kind> k;
   for (bool const prefetch : {false, true}) {
-    for (std::size_t const b : blocks) { k.push_back({chunked, huge, stores::plain, b, prefetch}); }
+    for (std::size_t const b : blocks) {
+      if (b * state_size_v<P> >= 4 * half_batch::size) { k.push_back({chunked, huge, stores::plain, b, prefetch}); }
+    }
     if (P::has_master) {
-      k.push_back({chunked, huge, stores::nt, blocks[0], prefetch});
+      if (block_fits<P, blocks[0]>) { k.push_back({chunked, huge, stores::nt, blocks[0], prefetch}); }
       k.push_back({chunked, huge, stores::nt, blocks[1], prefetch});
     }
   }
@@ -765,6 +825,19 @@ void run_kernel(options const& o, thread_pool& pool, arrays<P>& arr, double best
                  limit_name);
 }
 
+/// A transformer-like mix of n elements: large matrices, small biases and norms.
+std::vector<std::size_t> model_sizes(std::size_t n)
+{
+  std::vector<std::size_t> sizes;
+  std::size_t const pattern_sizes[] = {std::size_t{1} << 22, 4096, 1024, 1024, std::size_t{1} << 22, 1024};
+  for (std::size_t total = 0, i = 0; total < n; ++i) {
+    std::size_t const s = std::min(pattern_sizes[i % 6], n - total);
+    sizes.push_back(s);
+    total += s;
+  }
+  return sizes;
+}
+
 /// OffloadedOptimizer<R, P>::step() (PinnedHost) over a model-like set of tensors, with
 /// the non-finite check (the default) and without, interleaved with the bare kernel and the
 /// limit over the optimizer's memory (chunks in huge pages; params and gradients 4k).
@@ -777,14 +850,7 @@ void run_optimizer(options const& o, thread_pool& pool, arrays<P>& arr, double b
   constexpr std::size_t S = R::slot_count;
   constexpr bool phased   = has_tensor_phase<R>;
   std::size_t const n = arr.n;
-  // A transformer-like mix: large matrices, small biases and norms.
-  std::vector<std::size_t> sizes;
-  std::size_t const pattern_sizes[] = {std::size_t{1} << 22, 4096, 1024, 1024, std::size_t{1} << 22, 1024};
-  for (std::size_t total = 0, i = 0; total < n; ++i) {
-    std::size_t const s = std::min(pattern_sizes[i % 6], n - total);
-    sizes.push_back(s);
-    total += s;
-  }
+  auto const sizes    = model_sizes(n);
   region param(n * sizeof(typename P::param_type), false);
   region grad(n * sizeof(typename P::grad_type), false);
   pool.parallel_for(n, 4096, [&](std::size_t b, std::size_t e) {
@@ -868,6 +934,86 @@ void run_optimizer(options const& o, thread_pool& pool, arrays<P>& arr, double b
   }
 }
 
+/// One precision of the compact-state comparison: AdamW's unchecked optimizer step over the
+/// model-like tensors, and the traffic loops of its bytes over the optimizer's memory.
+template <class P>
+struct compact_case {
+  using Opt = OffloadedOptimizer<AdamW, P>;
+  arrays<P> arr;
+  region param, grad;
+  std::unique_ptr<Opt> opt;
+  std::vector<grad_view<typename P::grad_type>> views;
+  std::vector<loop_kind> kinds = kinds_for<P>(true, true);
+
+  compact_case(std::size_t n, thread_pool& pool)
+    : arr(n, pool), param(n * sizeof(typename P::param_type), false), grad(n * sizeof(typename P::grad_type), false)
+  {
+    pool.parallel_for(n, 4096, [&](std::size_t b, std::size_t e) {
+      for (std::size_t i = b; i < e; ++i) {
+        param.get<typename P::param_type>()[i] = convert<typename P::param_type>(0.5f + static_cast<float>(i % 1000) * 1e-4f);
+        grad.get<typename P::grad_type>()[i]   = arr.grad.template get<typename P::grad_type>()[i];
+      }
+    });
+    typename Opt::options oo;
+    oo.threads      = pool.size();
+    oo.on_nonfinite = nonfinite_policy::ignore;
+    typename Opt::hyperparameters h;
+    h.lr = 1e-4;
+    opt  = std::make_unique<Opt>(h, oo);
+    auto const sizes = model_sizes(n);
+    for (std::size_t t = 0, off = 0; t < sizes.size(); off += sizes[t], ++t) {
+      std::string name = "t";
+      name += std::to_string(t);
+      opt->add_tensor(std::move(name), param.get<typename P::param_type>() + off, sizes[t]);
+      views.push_back({grad.get<typename P::grad_type>() + off, sizes[t], location::host});
+    }
+  }
+  void add_loops(thread_pool& pool, std::vector<std::function<void()>>& loops)
+  {
+    loops.push_back([this] { opt->step(views); });
+    for (auto const& k : kinds) { loops.push_back([this, &pool, k] { run_loop<P, 2>(pool, arr, k, false); }); }
+  }
+};
+
+/// Compact state: AdamW's step with bf16 params and fp32 moments (the first), and with 8-bit
+/// moments and an fp32 master, a compensation (Compensated) or stochastic rounding, all timed
+/// in one interleaved set; each row's limit is the best loop of its own bytes, and `speedup`
+/// its step's speed over the first's, rep for rep medians.
+template <class... P>
+void run_compact(options const& o, thread_pool& pool, double triad)
+{
+  if (!o.rule.empty() && o.rule != AdamW::name) { return; }
+  if (!o.precision.empty() && ((o.precision != P::name()) && ...)) { return; }
+  auto cases = std::make_tuple(std::make_unique<compact_case<P>>(o.elements, pool)...);
+  std::vector<std::function<void()>> loops;
+  std::apply([&](auto&... c) { (c->add_loops(pool, loops), ...); }, cases);
+  auto const s = interleaved_medians(o.reps, loops);
+  std::size_t first = 0;
+  double const baseline = s[0];
+  std::apply([&](auto&... c) {
+    auto row = [&](auto& one) {
+      using Q = typename std::remove_reference_t<decltype(*one)>::Opt::precision_type;
+      std::size_t const n              = o.elements;
+      double const sec                 = s[first];
+      double const gelem               = static_cast<double>(n) / sec / 1e9;
+      auto const [limit_g, limit_name] = best_of(one->kinds, s, first + 1, n);
+      std::size_t const bpe            = bytes_per_element<Q>(2);
+      std::printf(
+        "{\"bench\":\"host_step\",\"variant\":\"compact\",\"rule\":\"adamw\",\"precision\":\"%s\","
+        "\"arch\":\"%s\",\"elements\":%zu,\"threads\":%zu,\"reps\":%d,\"nonfinite_check\":false,"
+        "\"seconds_per_step\":%.6g,\"gelem_per_s\":%.4g,\"bytes_per_elem\":%zu,\"state_bytes_per_elem\":%.4g,"
+        "\"speedup\":%.4f,\"limit\":\"%s\",\"limit_gb_s\":%.4g,\"limit_ratio\":%.4f,\"triad_gb_s\":%.4g}\n",
+        Q::name().c_str(), host::arch_name(), n, pool.size(), o.reps, sec, gelem, bpe,
+        static_cast<double>(one->opt->state_layout().chunk_bytes()) / static_cast<double>(one->opt->state_layout().chunk_elements()),
+        baseline / sec, limit_name.c_str(), limit_g * static_cast<double>(bpe), gelem / limit_g, triad);
+      std::fflush(stdout);
+      warn_if_beaten("the compact-state step", Q::name(), gelem / limit_g, limit_name);
+      first += 1 + one->kinds.size();
+    };
+    (row(c), ...);
+  }, cases);
+}
+
 template <class P>
 void run_precision(options const& o, thread_pool& pool, double triad)
 {
@@ -900,6 +1046,9 @@ int main(int argc, char** argv)
     run_precision<Bf16Mixed>(o, pool, triad);
     run_precision<Fp16Mixed>(o, pool, triad);
     run_precision<Bf16MixedBf16State>(o, pool, triad);
+    run_compact<Bf16Mixed, Bf16Mixed8bit, Precision<bf16, bf16, Compensated, Bf16Mixed8bit::state_type>,
+                Precision<bf16, bf16, StochasticRounding, Bf16Mixed8bit::state_type>, Bf16MixedBf16State,
+                Precision<bf16, bf16, StochasticRounding, bf16>>(o, pool, triad);
   } catch (std::exception const& e) {
     std::fprintf(stderr, "host_step: %s\n", e.what());
     return 1;
