@@ -148,7 +148,7 @@ TEST_CASE("blocks encode to the reference's codes on the codec's path and on the
         codecs::udynamic8::decode(b.data(), out.data(), g.n);
       }
       auto const& m = g.is_signed ? codecs::dynamic8::map() : codecs::udynamic8::map();
-      for (std::size_t i = 0; i < g.n; ++i) { bad += bits(out[i]) != bits(m.value[g.codes[i]] * g.scale); }
+      for (std::size_t i = 0; i < g.n; ++i) { bad += bits(out[i]) != bits(m.value[g.codes[i]] * g.scale + 0.0f); }
       CHECK(bad == 0);
     };
     if (g.is_signed) {
@@ -186,10 +186,33 @@ TEMPLATE_TEST_CASE("a block with a non-finite value decodes to NaN; zeros and fr
   auto const z = encoded_batches<C>(zeros);
   CHECK(z == encoded_scalar<C>(zeros));
   C::decode(z.data(), out.data(), 256);
-  for (float const x : out) { CHECK(x == 0.0f); }
+  for (float const x : out) { CHECK(bits(x) == 0u); }
   std::vector<std::byte> fresh(C::block_bytes);
   C::decode(fresh.data(), out.data(), 256);
-  for (float const x : out) { CHECK(x == 0.0f); }
+  for (float const x : out) { CHECK(bits(x) == 0u); }  // +0, not -0
+  host::detail::decode_block<C, arch>(fresh.data(), out.data(), 256);
+  for (float const x : out) { CHECK(bits(x) == 0u); }
+  // A subnormal scale (a moment decaying for hundreds of steps): its reciprocal overflows, and
+  // every path makes the zero code everywhere, whole batches and tails alike.
+  for (std::size_t const n : {std::size_t{256}, std::size_t{37}}) {
+    std::vector<float> tiny(n, 0.0f);
+    tiny[1] = 1e-40f;
+    tiny[2] = -0.0f;
+    tiny[n - 1] = C::is_signed ? -5e-41f : 5e-41f;
+    auto const s = encoded_scalar<C>(tiny);
+    CHECK(s == encoded_batches<C>(tiny));
+    for (std::size_t i = 0; i < n; ++i) { CHECK(static_cast<int>(s[4 + i]) == C::map().zero_code); }
+  }
+  // Scales far from 1 in both directions, through the reciprocal: both paths agree.
+  for (float const scale : {3e-38f, 1e-20f, 7.5e30f}) {
+    std::vector<float> v(256);
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      auto const x = static_cast<float>(grad_value(i, 11)) * 4.0f * scale;
+      v[i]         = C::is_signed ? x : std::fabs(x);
+    }
+    INFO("scale " << scale);
+    CHECK(encoded_scalar<C>(v) == encoded_batches<C>(v));
+  }
 }
 
 TEMPLATE_TEST_CASE("a decoded block encodes to the same bytes, its largest magnitude exactly, of either sign", "[dynamic8]",

@@ -44,7 +44,8 @@ struct optimizer_options {
   bool delayed_update = false;
   /// StochasticRounding's seed: with the step count and the tensor's index it picks each
   /// element's random bits (codecs/stochastic_rounding.hpp), so the same seed, model and
-  /// gradients give the same params, resumed from a checkpoint or not. Unused otherwise.
+  /// gradients give the same params, resumed from a checkpoint or not. Checkpoints do not
+  /// record it: resume with the seed the run had. Unused otherwise.
   std::uint64_t rounding_seed = 0;
   TierOptions tier{};  ///< the state tier's own (StateTier::options)
 };

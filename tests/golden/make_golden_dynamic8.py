@@ -63,14 +63,15 @@ def encode(signed, v):
         scale = np.float32("nan")
     values = MAPS[signed]
     zero = int(np.flatnonzero(values == 0)[0])
-    if not (abs(scale) > 0 and np.isfinite(scale)):
+    with np.errstate(divide="ignore", over="ignore"):
+        inverse = np.float32(1) / np.float32(scale)
+    if not (abs(inverse) > 0 and np.isfinite(inverse)):  # zero, non-finite or subnormal scale
         return scale, [zero] * len(v)
-    inverse = np.float32(1) / np.float32(scale)
     return scale, [nearest(values, np.float32(x) * inverse) for x in v]
 
 
 def decode(signed, scale, codes):
-    return MAPS[signed][np.array(codes, dtype=np.int64)] * np.float32(scale)
+    return MAPS[signed][np.array(codes, dtype=np.int64)] * np.float32(scale) + np.float32(0)
 
 
 def store(signed, t):

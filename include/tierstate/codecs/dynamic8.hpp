@@ -155,8 +155,7 @@ TIERSTATE_HOST_DEVICE dynamic_map const& dynamic_map_for() noexcept
 #endif
 }
 
-/// The rung of magnitude x >= 0 (or NaN: the top rung, never used): a binary search for
-/// the number of midpoints below x.
+/// The rung of magnitude x >= 0: a binary search for the number of midpoints below x.
 TIERSTATE_HOST_DEVICE int rung_of(dynamic_map const& m, float x) noexcept
 {
   int lo = 0, hi = m.rungs;  // the count lies in [lo, hi]
@@ -210,11 +209,14 @@ struct blockwise8 {
     }
   };
 
-  /// 1 / scale, or 0 where the block is zero or not finite (every code then the zero code).
+  /// 1 / scale, or 0 where the block is zero, not finite, or so small (subnormal) that its
+  /// reciprocal is not finite: every code then the zero code (0 * inf would be NaN, whose
+  /// code no two paths would agree on).
   TIERSTATE_HOST_DEVICE static float inverse_scale(float scale) noexcept
   {
-    float const a = std::fabs(scale);
-    return a > 0.0f && a <= std::numeric_limits<float>::max() ? 1.0f / scale : 0.0f;
+    float const inverse = 1.0f / scale;
+    float const a       = std::fabs(inverse);
+    return a > 0.0f && a <= std::numeric_limits<float>::max() ? inverse : 0.0f;
   }
 
   /// The code of x (already multiplied by the inverse scale).
@@ -233,7 +235,8 @@ struct blockwise8 {
     float scale;
     std::memcpy(&scale, from, sizeof scale);
     auto const& m = map();
-    for (std::size_t i = 0; i < n; ++i) { out[i] = m.value[static_cast<std::uint8_t>(from[sizeof(float) + i])] * scale; }
+    // (+ 0: a zero is +0, also where code 0's negative value meets a zero scale)
+    for (std::size_t i = 0; i < n; ++i) { out[i] = m.value[static_cast<std::uint8_t>(from[sizeof(float) + i])] * scale + 0.0f; }
   }
 
   TIERSTATE_HOST_DEVICE static void encode(float const* in, std::size_t n, std::byte* to) noexcept

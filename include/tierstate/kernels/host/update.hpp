@@ -40,7 +40,9 @@ namespace tierstate::inline TIERSTATE_ABI {
 /// For a rule with a tensor phase (rules/rule.hpp), the elements are part of one tensor:
 /// `shape` is its shape, `tensor_offset` the index of element 0 in it, and `tensor_state`
 /// its state (in the memory the kernel runs in). With StochasticRounding, element i's random
-/// bits are codecs::rounding_bits(rounding_key, tensor_offset + i).
+/// bits are codecs::rounding_bits(rounding_key, tensor_offset + i): a caller of the kernels
+/// gives a new key each step (codecs::rounding_key), or each element rounds the same way
+/// every step.
 template <precision P, std::size_t Slots>
 struct update_arrays {
   typename P::param_type* param = nullptr;

@@ -117,11 +117,11 @@ TIERSTATE_ALWAYS_INLINE void decode_block(std::byte const* from, float* out, std
     std::memcpy(&scale, from, sizeof scale);
     auto const* codes = reinterpret_cast<std::uint8_t const*>(from + sizeof(float));
     float_batch<A> const s(scale);
-    std::size_t i = 0;
-    for (; i + N <= n; i += N) {
-      (gather<A>(m.value, load_u8<A>(codes + i)) * s).store_unaligned(out + i);
+    std::size_t const whole = n / N * N;
+    for (std::size_t i = 0; i < whole; i += N) {
+      (gather<A>(m.value, load_u8<A>(codes + i)) * s + float_batch<A>(0.0f)).store_unaligned(out + i);
     }
-    for (; i < n; ++i) { out[i] = m.value[codes[i]] * scale; }
+    for (std::size_t i = whole; i < n; ++i) { out[i] = m.value[codes[i]] * scale + 0.0f; }
   } else {
     C::decode(from, out, n);
   }
