@@ -169,13 +169,13 @@ TIERSTATE_ALWAYS_INLINE void encode_block(float const* in, std::size_t n, std::b
     for (std::size_t i = 0; i < whole; i += N) {
       F const x  = F::load_unaligned(in + i) * inv;
       F const ax = xsimd::abs(x);
-      I const q  = xsimd::min(xsimd::max((xsimd::bitwise_cast<I>(ax) >> codecs::dynamic_map::bucket_shift) - base, first), last);
+      I const q  = xsimd::min(xsimd::max((bit_cast<std::int32_t>(ax) >> codecs::dynamic_map::bucket_shift) - base, first), last);
       I const e  = gather<A>(m.bucket, q);
       // e + 1 where the rung's midpoint lies below (a lane of bits 1 where the mask is set).
-      F const one_bit = xsimd::bitwise_cast<F>(I(1)), no_bit(0.0f);
-      I const k       = e + xsimd::bitwise_cast<I>(xsimd::select(gather<A>(m.midpoint, e) < ax, one_bit, no_bit));
+      F const one_bit = bit_cast<float>(I(1)), no_bit(0.0f);
+      I const k       = e + bit_cast<std::int32_t>(xsimd::select(gather<A>(m.midpoint, e) < ax, one_bit, no_bit));
       if constexpr (C::is_signed) {
-        auto const negative = xsimd::bitwise_cast<I>(xsimd::select(x < no_bit, one_bit, no_bit)) != first;
+        auto const negative = bit_cast<std::int32_t>(xsimd::select(x < no_bit, one_bit, no_bit)) != first;
         store_u8<A>(codes + i, xsimd::select(negative, zero - xsimd::min(k, zero), zero + k));
       } else {
         store_u8<A>(codes + i, k);
@@ -205,11 +205,11 @@ TIERSTATE_ALWAYS_INLINE void store_stochastic(bf16* p, float_batch<A> const& w, 
   x ^= x >> 15;
   x *= U(0x846CA68Bu);
   x ^= x >> 16;
-  U const b       = xsimd::bitwise_cast<U>(w);
+  U const b       = bit_cast<std::uint32_t>(w);
   U const rounded = (b + (x & U(0xFFFFu))) >> 16;
-  U const nearest = xsimd::bitwise_cast<U>(float_to_bf16<A>(w));  // infinities and NaN
+  U const nearest = bit_cast<std::uint32_t>(float_to_bf16<A>(w));  // infinities and NaN
   auto const finite = (b & U(0x7F800000u)) != U(0x7F800000u);
-  store_u16<A>(reinterpret_cast<std::uint16_t*>(p), xsimd::bitwise_cast<int_batch<A>>(xsimd::select(finite, rounded, nearest)));
+  store_u16<A>(reinterpret_cast<std::uint16_t*>(p), bit_cast<std::int32_t>(xsimd::select(finite, rounded, nearest)));
 }
 
 }  // namespace tierstate::inline TIERSTATE_ABI::host::detail
