@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "pytorch"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "golden"))  # make_golden_dynamic8: the 8-bit reference
 import tierstate_torch  # noqa: E402
 
 STEPS = 50
@@ -513,10 +514,20 @@ class Parity(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, r"state\[0\]\['step'\] is 2.5"):
             opt.load_state_dict(sd)
         self.assertEqual(opt.step_count(next(model.parameters())), before)
-        # A tierstate state_dict that does not fit changes nothing, the param groups included.
+        # A tierstate state_dict that does not fit changes nothing, the param groups included:
+        # of another state format, refused by the format's name; of other params, by the
+        # checkpoint's own check.
         other = tierstate_torch.AdamW(groups(copy.deepcopy(model)), lr=0.07, state_dtype=torch.bfloat16)
+        with self.assertRaisesRegex(ValueError, r"for parameters of \['float32/0'\]; this optimizer's are "
+                                                r"\['float32/0, bfloat16 state'\]"):
+            other.load_state_dict(opt.state_dict())
+        self.assertEqual(other.param_groups[0]["lr"], 0.07)
+        wider = copy.deepcopy(model)
+        wider.head.bias = nn.Parameter(torch.zeros(VOCAB + 1))
+        other = tierstate_torch.AdamW(groups(wider), lr=0.07)
         with self.assertRaisesRegex(Exception, "checkpoint of the float32@cpu parameters"):
             other.load_state_dict(opt.state_dict())
+        self.assertEqual(other.param_groups[0]["lr"], 0.07)
         self.assertEqual(other.param_groups[0]["lr"], 0.07)
 
     def test_conditional_compute_keeps_torch_per_param_step_counts(self):
@@ -781,6 +792,142 @@ class Parity(unittest.TestCase):
         master = opt.get_state(w, "master")
         self.assertEqual(master.dtype, torch.float32)
         self.assertTrue(torch.equal(master.to(torch.bfloat16), w.detach()))
+
+    def test_int8_state_is_blockwise_8bit_adamw(self):
+        """state_dtype=torch.int8 against torch.optim.AdamW whose moments are replaced after each
+        step by what their 8-bit blocks decode to (tests/golden/make_golden_dynamic8.py: the maps
+        as bitsandbytes makes them, a brute-force nearest search): tensors across block edges,
+        one under min_8bit_size that keeps fp32 state."""
+        import make_golden_dynamic8 as ref8
+        sizes = [5000, 700, 257, 3]
+        torch.manual_seed(3)
+        init = [torch.randn(n) for n in sizes]
+        grads = [[torch.randn(n) * (1 + (t % 3)) for n in sizes] for t in range(12)]
+        for least in (0, 300):
+            with self.subTest(min_8bit_size=least):
+                ps = [x.clone().requires_grad_() for x in init]
+                qs = [x.clone().requires_grad_() for x in init]
+                ref = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01, foreach=False)
+                ours = tierstate_torch.AdamW(qs, lr=1e-2, weight_decay=0.01, state_dtype="int8", min_8bit_size=least)
+                for g in grads:
+                    for p, q, x in zip(ps, qs, g):
+                        p.grad, q.grad = x.clone(), x.clone()
+                    ref.step()
+                    ours.step()
+                    for p in ps:
+                        if p.numel() >= least:
+                            st = ref.state[p]
+                            st["exp_avg"].copy_(ref8.store(True, st["exp_avg"]))
+                            st["exp_avg_sq"].copy_(ref8.store(False, st["exp_avg_sq"]))
+                names = " ".join(ours.composition())
+                self.assertIn("dynamic8", names)
+                self.assertEqual(len(ours.composition()), 1 if least == 0 else 2)
+                for i, (p, q) in enumerate(zip(ps, qs)):
+                    for slot in ("exp_avg", "exp_avg_sq"):
+                        a, b = ref.state[p][slot], ours.get_state(q, slot)
+                        same = (a == b).float().mean().item()
+                        self.assertGreaterEqual(same, 0.999, f"tensor {i} {slot}: {same:.4f} of the moments equal")
+                        self.assertTrue(torch.allclose(a, b, rtol=0.05, atol=1e-12), f"tensor {i} {slot}")
+                    excess = ((p - q).abs() - 1e-5 * (p.abs() + 1e-2)).max().item()
+                    self.assertLessEqual(excess, 0.0, f"tensor {i} of {p.numel()} differs")
+                # state_dict and torch_state_dict give the decoded fp32 moments; a round trip is exact.
+                sd = ours.state_dict()
+                self.assertTrue(torch.equal(ours.torch_state_dict()["state"][0]["exp_avg"],
+                                            ours.get_state(qs[0], "exp_avg")))
+                q2 = [q.detach().clone().requires_grad_() for q in qs]
+                again = tierstate_torch.AdamW(q2, lr=1e-2, weight_decay=0.01, state_dtype="int8", min_8bit_size=least)
+                again.load_state_dict(sd)
+                for a, b in zip(qs, q2):
+                    a.grad = b.grad = torch.ones_like(a)
+                ours.step()
+                again.step()
+                for a, b in zip(qs, q2):
+                    self.assertTrue(torch.equal(a, b))
+                # A state_dict of 8-bit state does not load into fp32 state: refused by name.
+                plain = tierstate_torch.AdamW([q.detach().clone() for q in qs], lr=1e-2, weight_decay=0.01)
+                with self.assertRaisesRegex(ValueError, "int8 state"):
+                    plain.load_state_dict(sd)
+                # Loading torch's state_dict encodes its fp32 moments.
+                again.load_state_dict(ours.torch_state_dict())
+                self.assertTrue(torch.equal(again.get_state(q2[0], "exp_avg"), ours.get_state(qs[0], "exp_avg")))
+                for o in (ours, again, plain):
+                    o.close()
+
+    def test_bf16_params_without_an_fp32_master(self):
+        """Steps of 1e-4 on bf16 params of 1.0 (whose spacing is 2^-7): torch.optim.AdamW on the
+        bf16 params rounds every one away; an fp32 master, a Kahan compensation slot and
+        stochastic rounding each carry them, and land where fp32 params do."""
+        n, steps, lr = 4096, 200, 1e-4
+        grad = torch.linspace(0.5, 1.5, n)
+        def run(make):
+            p = torch.ones(n, dtype=torch.bfloat16, requires_grad=True)
+            opt = make(p)
+            for _ in range(steps):
+                p.grad = grad.to(torch.bfloat16)
+                opt.step()
+            return p.detach().float(), opt
+        fp32 = torch.ones(n, requires_grad=True)
+        ref = torch.optim.AdamW([fp32], lr=lr, weight_decay=0)
+        for _ in range(steps):
+            fp32.grad = grad.to(torch.bfloat16).float()
+            ref.step()
+        target = fp32.detach()
+        naive, _ = run(lambda p: torch.optim.AdamW([p], lr=lr, weight_decay=0))
+        self.assertTrue(torch.equal(naive, torch.ones(n)), "bf16 round-to-nearest should lose every step")
+        for master in ("fp32", "kahan", "stochastic"):
+            for state in (torch.float32, torch.int8):
+                with self.subTest(master=master, state=state):
+                    got, opt = run(lambda p: tierstate_torch.AdamW([p], lr=lr, weight_decay=0, master=master,
+                                                                   state_dtype=state))
+                    slots = opt._shards[next(iter(opt._shards))].slot_names()
+                    self.assertEqual("master" in slots, master == "fp32")
+                    self.assertEqual("compensation" in slots, master == "kahan")
+                    spacing = 2.0 ** -8  # bf16's below 1.0
+                    if master == "stochastic":
+                        # Unbiased: the mean lands. Each element is a random walk of 200 roundings
+                        # of about 1e-4 within a spacing: a spread of about
+                        # sqrt(200 * 1e-4 * 2^-8) = 0.009 (round-to-nearest would be off by 0.02).
+                        err = got - target
+                        self.assertLess(abs(err.mean().item()), 2e-4)
+                        self.assertLess(err.std().item(), 0.013)
+                        self.assertLess(err.abs().max().item(), 0.06)
+                        p2, _ = run(lambda p: tierstate_torch.AdamW([p], lr=lr, weight_decay=0, master=master,
+                                                                    state_dtype=state))
+                        self.assertTrue(torch.equal(got, p2), "stochastic rounding is seeded: the same bits again")
+                    else:  # the nearest bf16 of the fp32 result, or the next one
+                        self.assertLessEqual((got - target).abs().max().item(), spacing)
+                        self.assertLess((got - target).abs().mean().item(), spacing / 2)
+                    opt.close()
+
+    def test_compact_state_is_refused_where_it_is_not_built(self):
+        w32 = torch.zeros(8, requires_grad=True)
+        w16 = torch.zeros(8, dtype=torch.bfloat16, requires_grad=True)
+        with self.assertRaisesRegex(ValueError, "master='kahan' is for bfloat16 params"):
+            tierstate_torch.AdamW([w32], master="kahan")
+        with self.assertRaisesRegex(ValueError, "master='kahan' is for bfloat16 params"):
+            tierstate_torch.AdamW([{"params": [w16]}, {"params": [w32], "master": "kahan"}])
+        with self.assertRaisesRegex(ValueError, "master must be one of"):
+            tierstate_torch.AdamW([w16], master="fp16")
+        with self.assertRaisesRegex(ValueError, "state_dtype must be torch.float32, torch.bfloat16 or torch.int8"):
+            tierstate_torch.AdamW([w16], state_dtype=torch.float16)
+        with self.assertRaisesRegex(ValueError, "min_8bit_size must be an int >= 0"):
+            tierstate_torch.AdamW([w16], state_dtype=torch.int8, min_8bit_size=-1)
+        with self.assertRaisesRegex(ValueError, "built for AdamW without amsgrad"):
+            tierstate_torch.SGD([w16], lr=0.1, momentum=0.9, state_dtype=torch.int8)
+        with self.assertRaisesRegex(ValueError, "built for AdamW without amsgrad"):
+            tierstate_torch.AdamW([w16], amsgrad=True, master="stochastic")
+        # Per group: a group of 8-bit state beside one of fp32, one shard each; with
+        # max_grad_norm that is refused, saying how to keep one shard.
+        big = torch.zeros(5000, requires_grad=True)
+        opt = tierstate_torch.AdamW([big, w32], state_dtype="int8", max_grad_norm=1.0)
+        big.grad, w32.grad = torch.ones(5000), torch.ones(8)
+        with self.assertRaisesRegex(ValueError, "min_8bit_size=0 keeps"):
+            opt.step()
+        opt = tierstate_torch.AdamW([{"params": [big]}, {"params": [w32], "state_dtype": torch.bfloat16}],
+                                    state_dtype="int8", min_8bit_size=0)
+        opt.step()
+        self.assertEqual(len(opt.composition()), 2)
+        opt.close()
 
     def test_rules_by_name_with_their_tables_and_state_dicts_without_files(self):
         C = tierstate_torch.optim._ext()

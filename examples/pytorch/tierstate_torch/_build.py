@@ -116,6 +116,7 @@ def load_extension():
     common = ["-std=c++20", "-DNDEBUG"] + _include_flags() + _deps_cflags()
     host = shlex.split(os.environ.get("TIERSTATE_TORCH_CFLAGS", "-O3 -march=native"))
     sources = [_CSRC / "bindings.cpp", _CSRC / "rules.cpp"] + [_CSRC / f"shards_{r}.cpp" for r in _UNITS]
+    sources.append(_CSRC / "shards_adamw_compact.cpp")  # (host compute only)
     cflags = common + host + ["-Wno-deprecated-declarations"]
     cuda_cflags: list[str] = []
     if cuda:

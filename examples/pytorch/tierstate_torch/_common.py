@@ -22,6 +22,12 @@ def _ext():
 
 
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+#: state_dtype's choices (the moments: fp32, bf16, or 8-bit blocks), as dtypes and as strings
+_STATE_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int8: "int8"}
+_STATE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                "bf16": torch.bfloat16, "int8": torch.int8}
+#: master's choices: an fp32 master, a bf16 Kahan compensation slot, or stochastic rounding
+_MASTERS = ("fp32", "kahan", "stochastic")
 _TIERS = ("pinned", "nvme", "device")
 _COMPUTES = ("host", "device")
 _POLICIES = ("skip_step", "report", "ignore")
@@ -47,9 +53,26 @@ def _table_values(group: dict[str, Any], names: list[str]) -> tuple:
     return tuple(values)
 
 
+def _state_dtype(x: Any, what: str) -> torch.dtype:
+    """A state_dtype given as a dtype or its name; ValueError naming `what` otherwise."""
+    if isinstance(x, str) and x in _STATE_NAMES:
+        return _STATE_NAMES[x]
+    if isinstance(x, torch.dtype) and x in _STATE_DTYPES:
+        return x
+    raise ValueError(f"tierstate_torch: {what} must be torch.float32, torch.bfloat16 or torch.int8 (or "
+                     f"'float32', 'bfloat16', 'int8'), not {x!r}")
+
+
+def _format_suffix(key: tuple) -> str:
+    """A shard key's state format where it is not the default (fp32 state, fp32 master)."""
+    state, master = key[2], key[3]
+    return ((f", {_STATE_DTYPES[state]} state" if state != torch.float32 else "") +
+            (f", {master} master" if master != "fp32" else ""))
+
+
 def _key_name(key: tuple) -> str:
-    """A shard's name for messages (its dtype and device)."""
-    return f"{_DTYPES[key[0]]}@{key[1]}"
+    """A shard's name for messages: its dtype and device, and its state's format."""
+    return f"{_DTYPES[key[0]]}@{key[1]}{_format_suffix(key)}"
 
 
 def _on(device: torch.device):

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ._common import _DTYPES, _FORMAT, _key_name, _number, _on
+from ._common import _DTYPES, _FORMAT, _format_suffix, _key_name, _number, _on
 
 
 class _StateDicts:
@@ -29,7 +29,9 @@ class _StateDicts:
         return sd
 
     def _saved_name(self, key: tuple) -> str:
-        return f"{_DTYPES[key[0]]}/{self._members[key][0]}"
+        # (a state format other than the default is named too: a state_dict of 8-bit state
+        # is refused by an optimizer of fp32 state, by name, before any checkpoint is read)
+        return f"{_DTYPES[key[0]]}/{self._members[key][0]}{_format_suffix(key)}"
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Takes a state_dict() of this class, or one of the torch optimizer it stands in for."""
@@ -211,6 +213,8 @@ class _StateDicts:
             with _on(key[1]):
                 if "master" in shard.slot_names():
                     shard.set_state(f"p{i}", "master", p.detach().reshape(-1))
+                if "compensation" in shard.slot_names():  # (torch keeps none: the param is exact)
+                    shard.set_state(f"p{i}", "compensation", torch.zeros(p.numel()))
                 for slot in slots:
                     value = plan[i][1].get(slot)
                     shard.set_state(f"p{i}", slot, torch.zeros(p.numel()) if value is None else value.reshape(-1))

@@ -41,6 +41,16 @@ What differs from torch.optim:
   in the middle of a streaming step (backward handed it gradients, its step() not yet
   called) is not replaced: making the newer one is refused until its step() has run.
   torch.optim optimizers are not tracked: close() a tierstate_torch one you swap for them.
+- Compact state (AdamW, compute="host"): `state_dtype=torch.int8` keeps the moments in 8-bit
+  blocks of 256 (bitsandbytes' blockwise dynamic maps, encoded to the nearest value; about
+  2.03 bytes per element for m and v instead of 8); tensors under `min_8bit_size` elements
+  (default 4096, as bitsandbytes) keep fp32 state. `torch.bfloat16` keeps them in bf16. For
+  bf16 params, `master="kahan"` drops the fp32 master for a bf16 compensation slot, and
+  `master="stochastic"` for nothing (each update rounded stochastically, deterministic for a
+  seed); `master="fp32"` (the default) keeps it. Each of the three may also be a param
+  group's key. `state_dict()`, `get_state()` and `torch_state_dict()` still give fp32
+  moments. Params of one format share a shard: several formats make several shards, as
+  several dtypes do.
 - `close()` removes the hooks and releases the state (pinned memory, the scratch file)
   without waiting for the garbage collector; every call but close() then raises.
 """
@@ -53,10 +63,17 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ._common import (_COMPUTES, _DTYPES, _POLICIES, _TIERS, _ext, _key_name, _number, _on, _stream,
-                      _table_values)
+from ._common import (_COMPUTES, _DTYPES, _MASTERS, _POLICIES, _TIERS, _ext, _key_name, _number, _on,
+                      _state_dtype, _stream, _table_values)
 from ._ownership import _Ownership
 from ._state_dict import _StateDicts
+
+
+def _one_format_hint(shards: dict[tuple, Any]) -> str:
+    """Where only min_8bit_size split the params: how to keep them in one shard."""
+    if len({k[:2] for k in shards}) == 1 and {k[2] for k in shards} == {torch.int8, torch.float32}:
+        return " (min_8bit_size=0 keeps every tensor's state in 8 bits, in one shard)"
+    return ""
 
 
 class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
@@ -114,7 +131,9 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         tier: str = "pinned",
         path: str | os.PathLike | None = None,
         compute: str = "host",
-        state_dtype: torch.dtype = torch.float32,
+        state_dtype: torch.dtype | str = torch.float32,
+        master: str = "fp32",
+        min_8bit_size: int = 4096,
         chunk_elements: int = 1 << 20,
         threads: int = 0,
         max_grad_norm: float | None = None,
@@ -139,8 +158,11 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         if tier == "device" and compute != "device":
             raise ValueError(f"{name}: tier='device' keeps the state where compute='device' updates it: "
                              "pass compute='device' (or offload to tier='pinned' or 'nvme')")
-        if state_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"{name}: state_dtype must be torch.float32 or torch.bfloat16, not {state_dtype}")
+        state_dtype = _state_dtype(state_dtype, f"{name}: state_dtype")
+        if master not in _MASTERS:
+            raise ValueError(f"{name}: master must be one of {_MASTERS}, not {master!r}")
+        if not (isinstance(min_8bit_size, int) and not isinstance(min_8bit_size, bool) and min_8bit_size >= 0):
+            raise ValueError(f"{name}: min_8bit_size must be an int >= 0, not {min_8bit_size!r}")
         if on_nonfinite not in _POLICIES:
             raise ValueError(f"{name}: on_nonfinite must be one of {_POLICIES}, not {on_nonfinite!r}")
         if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
@@ -163,7 +185,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                              chunk_elements=int(chunk_elements), threads=int(threads),
                              max_grad_norm=float(max_grad_norm or 0.0), on_nonfinite=on_nonfinite,
                              delayed_update=bool(delayed_update))
-        self._state_dtype = state_dtype
+        self._format = dict(state_dtype=state_dtype, master=master, min_8bit_size=min_8bit_size)
         self._emulated = os.environ.get("TIERSTATE_TORCH_EMULATED_DEVICE") == "1"
         # The rule, by name (its hyper-parameter table comes from the extension when it is built).
         self._rule = self._rule_name()
@@ -204,9 +226,42 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                 self.param_groups.pop()  # refused: the groups stay as they were
                 raise
 
+    def _group_format(self, group: dict[str, Any]) -> tuple[torch.dtype, str, int]:
+        """The group's state_dtype, master and min_8bit_size (its own keys, else the optimizer's)."""
+        name = type(self).__name__
+        state = _state_dtype(group.get("state_dtype", self._format["state_dtype"]), f"{name}: a param group's state_dtype")
+        master = group.get("master", self._format["master"])
+        if master not in _MASTERS:
+            raise ValueError(f"{name}: a param group's master must be one of {_MASTERS}, not {master!r}")
+        least = group.get("min_8bit_size", self._format["min_8bit_size"])
+        if not (isinstance(least, int) and not isinstance(least, bool) and least >= 0):
+            raise ValueError(f"{name}: a param group's min_8bit_size must be an int >= 0, not {least!r}")
+        return state, master, least
+
+    def _format_of(self, group: dict[str, Any], p: torch.Tensor) -> tuple[torch.dtype, str]:
+        """A param's state format: its group's, with fp32 state below min_8bit_size elements."""
+        state, master, least = self._group_format(group)
+        if state == torch.int8 and p.numel() < least:
+            state = torch.float32
+        return state, master
+
     def _check_group(self, group: dict[str, Any]) -> None:
         name = type(self).__name__
         self._check_rule_group(group)
+        state, master, _ = self._group_format(group)
+        if state == torch.int8 or master != "fp32":
+            what = "state_dtype=torch.int8" if state == torch.int8 else f"master={master!r}"
+            if self._rule != "adamw":
+                raise ValueError(f"{name}: {what} is built for AdamW without amsgrad (this optimizer's rule is "
+                                 f"{self._rule!r})")
+            if self._options["compute"] != "host":
+                raise ValueError(f"{name}: {what} is built for compute='host' (the 8-bit and compensated "
+                                 "compositions are not in the extension's device build)")
+        if master != "fp32":
+            for p in group["params"]:
+                if p.dtype != torch.bfloat16:
+                    raise ValueError(f"{name}: master={master!r} is for bfloat16 params (the param is its own "
+                                     f"master); a param group with it has a {p.dtype} param")
         for p in group["params"]:
             if self._options["compute"] == "device" and p.device.type == "cpu" and not self._emulated:
                 raise ValueError(f"{name}: compute='device' updates CUDA parameters; a parameter is on cpu "
@@ -250,6 +305,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         self._where: list[tuple[tuple, int]] = []  # per global index: (shard key, tensor)
         members: dict[tuple, list[int]] = {}
         defaults = self._hyper(self.defaults)
+        group_of = [g for g in self.param_groups for _ in g["params"]]
         for i, p in enumerate(params):
             if not p.is_contiguous():
                 raise ValueError(f"{name}: parameter {i} is not contiguous")
@@ -259,12 +315,12 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
             if self._options["compute"] == "device" and not self._device_params(p):
                 raise ValueError(f"{name}: compute='device' updates CUDA parameters; parameter {i} is on "
                                  f"{p.device} (use compute='host')")
-            key = (p.dtype, p.device)
+            key = (p.dtype, p.device, *self._format_of(group_of[i], p))
             if key not in shards:
                 with _on(p.device):
                     shards[key] = C.Shard(
                         rule=self._rule, param_dtype=p.dtype,
-                        state_dtype=self._state_dtype, device_params=self._device_params(p),
+                        state_dtype=key[2], master=key[3], device_params=self._device_params(p),
                         defaults=list(defaults), **self._options)
                 members[key] = []
             with _on(p.device):
@@ -275,24 +331,25 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         i = 0
         for gi, group in enumerate(self.param_groups):
             by_key: dict[tuple, list[str]] = {}
-            for p in group["params"]:
-                by_key.setdefault((p.dtype, p.device), []).append(f"p{i}")
+            for _ in group["params"]:
+                by_key.setdefault(self._where[i][0], []).append(f"p{i}")
                 i += 1
             for key, names in by_key.items():
                 self._group_ids[(key, gi)] = shards[key].add_group(list(self._hyper(group)), names)
         if len(shards) > 1 and self._options["max_grad_norm"] > 0:
-            raise ValueError(f"{name}: max_grad_norm with parameters of several dtypes or devices "
-                             f"({', '.join(_key_name(k) for k in shards)}): clip with "
-                             "torch.nn.utils.clip_grad_norm_ before step() instead")
+            raise ValueError(f"{name}: max_grad_norm with parameters of several dtypes, devices or state "
+                             f"formats ({'; '.join(_key_name(k) for k in shards)}): clip with "
+                             "torch.nn.utils.clip_grad_norm_ before step() instead"
+                             f"{_one_format_hint(shards)}")
         if len(shards) > 1 and self._overlap:
-            raise ValueError(f"{name}: overlap_backward with parameters of several dtypes or devices "
-                             f"({', '.join(_key_name(k) for k in shards)}): each would check its own "
+            raise ValueError(f"{name}: overlap_backward with parameters of several dtypes, devices or state "
+                             f"formats ({'; '.join(_key_name(k) for k in shards)}): each would check its own "
                              "gradients for inf/NaN and could step while another skips; use one dtype, "
-                             "or overlap_backward=False")
+                             f"or overlap_backward=False{_one_format_hint(shards)}")
         self._shards = shards
         self._members = members
         self._versions = [p._version for p in params]
-        self._masters = any("master" in shard.slot_names() for shard in shards.values())
+        self._masters = any({"master", "compensation"} & set(shard.slot_names()) for shard in shards.values())
         if self._overlap:  # (the hooks: _install_hooks, once the params are this optimizer's)
             self._arrivals = [0] * len(params)
             self._grad_versions: list[int | None] = [None] * len(params)
@@ -314,7 +371,9 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         clamp, an EMA swap: anything that bumps its version counter; not edits through
         `.data`, which bypass it) gets its fp32 master from it where the two now disagree, so
         the next update starts from the param the user sees, as torch's would. Elements the
-        edit left as they were keep their master's full precision."""
+        edit left as they were keep their master's full precision. A bf16 param with a Kahan
+        compensation slot instead (master="kahan") has its compensation zeroed: the edited
+        param is exact as it is."""
         params = self._params()
         for i, p in enumerate(params):
             if p._version != self._versions[i]:
@@ -327,6 +386,9 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                         edited = master.to(p.dtype) != now
                         if bool(edited.any()):
                             shard.set_state(f"p{i}", "master", torch.where(edited, now.float(), master))
+                if "compensation" in shard.slot_names():
+                    with _on(key[1]):
+                        shard.set_state(f"p{i}", "compensation", torch.zeros(p.numel()))
                 self._versions[i] = p._version
 
     def _note_versions(self) -> None:
@@ -335,7 +397,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
     def _check_memory(self) -> None:
         for i, p in enumerate(self._params()):
             key, t = self._where[i]
-            if (p.dtype, p.device) != key or not self._shards[key].same_memory(t, p):
+            if (p.dtype, p.device) != key[:2] or not self._shards[key].same_memory(t, p):
                 raise RuntimeError(
                     f"{type(self).__name__}: parameter {i} is no longer the memory it was registered with "
                     "(moved with .to(), or its .data replaced): make the optimizer after the model is in place")

@@ -32,6 +32,15 @@ namespace {
   }
 }
 
+/// state_dtype: float32, bfloat16, or int8 (8-bit blockwise moments).
+[[nodiscard]] dtype to_state_dtype(at::ScalarType t)
+{
+  if (t == at::kChar) { return dtype::i8; }
+  if (t == at::kFloat || t == at::kBFloat16) { return to_dtype(t, "state_dtype"); }
+  throw std::invalid_argument("tierstate_torch: state_dtype must be float32, bfloat16 or int8, not " +
+                              std::string(c10::toString(t)));
+}
+
 [[nodiscard]] at::ScalarType to_scalar(dtype d)
 {
   return d == dtype::f32 ? at::kFloat : d == dtype::bf16 ? at::kBFloat16 : at::kHalf;
@@ -338,7 +347,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     "A rule's hyper-parameter table (names in order, defaults) and slots");
 
   py::class_<tt::py_shard>(m, "Shard")
-    .def(py::init([](std::string rule, at::ScalarType param, at::ScalarType state,
+    .def(py::init([](std::string rule, at::ScalarType param, at::ScalarType state, std::string master,
                      std::string tier, std::string compute, bool device_params, std::string directory,
                      std::size_t chunk_elements,
                      std::size_t threads, double max_grad_norm, std::string on_nonfinite,
@@ -346,7 +355,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
            tt::config c;
            c.rule           = std::move(rule);
            c.param          = tt::to_dtype(param, "the parameter dtype");
-           c.state          = tt::to_dtype(state, "state_dtype");
+           c.state          = tt::to_state_dtype(state);
+           c.master         = std::move(master);
            c.tier           = std::move(tier);
            c.compute        = std::move(compute);
            c.device_params  = device_params;
@@ -359,7 +369,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
            c.defaults       = defaults;
            return std::make_unique<tt::py_shard>(std::move(c));
          }),
-         py::arg("rule"), py::arg("param_dtype"), py::arg("state_dtype"),
+         py::arg("rule"), py::arg("param_dtype"), py::arg("state_dtype"), py::arg("master"),
          py::arg("tier"), py::arg("compute"), py::arg("device_params"), py::arg("directory"), py::arg("chunk_elements"), py::arg("threads"),
          py::arg("max_grad_norm"), py::arg("on_nonfinite"), py::arg("delayed_update"), py::arg("defaults"))
     .def("add_tensor", &tt::py_shard::add_tensor)

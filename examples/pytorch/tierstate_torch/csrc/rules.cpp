@@ -15,11 +15,14 @@ struct rule_entry {
   rule_info (*info)();
   std::unique_ptr<shard> (*on_host)(config const&);
   std::unique_ptr<shard> (*on_device)(config const&);
+  /// The compact precisions (state i8, master "kahan" or "stochastic") with OnHost; null where
+  /// this build has none for the rule.
+  std::unique_ptr<shard> (*compact)(config const&) = nullptr;
 };
 
 constexpr std::array<rule_entry, 8> rules{{
   {"adam", adam_info, make_adam_shard, make_adam_device_shard},
-  {"adamw", adamw_info, make_adamw_shard, make_adamw_device_shard},
+  {"adamw", adamw_info, make_adamw_shard, make_adamw_device_shard, make_adamw_compact_shard},
   {"adam_amsgrad", adam_amsgrad_info, make_adam_amsgrad_shard, make_adam_amsgrad_device_shard},
   {"adamw_amsgrad", adamw_amsgrad_info, make_adamw_amsgrad_shard, make_adamw_amsgrad_device_shard},
   {"sgd", sgd_info, make_sgd_shard, make_sgd_device_shard},
@@ -52,10 +55,18 @@ rule_info rule_table(std::string const& rule) { return find(rule).info(); }
 std::unique_ptr<shard> make_shard(config const& c)
 {
   auto const& r = find(c.rule);
-  if (c.compute == "device") { return r.on_device(c); }
-  if (c.compute != "host") {
+  if (c.compute != "host" && c.compute != "device") {
     throw std::invalid_argument("tierstate_torch: compute must be 'host' or 'device', not '" + c.compute + "'");
   }
+  if (c.state == dtype::i8 || c.master != "fp32") {
+    if (r.compact == nullptr || c.compute != "host") {
+      std::string const what = c.state == dtype::i8 ? std::string("state_dtype int8") : "master '" + c.master + "'";
+      throw std::invalid_argument("tierstate_torch: " + what + " is built for rule 'adamw' with compute 'host'; this is "
+                                  "rule '" + c.rule + "' with compute '" + c.compute + "'");
+    }
+    return r.compact(c);
+  }
+  if (c.compute == "device") { return r.on_device(c); }
   return r.on_host(c);
 }
 

@@ -18,7 +18,8 @@
 
 namespace tierstate_torch {
 
-enum class dtype : std::uint8_t { f32, bf16, f16 };
+/// A param's dtype, or the state's (i8: 8-bit blockwise moments, codecs/dynamic8.hpp).
+enum class dtype : std::uint8_t { f32, bf16, f16, i8 };
 
 /// One param group's hyper-parameters: one number per row of the rule's table
 /// (rules/rule.hpp), in the table's order (a flag as 0 or 1).
@@ -37,7 +38,10 @@ struct rule_info {
 struct config {
   std::string rule      = "adamw";  ///< a rule's name: rule_names()
   dtype param           = dtype::f32;  ///< params and grads
-  dtype state           = dtype::f32;  ///< m and v (f32 or bf16)
+  dtype state           = dtype::f32;  ///< m and v: f32, bf16 or i8 (8-bit blocks)
+  /// bf16 params: "fp32" (an fp32 master), "kahan" (Compensated: a bf16 compensation slot) or
+  /// "stochastic" (StochasticRounding: the param alone). Other params: "fp32".
+  std::string master    = "fp32";
   std::string tier      = "pinned";  ///< "pinned" (PinnedHost), "nvme" (NvmeFile), "device" (Device)
   std::string compute   = "host";    ///< "host" (OnHost, xsimd) or "device" (OnDevice, Thrust)
   bool device_params    = false;     ///< params and grads in device memory (CudaOverlapped)
@@ -153,6 +157,9 @@ std::unique_ptr<shard> make_lion_shard(config const& c);
 std::unique_ptr<shard> make_sgd_device_shard(config const& c);
 std::unique_ptr<shard> make_sgd_momentum_device_shard(config const& c);
 std::unique_ptr<shard> make_lion_device_shard(config const& c);
+/// AdamW's compact compositions (state i8, or master "kahan" or "stochastic"), OnHost only:
+/// shards_adamw_compact.cpp.
+std::unique_ptr<shard> make_adamw_compact_shard(config const& c);
 rule_info adafactor_info();
 std::unique_ptr<shard> make_adafactor_shard(config const& c);
 std::unique_ptr<shard> make_adafactor_device_shard(config const& c);

@@ -9,6 +9,7 @@
 #include <tierstate/tierstate.hpp>
 
 #include <stdexcept>
+#include <type_traits>
 #include <string>
 #include <vector>
 
@@ -221,7 +222,11 @@ std::unique_ptr<shard> for_rule(config const& c)
   using tierstate::Precision;
   bool const bf16_state = c.state == dtype::bf16;
   if (c.state == dtype::f16) {
-    throw std::invalid_argument("tierstate_torch: state_dtype must be float32 or bfloat16, not float16");
+    throw std::invalid_argument("tierstate_torch: state_dtype must be float32, bfloat16 or int8, not float16");
+  }
+  if (c.state == dtype::i8 || c.master != "fp32") {  // (make_shard sends these to for_rule_compact)
+    throw std::invalid_argument("tierstate_torch: state_dtype int8 and master '" + c.master + "' are built for rule "
+                                "'adamw' with compute 'host' (this is rule '" + c.rule + "', compute '" + c.compute + "')");
   }
   // A rule without slots (SGD without momentum) keeps no state for state_dtype to choose.
   auto make = [&]<class Param>() {
@@ -234,8 +239,60 @@ std::unique_ptr<shard> for_rule(config const& c)
     case dtype::f32: return make.template operator()<float>();
     case dtype::bf16: return make.template operator()<bf16>();
     case dtype::f16: return make.template operator()<fp16>();
+    case dtype::i8: break;
   }
   throw std::invalid_argument("tierstate_torch: unknown param dtype");
+}
+
+/// The 8-bit state of a rule's slots: the signed map for a first moment or momentum, the
+/// unsigned one for a second moment (a rule with two slots keeps m, then v).
+template <class Rule>
+using eight_bit_state = std::conditional_t<Rule::slots.size() == 2,
+                                           tierstate::slot_codecs<tierstate::codecs::dynamic8, tierstate::codecs::udynamic8>,
+                                           tierstate::codecs::dynamic8>;
+
+/// The compact precisions (for_rule has the others): m and v in 8-bit blocks (any param
+/// dtype, an fp32 master for bf16 and fp16 params), or bf16 params without an fp32 master
+/// (a Kahan compensation slot, or stochastic rounding) with fp32, bf16 or 8-bit state.
+template <class Rule, class Compositions>
+std::unique_ptr<shard> for_rule_compact(config const& c)
+{
+  using tierstate::bf16;
+  using tierstate::fp16;
+  using tierstate::Precision;
+  static_assert(Rule::slots.size() == 1 || Rule::slots.size() == 2);
+  if (c.state == dtype::f16) {
+    throw std::invalid_argument("tierstate_torch: state_dtype must be float32, bfloat16 or int8, not float16");
+  }
+  if (c.master != "fp32" && c.master != "kahan" && c.master != "stochastic") {
+    throw std::invalid_argument("tierstate_torch: master must be 'fp32', 'kahan' or 'stochastic', not '" + c.master + "'");
+  }
+  if (c.master != "fp32" && c.param != dtype::bf16) {
+    throw std::invalid_argument("tierstate_torch: master '" + c.master + "' is for bfloat16 params (the param is "
+                                "its own master); a " + std::string(c.param == dtype::f32 ? "float32" : "float16") +
+                                " param takes master 'fp32'");
+  }
+  // An fp32 master with fp32 or bf16 state is for_rule's: not instantiated here again.
+  auto make = [&]<class Param, class Master>() -> std::unique_ptr<shard> {
+    if (c.state == dtype::i8) {
+      return Compositions::template make<Rule, Precision<Param, Param, Master, eight_bit_state<Rule>>>(c);
+    }
+    if constexpr (!std::is_same_v<Master, float>) {
+      if (c.state == dtype::bf16) { return Compositions::template make<Rule, Precision<Param, Param, Master, bf16>>(c); }
+      return Compositions::template make<Rule, Precision<Param, Param, Master, float>>(c);
+    }
+    throw std::logic_error("tierstate_torch: for_rule_compact with an fp32 master and fp32 or bf16 state");
+  };
+  switch (c.param) {
+    case dtype::f32: return make.template operator()<float, float>();
+    case dtype::f16: return make.template operator()<fp16, float>();
+    case dtype::bf16:
+      if (c.master == "kahan") { return make.template operator()<bf16, tierstate::Compensated>(); }
+      if (c.master == "stochastic") { return make.template operator()<bf16, tierstate::StochasticRounding>(); }
+      return make.template operator()<bf16, float>();
+    case dtype::i8: break;
+  }
+  throw std::invalid_argument("tierstate_torch: a parameter dtype must be float32, bfloat16 or float16");
 }
 
 }  // namespace detail
