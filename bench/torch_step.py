@@ -40,6 +40,12 @@ placements of its median over torch_fused's in the same placement (`placement_ra
   when deepspeed imports and its CPU Adam op builds (torch's JIT build, on first use, into
   TORCH_EXTENSIONS_DIR: `op_first_use_seconds` is how long that first use took, build
   included where it was not cached; `import_seconds` the import); otherwise the row says
+  "skipped" and why;
+- tierstate_pinned_int8: tierstate_torch.AdamW(state_dtype=torch.int8) in PinnedHost
+  (checked): m and v in 8-bit blocks of 256, tensors under 4096 elements (min_8bit_size, as
+  bitsandbytes) in fp32; bf16 params keep their fp32 master;
+- bnb_adamw8bit: opt.step() of bitsandbytes.optim.AdamW8bit (its CPU kernels: blocks of 256,
+  min_8bit_size 4096; bf16 params without a master) when bitsandbytes imports; otherwise
   "skipped" and why.
 Every row uses lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1. `samples` are the
 rounds' seconds, placement after placement.
@@ -115,7 +121,8 @@ import tierstate_torch  # noqa: E402
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 STEP_ROWS = ("torch_single_tensor", "torch_foreach", "torch_fused", "torch_fused_gradscaler", "tierstate_pinned",
-             "tierstate_pinned_unchecked", "tierstate_nvme", "deepspeed_cpu_adam")
+             "tierstate_pinned_unchecked", "tierstate_nvme", "deepspeed_cpu_adam", "tierstate_pinned_int8",
+             "bnb_adamw8bit")
 OVERLAP_REFERENCE = "tierstate_overlap_update_unchecked"
 OVERLAP_ROWS = (OVERLAP_REFERENCE, "tierstate_overlap_checked", "tierstate_overlap_ignore")
 TARGETS = {"tierstate_overlap_checked": 1.10, "tierstate_overlap_ignore": 0.10}
@@ -175,6 +182,17 @@ class Row:
 
 
 _deepspeed: dict[str, Any] = {}  # the import and the op's first use, once per process
+
+
+def bnb_optimizer(params: list[torch.Tensor]) -> tuple[Any, dict[str, Any]]:
+    """bitsandbytes.optim.AdamW8bit over `params`, or None and why not."""
+    try:
+        with stdout_to_stderr():
+            import bitsandbytes
+            opt = bitsandbytes.optim.AdamW8bit(params, **HYPER)
+    except Exception as e:  # noqa: BLE001 (not installed, or no CPU backend here)
+        return None, {"skipped": f"bitsandbytes.optim.AdamW8bit: {type(e).__name__}: {e}"[:500]}
+    return opt, {"bitsandbytes": bitsandbytes.__version__}
 
 
 def deepspeed_optimizer(params: list[torch.Tensor]) -> tuple[Any, dict[str, Any]]:
@@ -276,6 +294,29 @@ def step_rows(wanted: set[str], base: list[torch.Tensor], grads: list[torch.Tens
         rows.append(Row(name, opt, params, opt.step, ts_keeps, ts_state, ts_traffic + (size if checked else 0),
                         extra={"on_nonfinite": "skip_step" if checked else "ignore"}))
 
+    # 8-bit m and v: 2 x (256 codes + a float scale) / 256 bytes per element.
+    eight = 2 * (1 + 4 / 256)
+
+    def add_int8() -> None:
+        params = copies()
+        opt = tierstate_torch.AdamW(params, state_dtype=torch.int8, **HYPER)
+        # params (bf16: the fp32 master read and written, the param written), g read twice
+        # (the check), m and v read and written
+        p_traffic = 8 + size if low else 2 * size
+        rows.append(Row("tierstate_pinned_int8", opt, params, opt.step,
+                        ("fp32 master + " if low else "") + "8-bit moments (fp32 under 4096 elements)",
+                        round((4 if low else 0) + eight, 3), round(p_traffic + 2 * size + 2 * eight, 3),
+                        extra={"on_nonfinite": "skip_step"}))
+
+    def add_bnb() -> None:
+        params = copies()
+        opt, info = bnb_optimizer(params)
+        if opt is None:
+            skipped.append({"optimizer": "bnb_adamw8bit", **info})
+        else:  # p r/w, g r, m and v r/w
+            rows.append(Row("bnb_adamw8bit", opt, params, opt.step, "8-bit moments (fp32 under 4096 elements), no master",
+                            round(eight, 3), round(3 * size + 2 * eight, 3), extra=info))
+
     def add_deepspeed() -> None:
         params = copies()
         opt, info = deepspeed_optimizer(params)
@@ -297,6 +338,8 @@ def step_rows(wanted: set[str], base: list[torch.Tensor], grads: list[torch.Tens
                                                             on_nonfinite="ignore"),
         "tierstate_nvme": lambda: add_tierstate("tierstate_nvme", True, tier="nvme", path=scratch),
         "deepspeed_cpu_adam": add_deepspeed,
+        "tierstate_pinned_int8": add_int8,
+        "bnb_adamw8bit": add_bnb,
     }
     names = [n for n in STEP_ROWS if n in wanted or n == "torch_fused"]
     k = rotation % len(names)

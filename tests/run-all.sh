@@ -147,7 +147,7 @@ settle_prefetch() {
 }
 
 # torch_venv [deepspeed]: sets venv_path to a virtual environment with torch 2.11.0 and numpy,
-# made when missing. With "deepspeed" (bench-long alone: the pytorch stage does not need it),
+# made when missing. With "deepspeed" (bench-long alone: the pytorch stage does not need it; it brings bitsandbytes too),
 # DeepSpeed too (bench/torch_step.py's deepspeed_cpu_adam row), pip-installed into our own
 # environment when missing (about 75 s here); a TIERSTATE_TORCH_VENV is used as it is. Where
 # it is missing or does not install, that row says "skipped" and the stage goes on.
@@ -184,6 +184,13 @@ torch_venv() {
     else
       echo "TIERSTATE_TORCH_VENV=$venv has no deepspeed: torch_step.py's deepspeed_cpu_adam row will say skipped"
     fi
+  fi
+  # bitsandbytes too, for torch_step.py's bnb_adamw8bit row (its CPU kernels; --no-deps: it
+  # must not change torch).
+  if [ "${1:-}" = deepspeed ] && [ "$venv" = "$own" ] && ! "$venv/bin/python" -c "import bitsandbytes" >/dev/null 2>&1; then
+    echo "installing bitsandbytes==0.50.2 into $venv (for bench/torch_step.py's bnb_adamw8bit row)"
+    "$venv/bin/pip" install -q --disable-pip-version-check --no-deps bitsandbytes==0.50.2 packaging ||
+      echo "bitsandbytes did not install: torch_step.py's bnb_adamw8bit row will say skipped"
   fi
   return 0
 }
