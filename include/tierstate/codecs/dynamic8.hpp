@@ -26,7 +26,7 @@
 // not silently replaced by finite numbers). A block of zero bytes decodes to zeros.
 //
 // The host kernels encode and decode whole batches (kernels/host/detail/codec_simd.hpp): the
-// map's `bucket` table finds a value's code with two table lookups instead of a search, and
+// map's `bucket` table finds a value's code with one table lookup instead of a search, and
 // gives the same codes as encode() below.
 #pragma once
 
@@ -54,10 +54,14 @@ namespace tierstate::inline TIERSTATE_ABI::codecs {
 /// is no -1.0, so a magnitude nearest 1.0 takes the largest negative value). `value` is each
 /// code's value, in code order (ascending).
 ///
-/// `bucket[q]` is the number of midpoints below the smallest float whose bits shifted right
-/// by `bucket_shift` are `bucket_base` + q; no bucket holds two midpoints, so a magnitude's
-/// rung is bucket[q] + (midpoint[bucket[q]] < x), q clamped to [0, buckets - 1] (every
-/// magnitude below the first bucket, and above 1.0, then lands right).
+/// Bucket q holds the floats whose bits shifted right by `bucket_shift` are `bucket_base` + q
+/// (an exponent and 7 bits of mantissa). No bucket holds two midpoints, so `bucket[q]` packs
+/// the number of midpoints below the bucket (bits 17 and up) and the low 16 bits of the
+/// midpoint inside it (bits 0-16: 0xFFFF where there is none): a magnitude x in the bucket is
+/// at rung (bucket[q] >> 17) + ((bits of x & 0xFFFF) > (bucket[q] & 0x1FFFF)), its high bits
+/// being the midpoint's. q is clamped to [0, buckets - 1]: no midpoint lies in the first
+/// bucket or below it, nor in the last (1.0 and up), so the magnitudes clamped there land
+/// right whatever their low bits.
 struct dynamic_map {
   static constexpr int bucket_shift       = 16;  ///< keeps 7 bits of mantissa
   static constexpr std::int32_t bucket_base = (127 - 23) << 7;  ///< 2^-23: below it, rung 0
@@ -124,13 +128,19 @@ constexpr dynamic_map make_dynamic_map(bool is_signed)
   int below = 0;
   for (int q = 0; q < dynamic_map::buckets; ++q) {
     float const lo = std::bit_cast<float>((dynamic_map::bucket_base + q) << dynamic_map::bucket_shift);
+    float const hi = std::bit_cast<float>((dynamic_map::bucket_base + q + 1) << dynamic_map::bucket_shift);
     while (below < m.rungs && m.midpoint[below] < lo) { ++below; }
-    m.bucket[q] = below;
-    if (q + 1 < dynamic_map::buckets) {
-      float const hi = std::bit_cast<float>((dynamic_map::bucket_base + q + 1) << dynamic_map::bucket_shift);
-      // One midpoint at most in [lo, hi): else bucket[q] + 1 would not be enough.
-      if (below + 1 < m.rungs && m.midpoint[below + 1] < hi) { throw "dynamic_map: a bucket holds two midpoints"; }
+    bool const inside = below < m.rungs && m.midpoint[below] < hi;
+    if (inside && (q == 0 || q + 1 == dynamic_map::buckets)) {
+      throw "dynamic_map: a midpoint in the first or last bucket (whose clamped magnitudes are compared by their low bits)";
     }
+    // One midpoint at most in [lo, hi): else the packed comparison would not be enough.
+    if (inside && below + 1 < m.rungs && m.midpoint[below + 1] < hi) { throw "dynamic_map: a bucket holds two midpoints"; }
+    auto const low = inside ? static_cast<std::int32_t>(std::bit_cast<std::uint32_t>(m.midpoint[below]) & 0xFFFFu) : 0xFFFF;
+    m.bucket[q]    = below << 17 | low;
+  }
+  if (m.midpoint[0] < std::bit_cast<float>(dynamic_map::bucket_base << dynamic_map::bucket_shift)) {
+    throw "dynamic_map: a midpoint below the first bucket";
   }
   return m;
 }

@@ -4,9 +4,10 @@
 // stochastically (codecs/stochastic_rounding.hpp).
 //
 // A map codec (codecs/dynamic8.hpp: codes into a fixed map, times the block's scale)
-// decodes with one table gather per batch, and encodes with two: its bucket table, indexed by
-// the magnitude's exponent and leading mantissa bits, gives a rung, and one comparison with
-// that rung's midpoint settles the code. The codes are the ones the codec's encode() makes by
+// decodes with one table gather per batch, and encodes with one: its bucket table, indexed by
+// the magnitude's exponent and leading mantissa bits, gives the rungs below the bucket and the
+// low bits of the one midpoint inside it, and comparing the magnitude's low bits with those
+// settles the code. The codes are the ones the codec's encode() makes by
 // binary search (tests/test_dynamic8.cpp compares them at every midpoint), so a block's bytes
 // do not depend on which path wrote it, nor on host or device.
 #pragma once
@@ -166,16 +167,17 @@ TIERSTATE_ALWAYS_INLINE void encode_block(float const* in, std::size_t n, std::b
     }
     F const inv(inverse);
     I const zero(m.zero_code), first(0), last(codecs::dynamic_map::buckets - 1), base(codecs::dynamic_map::bucket_base);
+    I const low16(0xFFFF), low17(0x1FFFF);
     for (std::size_t i = 0; i < whole; i += N) {
       F const x  = F::load_unaligned(in + i) * inv;
       F const ax = xsimd::abs(x);
-      I const q  = xsimd::min(xsimd::max((bit_cast<std::int32_t>(ax) >> codecs::dynamic_map::bucket_shift) - base, first), last);
-      I const e  = gather<A>(m.bucket, q);
-      // e + 1 where the rung's midpoint lies below (a lane of bits 1 where the mask is set).
-      F const one_bit = bit_cast<float>(I(1)), no_bit(0.0f);
-      I const k       = e + bit_cast<std::int32_t>(xsimd::select(gather<A>(m.midpoint, e) < ax, one_bit, no_bit));
+      I const bits = bit_cast<std::int32_t>(ax);
+      I const q    = xsimd::min(xsimd::max((bits >> codecs::dynamic_map::bucket_shift) - base, first), last);
+      I const e    = gather<A>(m.bucket, q);
+      // The rungs below the bucket, + 1 where the bucket's midpoint lies below.
+      I const k    = (e >> 17) + xsimd::select((bits & low16) > (e & low17), I(1), first);
       if constexpr (C::is_signed) {
-        auto const negative = bit_cast<std::int32_t>(xsimd::select(x < no_bit, one_bit, no_bit)) != first;
+        auto const negative = bit_cast<std::int32_t>(x) < first;  // the sign bit (-0 encodes as +0 either way)
         store_u8<A>(codes + i, xsimd::select(negative, zero - xsimd::min(k, zero), zero + k));
       } else {
         store_u8<A>(codes + i, k);
