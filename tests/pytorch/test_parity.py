@@ -515,11 +515,10 @@ class Parity(unittest.TestCase):
             opt.load_state_dict(sd)
         self.assertEqual(opt.step_count(next(model.parameters())), before)
         # A tierstate state_dict that does not fit changes nothing, the param groups included:
-        # of another state format, refused by the format's name; of other params, by the
-        # checkpoint's own check.
+        # of bf16 state, or of other params, refused by the checkpoint's own check (8-bit
+        # state is refused by name before: test_int8_state_is_blockwise_8bit_adamw).
         other = tierstate_torch.AdamW(groups(copy.deepcopy(model)), lr=0.07, state_dtype=torch.bfloat16)
-        with self.assertRaisesRegex(ValueError, r"for parameters of \['float32/0'\]; this optimizer's are "
-                                                r"\['float32/0, bfloat16 state'\]"):
+        with self.assertRaisesRegex(Exception, "checkpoint of the float32@cpu, bfloat16 state parameters"):
             other.load_state_dict(opt.state_dict())
         self.assertEqual(other.param_groups[0]["lr"], 0.07)
         wider = copy.deepcopy(model)
@@ -527,7 +526,6 @@ class Parity(unittest.TestCase):
         other = tierstate_torch.AdamW(groups(wider), lr=0.07)
         with self.assertRaisesRegex(Exception, "checkpoint of the float32@cpu parameters"):
             other.load_state_dict(opt.state_dict())
-        self.assertEqual(other.param_groups[0]["lr"], 0.07)
         self.assertEqual(other.param_groups[0]["lr"], 0.07)
 
     def test_conditional_compute_keeps_torch_per_param_step_counts(self):
@@ -880,6 +878,7 @@ class Parity(unittest.TestCase):
                     got, opt = run(lambda p: tierstate_torch.AdamW([p], lr=lr, weight_decay=0, master=master,
                                                                    state_dtype=state))
                     slots = opt._shards[next(iter(opt._shards))].slot_names()
+                    self.assertEqual("dynamic8" in opt.composition()[0], state == torch.int8)
                     self.assertEqual("master" in slots, master == "fp32")
                     self.assertEqual("compensation" in slots, master == "kahan")
                     spacing = 2.0 ** -8  # bf16's below 1.0
@@ -887,8 +886,9 @@ class Parity(unittest.TestCase):
                         # Unbiased: the mean lands. Each element is a random walk of 200 roundings
                         # of about 1e-4 within a spacing: a spread of about
                         # sqrt(200 * 1e-4 * 2^-8) = 0.009 (round-to-nearest would be off by 0.02).
+                        # The mean of 4096 such walks: within 6e-4 (4.4 standard errors).
                         err = got - target
-                        self.assertLess(abs(err.mean().item()), 2e-4)
+                        self.assertLess(abs(err.mean().item()), 6e-4)
                         self.assertLess(err.std().item(), 0.013)
                         self.assertLess(err.abs().max().item(), 0.06)
                         p2, _ = run(lambda p: tierstate_torch.AdamW([p], lr=lr, weight_decay=0, master=master,

@@ -63,10 +63,13 @@ def _state_dtype(x: Any, what: str) -> torch.dtype:
                      f"'float32', 'bfloat16', 'int8'), not {x!r}")
 
 
-def _format_suffix(key: tuple) -> str:
-    """A shard key's state format where it is not the default (fp32 state, fp32 master)."""
+def _format_suffix(key: tuple, compact_only: bool = False) -> str:
+    """A shard key's state format where it is not the default (fp32 state, fp32 master); with
+    `compact_only`, only 8-bit state and a master other than fp32 (a state_dict's shard names:
+    those of bf16 state kept the plain name, which checkpoints made before these formats have)."""
     state, master = key[2], key[3]
-    return ((f", {_STATE_DTYPES[state]} state" if state != torch.float32 else "") +
+    named = state == torch.int8 or (state != torch.float32 and not compact_only)
+    return ((f", {_STATE_DTYPES[state]} state" if named else "") +
             (f", {master} master" if master != "fp32" else ""))
 
 

@@ -29,9 +29,10 @@ class _StateDicts:
         return sd
 
     def _saved_name(self, key: tuple) -> str:
-        # (a state format other than the default is named too: a state_dict of 8-bit state
-        # is refused by an optimizer of fp32 state, by name, before any checkpoint is read)
-        return f"{_DTYPES[key[0]]}/{self._members[key][0]}{_format_suffix(key)}"
+        # (8-bit state and a master other than fp32 are named too: a state_dict of 8-bit state
+        # is refused by an optimizer of fp32 state, by name, before any checkpoint is read; bf16
+        # state keeps the plain name, as before them, and its checkpoint's own check refuses it)
+        return f"{_DTYPES[key[0]]}/{self._members[key][0]}{_format_suffix(key, compact_only=True)}"
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Takes a state_dict() of this class, or one of the torch optimizer it stands in for."""

@@ -69,9 +69,12 @@ from ._ownership import _Ownership
 from ._state_dict import _StateDicts
 
 
-def _one_format_hint(shards: dict[tuple, Any]) -> str:
-    """Where only min_8bit_size split the params: how to keep them in one shard."""
-    if len({k[:2] for k in shards}) == 1 and {k[2] for k in shards} == {torch.int8, torch.float32}:
+def _one_format_hint(shards: dict[tuple, Any], demoted: bool) -> str:
+    """Where min_8bit_size alone split the params (two shards, one of 8-bit state, the other
+    of the small tensors it left in fp32): how to keep them in one."""
+    keys = list(shards)
+    if demoted and len(keys) == 2 and {k[2] for k in keys} == {torch.int8, torch.float32} and \
+            len({(k[0], k[1], k[3]) for k in keys}) == 1:
         return " (min_8bit_size=0 keeps every tensor's state in 8 bits, in one shard)"
     return ""
 
@@ -242,6 +245,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         """A param's state format: its group's, with fp32 state below min_8bit_size elements."""
         state, master, least = self._group_format(group)
         if state == torch.int8 and p.numel() < least:
+            self._demoted = True
             state = torch.float32
         return state, master
 
@@ -306,6 +310,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         members: dict[tuple, list[int]] = {}
         defaults = self._hyper(self.defaults)
         group_of = [g for g in self.param_groups for _ in g["params"]]
+        self._demoted = False  # (set where min_8bit_size keeps a tensor's state in fp32)
         for i, p in enumerate(params):
             if not p.is_contiguous():
                 raise ValueError(f"{name}: parameter {i} is not contiguous")
@@ -340,12 +345,12 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
             raise ValueError(f"{name}: max_grad_norm with parameters of several dtypes, devices or state "
                              f"formats ({'; '.join(_key_name(k) for k in shards)}): clip with "
                              "torch.nn.utils.clip_grad_norm_ before step() instead"
-                             f"{_one_format_hint(shards)}")
+                             f"{_one_format_hint(shards, self._demoted)}")
         if len(shards) > 1 and self._overlap:
             raise ValueError(f"{name}: overlap_backward with parameters of several dtypes, devices or state "
                              f"formats ({'; '.join(_key_name(k) for k in shards)}): each would check its own "
                              "gradients for inf/NaN and could step while another skips; use one dtype, "
-                             f"or overlap_backward=False{_one_format_hint(shards)}")
+                             f"or overlap_backward=False{_one_format_hint(shards, self._demoted)}")
         self._shards = shards
         self._members = members
         self._versions = [p._version for p in params]
