@@ -544,9 +544,13 @@ void run_config(options const& o, std::string const& dir, std::vector<bf16>& par
 
   // One fio run at the engine's setting with every pattern, and one at each other best
   // setting with the patterns it is best for.
+  // A pattern's best is null where the state is smaller than every bs searched, or than its
+  // best bs, searched on a larger state (the first row searches; a compact row's state is
+  // smaller): fio refuses a file smaller than one block.
+  auto const best_fits = [&](std::size_t p) { return refs.best[p].bs != 0 && refs.best[p].bs <= target.size; };
   std::vector<std::pair<fio_setting, pattern_set>> runs = {{engine, pattern_set().set()}};
   for (std::size_t p = 0; refs.fio && p < pattern_count; ++p) {
-    if (refs.best[p].bs == 0) { continue; }  // a state smaller than every bs searched
+    if (!best_fits(p)) { continue; }
     auto const same = std::find_if(runs.begin(), runs.end(), [&](auto const& r) { return r.first == refs.best[p]; });
     if (same == runs.end()) {
       runs.push_back({refs.best[p], pattern_set().set(p)});
@@ -656,7 +660,7 @@ void run_config(options const& o, std::string const& dir, std::vector<bf16>& par
   for (auto const& [name, gb_s] : figures) { row.number(name + "_gb_s", gb_s); }
   for (std::size_t p = 0; p < pattern_count; ++p) {
     std::string const prefix = std::string("fio_") + patterns[p].name + "_best_";
-    bool const found         = refs.fio && refs.best[p].bs != 0;
+    bool const found         = refs.fio && best_fits(p);
     row.field(prefix + "bs", found ? std::to_string(refs.best[p].bs) : "null")
       .field(prefix + "iodepth", found ? std::to_string(refs.best[p].iodepth) : "null");
   }
