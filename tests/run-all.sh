@@ -147,7 +147,7 @@ settle_prefetch() {
 }
 
 # torch_venv [deepspeed]: sets venv_path to a virtual environment with torch 2.11.0 and numpy,
-# made when missing. With "deepspeed" (bench-long alone: the pytorch stage does not need it; it brings bitsandbytes too),
+# made when missing, with bitsandbytes. With "deepspeed" (bench-long alone: the pytorch stage does not need it),
 # DeepSpeed too (bench/torch_step.py's deepspeed_cpu_adam row), pip-installed into our own
 # environment when missing (about 75 s here); a TIERSTATE_TORCH_VENV is used as it is. Where
 # it is missing or does not install, that row says "skipped" and the stage goes on.
@@ -185,12 +185,18 @@ torch_venv() {
       echo "TIERSTATE_TORCH_VENV=$venv has no deepspeed: torch_step.py's deepspeed_cpu_adam row will say skipped"
     fi
   fi
-  # bitsandbytes too, for torch_step.py's bnb_adamw8bit row (its CPU kernels; --no-deps: it
-  # must not change torch).
-  if [ "${1:-}" = deepspeed ] && [ "$venv" = "$own" ] && ! "$venv/bin/python" -c "import bitsandbytes" >/dev/null 2>&1; then
-    echo "installing bitsandbytes==0.50.2 into $venv (for bench/torch_step.py's bnb_adamw8bit row)"
-    "$venv/bin/pip" install -q --disable-pip-version-check --no-deps bitsandbytes==0.50.2 packaging ||
-      echo "bitsandbytes did not install: torch_step.py's bnb_adamw8bit row will say skipped"
+  # bitsandbytes too, in every stage that uses this environment: the pytorch stage's
+  # test_int8_adamw_against_bitsandbytes (which fails where it does not import) and
+  # torch_step.py's bnb_adamw8bit row (skipped). Its CPU kernels; --no-deps: it must not
+  # change torch.
+  if ! "$venv/bin/python" -c "import bitsandbytes" >/dev/null 2>&1; then
+    if [ "$venv" = "$own" ]; then
+      echo "installing bitsandbytes==0.50.2 into $venv (the 8-bit state's differential test and torch_step's row)"
+      "$venv/bin/pip" install -q --disable-pip-version-check --no-deps bitsandbytes==0.50.2 packaging ||
+        echo "bitsandbytes did not install: test_int8_adamw_against_bitsandbytes fails, torch_step's row says skipped"
+    else
+      echo "TIERSTATE_TORCH_VENV=$venv has no bitsandbytes: test_int8_adamw_against_bitsandbytes fails (pip install --no-deps bitsandbytes==0.50.2 packaging)"
+    fi
   fi
   return 0
 }
