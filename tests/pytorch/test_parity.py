@@ -851,6 +851,71 @@ class Parity(unittest.TestCase):
                 for o in (ours, again, plain):
                     o.close()
 
+    def test_int8_state_for_adam_lion_and_sgd_momentum(self):
+        """state_dtype=torch.int8 for the other rules with moments, as the AdamW test above:
+        torch.optim.Adam (L2 weight decay), the Lion reference and torch.optim.SGD with momentum
+        (and Nesterov), their moments replaced after each step by what their 8-bit blocks decode
+        to; then bf16 params without an fp32 master for each."""
+        import make_golden_dynamic8 as ref8
+        sizes = [5000, 700, 257, 3]
+        torch.manual_seed(4)
+        init = [torch.randn(n) for n in sizes]
+        grads = [[torch.randn(n) * (1 + (t % 3)) for n in sizes] for t in range(12)]
+        cases = [
+            ("adam", lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01, foreach=False),
+             lambda qs, **kw: tierstate_torch.Adam(qs, lr=1e-2, weight_decay=0.01, **kw),
+             (("exp_avg", True), ("exp_avg_sq", False))),
+            ("lion", lambda ps: LionReference(ps, lr=1e-3, weight_decay=0.1),
+             lambda qs, **kw: tierstate_torch.Lion(qs, lr=1e-3, weight_decay=0.1, **kw), (("exp_avg", True),)),
+            ("sgd_momentum", lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01,
+                                                        foreach=False),
+             lambda qs, **kw: tierstate_torch.SGD(qs, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01, **kw),
+             (("momentum_buffer", True),)),
+        ]
+        for rule, make_ref, make_ours, slots in cases:
+            with self.subTest(rule=rule):
+                ps = [x.clone().requires_grad_() for x in init]
+                qs = [x.clone().requires_grad_() for x in init]
+                ref, ours = make_ref(ps), make_ours(qs, state_dtype=torch.int8, min_8bit_size=300)
+                for g in grads:
+                    for p, q, x in zip(ps, qs, g):
+                        p.grad, q.grad = x.clone(), x.clone()
+                    ref.step()
+                    ours.step()
+                    for p in ps:
+                        if p.numel() >= 300:
+                            for slot, signed in slots:
+                                ref.state[p][slot].copy_(ref8.store(signed, ref.state[p][slot]))
+                self.assertEqual(sum("dynamic8" in c for c in ours.composition()), 1)
+                for i, (p, q) in enumerate(zip(ps, qs)):
+                    for slot, _ in slots:
+                        a, b = ref.state[p][slot], ours.get_state(q, slot)
+                        same = (a == b).float().mean().item()
+                        self.assertGreaterEqual(same, 0.999, f"tensor {i} {slot}: {same:.4f} of the moments equal")
+                        self.assertTrue(torch.allclose(a, b, rtol=0.05, atol=1e-12), f"tensor {i} {slot}")
+                    excess = ((p - q).abs() - 1e-5 * (p.abs() + 1e-2)).max().item()
+                    self.assertLessEqual(excess, 0.0, f"tensor {i} of {p.numel()} differs")
+                ours.close()
+                # bf16 params: a Kahan compensation lands within two bf16 spacings of an fp32
+                # master; stochastic rounding (a random walk of up to a spacing a step, 12 steps)
+                # within 16 spacings of the larger of the start and the end, 2 on average.
+                ends = {}
+                for master in ("fp32", "kahan", "stochastic"):
+                    rs = [x.to(torch.bfloat16).requires_grad_() for x in init]
+                    opt = make_ours(rs, state_dtype=torch.int8, master=master, min_8bit_size=0)
+                    for g in grads:
+                        for r, x in zip(rs, g):
+                            r.grad = x.to(torch.bfloat16)
+                        opt.step()
+                    ends[master] = [r.detach().float() for r in rs]
+                    opt.close()
+                for x, a, k, r in zip(init, ends["fp32"], ends["kahan"], ends["stochastic"]):
+                    self.assertLessEqual(((a - k).abs() / a.abs().clamp(min=1e-2)).max().item(), 2 ** -6, "kahan")
+                    spacing = 2.0 ** (torch.maximum(a.abs(), x.abs()).clamp(min=2 ** -20).log2().floor() - 7)
+                    self.assertLessEqual(((a - r).abs() / spacing).max().item(), 16, "stochastic")
+                    if a.numel() >= 256:
+                        self.assertLessEqual(((a - r).abs() / spacing).mean().item(), 2, "stochastic")
+
     def test_int8_adamw_against_bitsandbytes(self):
         """state_dtype=torch.int8 against bitsandbytes.optim.AdamW8bit on CPU tensors (its CPU
         kernels, bitsandbytes 0.50.2): the same maps, blocks of 256 and min_8bit_size 4096, fed
@@ -1078,10 +1143,12 @@ class Parity(unittest.TestCase):
             tierstate_torch.AdamW([w16], state_dtype=torch.float16)
         with self.assertRaisesRegex(ValueError, "min_8bit_size must be an int >= 0"):
             tierstate_torch.AdamW([w16], state_dtype=torch.int8, min_8bit_size=-1)
-        with self.assertRaisesRegex(ValueError, "built for AdamW without amsgrad"):
-            tierstate_torch.SGD([w16], lr=0.1, momentum=0.9, state_dtype=torch.int8)
-        with self.assertRaisesRegex(ValueError, "built for AdamW without amsgrad"):
+        with self.assertRaisesRegex(ValueError, "built for AdamW and Adam without amsgrad, Lion and SGD with momentum"):
+            tierstate_torch.SGD([w16], lr=0.1, state_dtype=torch.int8)
+        with self.assertRaisesRegex(ValueError, "built for AdamW and Adam without amsgrad, Lion and SGD with momentum"):
             tierstate_torch.AdamW([w16], amsgrad=True, master="stochastic")
+        with self.assertRaisesRegex(ValueError, "built for AdamW and Adam without amsgrad, Lion and SGD with momentum"):
+            tierstate_torch.Adafactor([w16], master="kahan")
         # Per group: a group of 8-bit state beside one of fp32, one shard each; with
         # max_grad_norm that is refused, saying how to keep one shard.
         big = torch.zeros(5000, requires_grad=True)

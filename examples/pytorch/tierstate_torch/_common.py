@@ -28,6 +28,8 @@ _STATE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": tor
                 "bf16": torch.bfloat16, "int8": torch.int8}
 #: master's choices: an fp32 master, a bf16 Kahan compensation slot, or stochastic rounding
 _MASTERS = ("fp32", "kahan", "stochastic")
+# The rules whose compact compositions the extension has (csrc/shards_<rule>_compact.cpp).
+_COMPACT_RULES = ("adam", "adamw", "lion", "sgd_momentum")
 _TIERS = ("pinned", "nvme", "device")
 _COMPUTES = ("host", "device")
 _POLICIES = ("skip_step", "report", "ignore")

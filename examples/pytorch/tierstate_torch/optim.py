@@ -41,9 +41,10 @@ What differs from torch.optim:
   in the middle of a streaming step (backward handed it gradients, its step() not yet
   called) is not replaced: making the newer one is refused until its step() has run.
   torch.optim optimizers are not tracked: close() a tierstate_torch one you swap for them.
-- Compact state (AdamW, compute="host"): `state_dtype=torch.int8` keeps the moments in 8-bit
-  blocks of 256 (bitsandbytes' blockwise dynamic maps, encoded to the nearest value; about
-  2.03 bytes per element for m and v instead of 8); tensors under `min_8bit_size` elements
+- Compact state (AdamW and Adam without amsgrad, Lion, SGD with momentum; compute="host"):
+  `state_dtype=torch.int8` keeps the moments (Lion's and SGD's one) in 8-bit blocks of 256
+  (bitsandbytes' blockwise dynamic maps, encoded to the nearest value; about 2.03 bytes per
+  element for Adam's m and v instead of 8); tensors under `min_8bit_size` elements
   (default 4096, as bitsandbytes) keep fp32 state. `torch.bfloat16` keeps them in bf16. For
   bf16 params, `master="kahan"` drops the fp32 master for a bf16 compensation slot, and
   `master="stochastic"` for nothing (each update rounded stochastically, deterministic for a
@@ -63,7 +64,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ._common import (_COMPUTES, _DTYPES, _MASTERS, _POLICIES, _TIERS, _ext, _key_name, _number, _on,
+from ._common import (_COMPACT_RULES, _COMPUTES, _DTYPES, _MASTERS, _POLICIES, _TIERS, _ext, _key_name, _number, _on,
                       _state_dtype, _stream, _table_values)
 from ._ownership import _Ownership
 from ._state_dict import _StateDicts
@@ -255,9 +256,9 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         state, master, _ = self._group_format(group)
         if state == torch.int8 or master != "fp32":
             what = "state_dtype=torch.int8" if state == torch.int8 else f"master={master!r}"
-            if self._rule != "adamw":
-                raise ValueError(f"{name}: {what} is built for AdamW without amsgrad (this optimizer's rule is "
-                                 f"{self._rule!r})")
+            if self._rule not in _COMPACT_RULES:
+                raise ValueError(f"{name}: {what} is built for AdamW and Adam without amsgrad, Lion and SGD with "
+                                 f"momentum (this optimizer's rule is {self._rule!r})")
             if self._options["compute"] != "host":
                 raise ValueError(f"{name}: {what} is built for compute='host' (the 8-bit and compensated "
                                  "compositions are not in the extension's device build)")

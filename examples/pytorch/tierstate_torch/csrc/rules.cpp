@@ -21,13 +21,14 @@ struct rule_entry {
 };
 
 constexpr std::array<rule_entry, 8> rules{{
-  {"adam", adam_info, make_adam_shard, make_adam_device_shard},
+  {"adam", adam_info, make_adam_shard, make_adam_device_shard, make_adam_compact_shard},
   {"adamw", adamw_info, make_adamw_shard, make_adamw_device_shard, make_adamw_compact_shard},
   {"adam_amsgrad", adam_amsgrad_info, make_adam_amsgrad_shard, make_adam_amsgrad_device_shard},
   {"adamw_amsgrad", adamw_amsgrad_info, make_adamw_amsgrad_shard, make_adamw_amsgrad_device_shard},
   {"sgd", sgd_info, make_sgd_shard, make_sgd_device_shard},
-  {"sgd_momentum", sgd_momentum_info, make_sgd_momentum_shard, make_sgd_momentum_device_shard},
-  {"lion", lion_info, make_lion_shard, make_lion_device_shard},
+  {"sgd_momentum", sgd_momentum_info, make_sgd_momentum_shard, make_sgd_momentum_device_shard,
+   make_sgd_momentum_compact_shard},
+  {"lion", lion_info, make_lion_shard, make_lion_device_shard, make_lion_compact_shard},
   {"adafactor", adafactor_info, make_adafactor_shard, make_adafactor_device_shard},
 }};
 
@@ -61,8 +62,9 @@ std::unique_ptr<shard> make_shard(config const& c)
   if (c.state == dtype::i8 || c.master != "fp32") {
     if (r.compact == nullptr || c.compute != "host") {
       std::string const what = c.state == dtype::i8 ? std::string("state_dtype int8") : "master '" + c.master + "'";
-      throw std::invalid_argument("tierstate_torch: " + what + " is built for rule 'adamw' with compute 'host'; this is "
-                                  "rule '" + c.rule + "' with compute '" + c.compute + "'");
+      throw std::invalid_argument("tierstate_torch: " + what + " is built for rules 'adam', 'adamw', 'lion' and "
+                                  "'sgd_momentum' with compute 'host'; this is rule '" + c.rule + "' with compute '" +
+                                  c.compute + "'");
     }
     return r.compact(c);
   }

@@ -157,9 +157,12 @@ std::unique_ptr<shard> make_lion_shard(config const& c);
 std::unique_ptr<shard> make_sgd_device_shard(config const& c);
 std::unique_ptr<shard> make_sgd_momentum_device_shard(config const& c);
 std::unique_ptr<shard> make_lion_device_shard(config const& c);
-/// AdamW's compact compositions (state i8, or master "kahan" or "stochastic"), OnHost only:
-/// shards_adamw_compact.cpp.
+/// The compact compositions (state i8, or master "kahan" or "stochastic"), OnHost only, of
+/// the rules with moments and without amsgrad: shards_<rule>_compact.cpp.
+std::unique_ptr<shard> make_adam_compact_shard(config const& c);
 std::unique_ptr<shard> make_adamw_compact_shard(config const& c);
+std::unique_ptr<shard> make_lion_compact_shard(config const& c);
+std::unique_ptr<shard> make_sgd_momentum_compact_shard(config const& c);
 rule_info adafactor_info();
 std::unique_ptr<shard> make_adafactor_shard(config const& c);
 std::unique_ptr<shard> make_adafactor_device_shard(config const& c);

@@ -224,9 +224,9 @@ std::unique_ptr<shard> for_rule(config const& c)
   if (c.state == dtype::f16) {
     throw std::invalid_argument("tierstate_torch: state_dtype must be float32, bfloat16 or int8, not float16");
   }
-  if (c.state == dtype::i8 || c.master != "fp32") {  // (make_shard sends these to for_rule_compact)
-    throw std::invalid_argument("tierstate_torch: state_dtype int8 and master '" + c.master + "' are built for rule "
-                                "'adamw' with compute 'host' (this is rule '" + c.rule + "', compute '" + c.compute + "')");
+  if (c.state == dtype::i8 || c.master != "fp32") {
+    throw std::logic_error("tierstate_torch: for_rule with a compact format (make_shard sends those to the rule's "
+                           "compact compositions)");
   }
   // A rule without slots (SGD without momentum) keeps no state for state_dtype to choose.
   auto make = [&]<class Param>() {

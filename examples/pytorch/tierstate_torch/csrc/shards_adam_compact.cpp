@@ -1,0 +1,12 @@
+// SPDX-License-Identifier: Apache-2.0
+// Adam's (L2 weight decay) compact compositions with OnHost compute, as shards_adamw_compact.cpp's.
+#include "shard_impl.hpp"
+
+namespace tierstate_torch {
+
+std::unique_ptr<shard> make_adam_compact_shard(config const& c)
+{
+  return detail::for_rule_compact<tierstate::Adam, detail::on_host>(c);
+}
+
+}  // namespace tierstate_torch
