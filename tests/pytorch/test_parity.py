@@ -190,6 +190,31 @@ class Parity(unittest.TestCase):
             excess = ((p.detach() - q.detach()).abs() - bound).max().item()
             self.assertLessEqual(excess, 0.0, f"parameter {name} differs beyond 1e-4*(|p|+lr)")
 
+    def assert_8bit_parity(self, ref, ours, ps, qs, grads, least, slots):
+        """Steps `ref` (a torch.optim-style optimizer of fp32 state over ps) and `ours` (8-bit
+        state over qs) on the same gradients, `ref`'s moments (slots: (name, signed map))
+        replaced after each step by what their 8-bit blocks decode to (the Python reference,
+        tests/golden/make_golden_dynamic8.py) in tensors of at least `least` elements; then every
+        moment equal but rounding, and the params within 1e-5 * (|p| + 1e-2)."""
+        import make_golden_dynamic8 as ref8
+        for g in grads:
+            for p, q, x in zip(ps, qs, g):
+                p.grad, q.grad = x.clone(), x.clone()
+            ref.step()
+            ours.step()
+            for p in ps:
+                if p.numel() >= least:
+                    for slot, signed in slots:
+                        ref.state[p][slot].copy_(ref8.store(signed, ref.state[p][slot]))
+        for i, (p, q) in enumerate(zip(ps, qs)):
+            for slot, _ in slots:
+                a, b = ref.state[p][slot], ours.get_state(q, slot)
+                same = (a == b).float().mean().item()
+                self.assertGreaterEqual(same, 0.999, f"tensor {i} {slot}: {same:.4f} of the moments equal")
+                self.assertTrue(torch.allclose(a, b, rtol=0.05, atol=1e-12), f"tensor {i} {slot}")
+            excess = ((p - q).abs() - 1e-5 * (p.abs() + 1e-2)).max().item()
+            self.assertLessEqual(excess, 0.0, f"tensor {i} of {p.numel()} differs")
+
     def reference(self, data, **kw):
         model = make_model()
         opt = torch.optim.AdamW(groups(model), lr=LR, betas=(0.9, 0.95))
@@ -796,7 +821,6 @@ class Parity(unittest.TestCase):
         step by what their 8-bit blocks decode to (tests/golden/make_golden_dynamic8.py: the maps
         as bitsandbytes makes them, a brute-force nearest search): tensors across block edges,
         one under min_8bit_size that keeps fp32 state."""
-        import make_golden_dynamic8 as ref8
         sizes = [5000, 700, 257, 3]
         torch.manual_seed(3)
         init = [torch.randn(n) for n in sizes]
@@ -807,27 +831,10 @@ class Parity(unittest.TestCase):
                 qs = [x.clone().requires_grad_() for x in init]
                 ref = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01, foreach=False)
                 ours = tierstate_torch.AdamW(qs, lr=1e-2, weight_decay=0.01, state_dtype="int8", min_8bit_size=least)
-                for g in grads:
-                    for p, q, x in zip(ps, qs, g):
-                        p.grad, q.grad = x.clone(), x.clone()
-                    ref.step()
-                    ours.step()
-                    for p in ps:
-                        if p.numel() >= least:
-                            st = ref.state[p]
-                            st["exp_avg"].copy_(ref8.store(True, st["exp_avg"]))
-                            st["exp_avg_sq"].copy_(ref8.store(False, st["exp_avg_sq"]))
+                self.assert_8bit_parity(ref, ours, ps, qs, grads, least, (("exp_avg", True), ("exp_avg_sq", False)))
                 names = " ".join(ours.composition())
                 self.assertIn("dynamic8", names)
                 self.assertEqual(len(ours.composition()), 1 if least == 0 else 2)
-                for i, (p, q) in enumerate(zip(ps, qs)):
-                    for slot in ("exp_avg", "exp_avg_sq"):
-                        a, b = ref.state[p][slot], ours.get_state(q, slot)
-                        same = (a == b).float().mean().item()
-                        self.assertGreaterEqual(same, 0.999, f"tensor {i} {slot}: {same:.4f} of the moments equal")
-                        self.assertTrue(torch.allclose(a, b, rtol=0.05, atol=1e-12), f"tensor {i} {slot}")
-                    excess = ((p - q).abs() - 1e-5 * (p.abs() + 1e-2)).max().item()
-                    self.assertLessEqual(excess, 0.0, f"tensor {i} of {p.numel()} differs")
                 # state_dict and torch_state_dict give the decoded fp32 moments; a round trip is exact.
                 sd = ours.state_dict()
                 self.assertTrue(torch.equal(ours.torch_state_dict()["state"][0]["exp_avg"],
@@ -856,7 +863,6 @@ class Parity(unittest.TestCase):
         torch.optim.Adam (L2 weight decay), the Lion reference and torch.optim.SGD with momentum
         (and Nesterov), their moments replaced after each step by what their 8-bit blocks decode
         to; then bf16 params without an fp32 master for each."""
-        import make_golden_dynamic8 as ref8
         sizes = [5000, 700, 257, 3]
         torch.manual_seed(4)
         init = [torch.randn(n) for n in sizes]
@@ -877,24 +883,8 @@ class Parity(unittest.TestCase):
                 ps = [x.clone().requires_grad_() for x in init]
                 qs = [x.clone().requires_grad_() for x in init]
                 ref, ours = make_ref(ps), make_ours(qs, state_dtype=torch.int8, min_8bit_size=300)
-                for g in grads:
-                    for p, q, x in zip(ps, qs, g):
-                        p.grad, q.grad = x.clone(), x.clone()
-                    ref.step()
-                    ours.step()
-                    for p in ps:
-                        if p.numel() >= 300:
-                            for slot, signed in slots:
-                                ref.state[p][slot].copy_(ref8.store(signed, ref.state[p][slot]))
+                self.assert_8bit_parity(ref, ours, ps, qs, grads, 300, slots)
                 self.assertEqual(sum("dynamic8" in c for c in ours.composition()), 1)
-                for i, (p, q) in enumerate(zip(ps, qs)):
-                    for slot, _ in slots:
-                        a, b = ref.state[p][slot], ours.get_state(q, slot)
-                        same = (a == b).float().mean().item()
-                        self.assertGreaterEqual(same, 0.999, f"tensor {i} {slot}: {same:.4f} of the moments equal")
-                        self.assertTrue(torch.allclose(a, b, rtol=0.05, atol=1e-12), f"tensor {i} {slot}")
-                    excess = ((p - q).abs() - 1e-5 * (p.abs() + 1e-2)).max().item()
-                    self.assertLessEqual(excess, 0.0, f"tensor {i} of {p.numel()} differs")
                 ours.close()
                 # bf16 params: a Kahan compensation lands within two bf16 spacings of an fp32
                 # master; stochastic rounding (a random walk of up to a spacing a step, 12 steps)
