@@ -65,6 +65,17 @@ def _state_dtype(x: Any, what: str) -> torch.dtype:
                      f"'float32', 'bfloat16', 'int8'), not {x!r}")
 
 
+def _checked_format(state_dtype: Any, master: Any, least: Any, where: str) -> tuple[torch.dtype, str, int]:
+    """state_dtype (a dtype or its name), master and min_8bit_size, checked; ValueError naming
+    each as `where` + its name (the optimizer's, or a param group's) otherwise."""
+    state = _state_dtype(state_dtype, f"{where}state_dtype")
+    if master not in _MASTERS:
+        raise ValueError(f"tierstate_torch: {where}master must be one of {_MASTERS}, not {master!r}")
+    if not (isinstance(least, int) and not isinstance(least, bool) and least >= 0):
+        raise ValueError(f"tierstate_torch: {where}min_8bit_size must be an int >= 0, not {least!r}")
+    return state, master, least
+
+
 def _format_suffix(key: tuple, compact_only: bool = False) -> str:
     """A shard key's state format where it is not the default (fp32 state, fp32 master); with
     `compact_only`, only 8-bit state and a master other than fp32 (a state_dict's shard names:

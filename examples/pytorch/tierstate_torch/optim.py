@@ -64,8 +64,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ._common import (_COMPACT_RULES, _COMPUTES, _DTYPES, _MASTERS, _POLICIES, _TIERS, _ext, _key_name, _number, _on,
-                      _state_dtype, _stream, _table_values)
+from ._common import (_COMPACT_RULES, _COMPUTES, _DTYPES, _POLICIES, _TIERS, _checked_format, _ext, _key_name,
+                      _number, _on, _stream, _table_values)
 from ._ownership import _Ownership
 from ._state_dict import _StateDicts
 
@@ -162,11 +162,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         if tier == "device" and compute != "device":
             raise ValueError(f"{name}: tier='device' keeps the state where compute='device' updates it: "
                              "pass compute='device' (or offload to tier='pinned' or 'nvme')")
-        state_dtype = _state_dtype(state_dtype, f"{name}: state_dtype")
-        if master not in _MASTERS:
-            raise ValueError(f"{name}: master must be one of {_MASTERS}, not {master!r}")
-        if not (isinstance(min_8bit_size, int) and not isinstance(min_8bit_size, bool) and min_8bit_size >= 0):
-            raise ValueError(f"{name}: min_8bit_size must be an int >= 0, not {min_8bit_size!r}")
+        state_dtype, master, min_8bit_size = _checked_format(state_dtype, master, min_8bit_size, f"{name}: ")
         if on_nonfinite not in _POLICIES:
             raise ValueError(f"{name}: on_nonfinite must be one of {_POLICIES}, not {on_nonfinite!r}")
         if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
@@ -232,23 +228,16 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
 
     def _group_format(self, group: dict[str, Any]) -> tuple[torch.dtype, str, int]:
         """The group's state_dtype, master and min_8bit_size (its own keys, else the optimizer's)."""
-        name = type(self).__name__
-        state = _state_dtype(group.get("state_dtype", self._format["state_dtype"]), f"{name}: a param group's state_dtype")
-        master = group.get("master", self._format["master"])
-        if master not in _MASTERS:
-            raise ValueError(f"{name}: a param group's master must be one of {_MASTERS}, not {master!r}")
-        least = group.get("min_8bit_size", self._format["min_8bit_size"])
-        if not (isinstance(least, int) and not isinstance(least, bool) and least >= 0):
-            raise ValueError(f"{name}: a param group's min_8bit_size must be an int >= 0, not {least!r}")
-        return state, master, least
+        f = self._format
+        return _checked_format(group.get("state_dtype", f["state_dtype"]), group.get("master", f["master"]),
+                               group.get("min_8bit_size", f["min_8bit_size"]), f"{type(self).__name__}: a param group's ")
 
-    def _format_of(self, group: dict[str, Any], p: torch.Tensor) -> tuple[torch.dtype, str]:
-        """A param's state format: its group's, with fp32 state below min_8bit_size elements."""
+    def _format_of(self, group: dict[str, Any], p: torch.Tensor) -> tuple[torch.dtype, str, bool]:
+        """A param's state format: its group's, with fp32 state below min_8bit_size elements;
+        and whether min_8bit_size made it so."""
         state, master, least = self._group_format(group)
-        if state == torch.int8 and p.numel() < least:
-            self._demoted = True
-            state = torch.float32
-        return state, master
+        demoted = state == torch.int8 and p.numel() < least
+        return (torch.float32 if demoted else state), master, demoted
 
     def _check_group(self, group: dict[str, Any]) -> None:
         name = type(self).__name__
@@ -311,7 +300,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         members: dict[tuple, list[int]] = {}
         defaults = self._hyper(self.defaults)
         group_of = [g for g in self.param_groups for _ in g["params"]]
-        self._demoted = False  # (set where min_8bit_size keeps a tensor's state in fp32)
+        demoted = False  # (where min_8bit_size keeps a tensor's state in fp32)
         for i, p in enumerate(params):
             if not p.is_contiguous():
                 raise ValueError(f"{name}: parameter {i} is not contiguous")
@@ -321,7 +310,9 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
             if self._options["compute"] == "device" and not self._device_params(p):
                 raise ValueError(f"{name}: compute='device' updates CUDA parameters; parameter {i} is on "
                                  f"{p.device} (use compute='host')")
-            key = (p.dtype, p.device, *self._format_of(group_of[i], p))
+            state, master, small = self._format_of(group_of[i], p)
+            demoted |= small
+            key = (p.dtype, p.device, state, master)
             if key not in shards:
                 with _on(p.device):
                     shards[key] = C.Shard(
@@ -346,12 +337,12 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
             raise ValueError(f"{name}: max_grad_norm with parameters of several dtypes, devices or state "
                              f"formats ({'; '.join(_key_name(k) for k in shards)}): clip with "
                              "torch.nn.utils.clip_grad_norm_ before step() instead"
-                             f"{_one_format_hint(shards, self._demoted)}")
+                             f"{_one_format_hint(shards, demoted)}")
         if len(shards) > 1 and self._overlap:
             raise ValueError(f"{name}: overlap_backward with parameters of several dtypes, devices or state "
                              f"formats ({'; '.join(_key_name(k) for k in shards)}): each would check its own "
                              "gradients for inf/NaN and could step while another skips; use one dtype, "
-                             f"or overlap_backward=False{_one_format_hint(shards, self._demoted)}")
+                             f"or overlap_backward=False{_one_format_hint(shards, demoted)}")
         self._shards = shards
         self._members = members
         self._versions = [p._version for p in params]
