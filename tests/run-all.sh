@@ -146,11 +146,12 @@ settle_prefetch() {
   torch_prefetch_log=build-pytorch/venv.log
 }
 
-# torch_venv [deepspeed]: sets venv_path to a virtual environment with torch 2.11.0 and numpy,
-# made when missing, with bitsandbytes. With "deepspeed" (bench-long alone: the pytorch stage does not need it),
-# DeepSpeed too (bench/torch_step.py's deepspeed_cpu_adam row), pip-installed into our own
-# environment when missing (about 75 s here); a TIERSTATE_TORCH_VENV is used as it is. Where
-# it is missing or does not install, that row says "skipped" and the stage goes on.
+# torch_venv [deepspeed]: sets venv_path to a virtual environment with torch 2.11.0, numpy
+# and bitsandbytes 0.50.2, made or completed when missing (a missing bitsandbytes fails the
+# pytorch stage's test against it). With "deepspeed" (bench-long alone), DeepSpeed too
+# (bench/torch_step.py's deepspeed_cpu_adam row), pip-installed into our own environment when
+# missing (about 75 s here); where it does not install, that row says "skipped" and the stage
+# goes on. A TIERSTATE_TORCH_VENV is used as it is.
 torch_venv() {
   settle_prefetch
   if [ -n "${torch_prefetch_log:-}" ]; then
@@ -230,9 +231,10 @@ run_torch_bench() {
 
 # The parity tests' extension is built at -O1 (TIERSTATE_TORCH_CFLAGS): they check the
 # bindings, the hooks and the numbers against torch, which no optimization level changes, and
-# its 96 host and 96 emulated-device compositions took about 10 minutes of the stage at -O3
-# (a shard's translation unit: 164 s of CPU at -O3, 87 s at -O1). The library itself is tested
-# at -O3 by the native stages; the speed against torch (at -O3) is bench-long's.
+# its host and emulated-device compositions took about 10 minutes of the stage at -O3 before
+# the compact ones (8-bit state, host only) came (a shard's translation unit: 164 s of CPU at
+# -O3, 87 s at -O1; with them, about 9 minutes in all at -O1 on 2 cores). The library itself
+# is tested at -O3 by the native stages; the speed against torch (at -O3) is bench-long's.
 run_pytorch() {
   torch_venv || return 1
   local venv=$venv_path
@@ -318,7 +320,8 @@ run_stage() {
     # The PyTorch extension (examples/pytorch) against torch.optim.AdamW on CPU, with
     # PyTorch 2.11.0 from PyPI in a virtual environment kept between runs
     # (TIERSTATE_TORCH_VENV, default ~/.cache/tierstate/torch-2.11.0; made when missing:
-    # about 2.6 GB of wheels, torch's CUDA libraries included). The extension is compiled
+    # about 2.6 GB of wheels, torch's CUDA libraries included; bitsandbytes 0.50.2 beside it,
+    # for the 8-bit state's test against AdamW8bit). The extension is compiled
     # into build-pytorch/, at -O1 (see run_pytorch); bench/torch_step.py, which needs the
     # default -O3 build, runs in bench-long.
     pytorch) run_pytorch ;;

@@ -194,8 +194,9 @@ class Parity(unittest.TestCase):
         """Steps `ref` (a torch.optim-style optimizer of fp32 state over ps) and `ours` (8-bit
         state over qs) on the same gradients, `ref`'s moments (slots: (name, signed map))
         replaced after each step by what their 8-bit blocks decode to (the Python reference,
-        tests/golden/make_golden_dynamic8.py) in tensors of at least `least` elements; then every
-        moment equal but rounding, and the params within 1e-5 * (|p| + 1e-2)."""
+        tests/golden/make_golden_dynamic8.py) in tensors of at least `least` elements; then the
+        8-bit moments equal (but for 0.1%, a moment at a midpoint rounded the other way), the
+        fp32 ones to fp32 rounding, and the params within 1e-5 * (|p| + 1e-2)."""
         import make_golden_dynamic8 as ref8
         for g in grads:
             for p, q, x in zip(ps, qs, g):
@@ -209,6 +210,10 @@ class Parity(unittest.TestCase):
         for i, (p, q) in enumerate(zip(ps, qs)):
             for slot, _ in slots:
                 a, b = ref.state[p][slot], ours.get_state(q, slot)
+                if p.numel() < least:
+                    close = torch.allclose(a, b, rtol=1e-5, atol=1e-6 * a.abs().max().item())
+                    self.assertTrue(close, f"tensor {i} {slot} (fp32 state)")
+                    continue
                 same = (a == b).float().mean().item()
                 self.assertGreaterEqual(same, 0.999, f"tensor {i} {slot}: {same:.4f} of the moments equal")
                 self.assertTrue(torch.allclose(a, b, rtol=0.05, atol=1e-12), f"tensor {i} {slot}")
@@ -885,9 +890,24 @@ class Parity(unittest.TestCase):
                 ref, ours = make_ref(ps), make_ours(qs, state_dtype=torch.int8, min_8bit_size=300)
                 self.assert_8bit_parity(ref, ours, ps, qs, grads, 300, slots)
                 self.assertEqual(sum("dynamic8" in c for c in ours.composition()), 1)
-                ours.close()
-                # bf16 params: a Kahan compensation lands within two bf16 spacings of an fp32
-                # master; stochastic rounding (a random walk of up to a spacing a step, 12 steps)
+                # A state_dict round trip steps on exactly; torch's state_dict (fp32 moments)
+                # loads encoded to the same state.
+                q2, q3 = ([q.detach().clone().requires_grad_() for q in qs] for _ in range(2))
+                again, third = (make_ours(q, state_dtype=torch.int8, min_8bit_size=300) for q in (q2, q3))
+                again.load_state_dict(ours.state_dict())
+                third.load_state_dict(ours.torch_state_dict())
+                for a, b, c in zip(qs, q2, q3):
+                    for slot, _ in slots:
+                        self.assertTrue(torch.equal(third.get_state(c, slot), ours.get_state(a, slot)), slot)
+                    a.grad = b.grad = c.grad = torch.ones_like(a)
+                for o in (ours, again, third):
+                    o.step()
+                for a, b, c in zip(qs, q2, q3):
+                    self.assertTrue(torch.equal(a, b) and torch.equal(a, c), "a state_dict round trip")
+                for o in (ours, again, third):
+                    o.close()
+                # bf16 params: a Kahan compensation lands within 2^-6 relative (2 to 4 bf16
+                # spacings) of an fp32 master; stochastic rounding (a random walk of up to a spacing a step, 12 steps)
                 # within 16 spacings of the larger of the start and the end, 2 on average.
                 ends = {}
                 for master in ("fp32", "kahan", "stochastic"):
@@ -897,6 +917,8 @@ class Parity(unittest.TestCase):
                         for r, x in zip(rs, g):
                             r.grad = x.to(torch.bfloat16)
                         opt.step()
+                    kept = opt._shards[next(iter(opt._shards))].slot_names()
+                    self.assertEqual(("master" in kept, "compensation" in kept), (master == "fp32", master == "kahan"))
                     ends[master] = [r.detach().float() for r in rs]
                     opt.close()
                 for x, a, k, r in zip(init, ends["fp32"], ends["kahan"], ends["stochastic"]):
@@ -916,11 +938,11 @@ class Parity(unittest.TestCase):
         after each step every 8-bit moment decodes within one quantization step of bitsandbytes'
         (the larger map gap beside its code, times the larger block scale) plus how much farther
         its code is from the moment than the nearest. Tensors under min_8bit_size keep fp32
-        state in both, which agrees to fp32 rounding; the params to about a percent of lr."""
+        state in both, which agrees to fp32 rounding; the params within 2% of lr."""
         try:
             import bitsandbytes as bnb
         except ImportError as e:
-            self.skipTest(f"bitsandbytes does not import ({e}): pip install --no-deps bitsandbytes==0.50.2 packaging")
+            self.fail(f"bitsandbytes does not import ({e}): pip install --no-deps bitsandbytes==0.50.2 packaging")
         sizes = [70001, 5000, 4096, 4095, 300, 3]
         torch.manual_seed(5)
         init = [torch.randn(n) for n in sizes]
@@ -1008,7 +1030,7 @@ class Parity(unittest.TestCase):
                     equal[k].append(((a - b).abs() <= ulps)[same].float().mean().item())
                     shrunk[k].append(1 - same.float().mean().item())
                     nearest[k].append((farther <= ulps).float().mean().item())
-                # Moments a quantization step apart move a param by about a percent of lr.
+                # Moments a quantization step apart move a param by a percent or two of lr.
                 self.assertTrue(torch.allclose(p, q, rtol=1e-5, atol=0.02 * hyper["lr"]), f"step {t + 1}: tensor {i}")
         # The findings, at worst over the steps and tensors.
         for k, name in ((1, "m"), (2, "v")):

@@ -38,9 +38,9 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 # The translation units of the compositions, one pair (shards_<unit>.cpp for OnHost,
 # device_shards_<unit>.cpp or .cu for OnDevice) each: one per Adam rule, one for the rest.
 _UNITS = ["adam", "adamw", "adam_amsgrad", "adamw_amsgrad", "sgd_lion_adafactor"]
-# The compact compositions (8-bit state, bf16 params without an fp32 master), OnHost only:
-# shards_<rule>_compact.cpp, one per rule with moments and without amsgrad.
-_COMPACT = ["adam", "adamw", "lion", "sgd_momentum"]
+# The rules with compact compositions (8-bit state, bf16 params without an fp32 master),
+# OnHost only: shards_<rule>_compact.cpp each (tierstate_torch refuses the others by name).
+_COMPACT_RULES = ("adam", "adamw", "lion", "sgd_momentum")
 
 
 def _pkg_config(*args: str) -> list[str]:
@@ -119,7 +119,7 @@ def load_extension():
     common = ["-std=c++20", "-DNDEBUG"] + _include_flags() + _deps_cflags()
     host = shlex.split(os.environ.get("TIERSTATE_TORCH_CFLAGS", "-O3 -march=native"))
     sources = [_CSRC / "bindings.cpp", _CSRC / "rules.cpp"] + [_CSRC / f"shards_{r}.cpp" for r in _UNITS]
-    sources += [_CSRC / f"shards_{r}_compact.cpp" for r in _COMPACT]  # (host compute only)
+    sources += [_CSRC / f"shards_{r}_compact.cpp" for r in _COMPACT_RULES]
     cflags = common + host + ["-Wno-deprecated-declarations"]
     cuda_cflags: list[str] = []
     if cuda:

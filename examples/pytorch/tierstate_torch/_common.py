@@ -28,8 +28,6 @@ _STATE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": tor
                 "bf16": torch.bfloat16, "int8": torch.int8}
 #: master's choices: an fp32 master, a bf16 Kahan compensation slot, or stochastic rounding
 _MASTERS = ("fp32", "kahan", "stochastic")
-# The rules whose compact compositions the extension has (csrc/shards_<rule>_compact.cpp).
-_COMPACT_RULES = ("adam", "adamw", "lion", "sgd_momentum")
 _TIERS = ("pinned", "nvme", "device")
 _COMPUTES = ("host", "device")
 _POLICIES = ("skip_step", "report", "ignore")
@@ -61,8 +59,8 @@ def _state_dtype(x: Any, what: str) -> torch.dtype:
         return _STATE_NAMES[x]
     if isinstance(x, torch.dtype) and x in _STATE_DTYPES:
         return x
-    raise ValueError(f"tierstate_torch: {what} must be torch.float32, torch.bfloat16 or torch.int8 (or "
-                     f"'float32', 'bfloat16', 'int8'), not {x!r}")
+    raise ValueError(f"{what} must be torch.float32, torch.bfloat16 or torch.int8 (or 'float32', 'bfloat16', "
+                     f"'int8'), not {x!r}")
 
 
 def _checked_format(state_dtype: Any, master: Any, least: Any, where: str) -> tuple[torch.dtype, str, int]:
@@ -70,9 +68,9 @@ def _checked_format(state_dtype: Any, master: Any, least: Any, where: str) -> tu
     each as `where` + its name (the optimizer's, or a param group's) otherwise."""
     state = _state_dtype(state_dtype, f"{where}state_dtype")
     if master not in _MASTERS:
-        raise ValueError(f"tierstate_torch: {where}master must be one of {_MASTERS}, not {master!r}")
+        raise ValueError(f"{where}master must be one of {_MASTERS}, not {master!r}")
     if not (isinstance(least, int) and not isinstance(least, bool) and least >= 0):
-        raise ValueError(f"tierstate_torch: {where}min_8bit_size must be an int >= 0, not {least!r}")
+        raise ValueError(f"{where}min_8bit_size must be an int >= 0, not {least!r}")
     return state, master, least
 
 

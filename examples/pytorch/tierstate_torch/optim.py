@@ -64,8 +64,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ._common import (_COMPACT_RULES, _COMPUTES, _DTYPES, _POLICIES, _TIERS, _checked_format, _ext, _key_name,
-                      _number, _on, _stream, _table_values)
+from ._build import _COMPACT_RULES
+from ._common import (_COMPUTES, _DTYPES, _POLICIES, _TIERS, _checked_format, _ext, _key_name, _number, _on, _stream,
+                      _table_values)
 from ._ownership import _Ownership
 from ._state_dict import _StateDicts
 
