@@ -20,6 +20,7 @@ build test_device_cuda tests/test_device_cuda.cu tests/catch_session.cpp -Itests
 build gpu_compositions_cuda examples/gpu_compositions.cu
 build gpu_step_cuda bench/gpu_step.cu
 build test_pinned_host_cuda tests/test_pinned_host_cuda.cpp
+build pinned_alloc_cuda bench/pinned_alloc.cu
 fail=0
 for job in $(jobs -p); do wait "$job" || fail=1; done
 exit $fail
