@@ -2,10 +2,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # The GPU run, for a lent GPU machine (an H200: sm_90). Needs the bundle made beforehand by
 # bench/gpu_prepare.sh (carried with the checkout); rebuilds a binary there with nvcc and
-# the bundle's headers if it does not start. Runs the GPU tests, the example, the PyTorch
-# parity test on the GPU, then the gpu_step benchmark (1e9 elements in memory, 2.5e8 on NVMe
-# under /tmp), each under a timeout, all within 10 minutes (a build of the PyTorch extension
-# there included). Logs and JSON lines go to OUT (default gpu-out).
+# the bundle's headers if it does not start. Runs the GPU tests, pinned_alloc (cudaHostAlloc
+# against mmap'ed huge pages registered with cudaHostRegister), the example, the PyTorch
+# parity test on the GPU (8-bit state included), then the gpu_step benchmark (1e9 elements in
+# memory, 2.5e8 on NVMe under /tmp; fp32 and 8-bit state), each under a timeout, all within
+# 10 minutes (a build of the PyTorch extension there included). Logs and JSON lines go to OUT
+# (default gpu-out).
 #
 #   bash bench/gpu_script.sh [BUNDLE_DIR]
 set -uo pipefail
@@ -29,7 +31,7 @@ starts() {
   [ $rc -eq 0 ] || [ $rc -eq 1 ] || [ $rc -eq 2 ] || [ $rc -eq 77 ]
 }
 if ! starts "$B/bin/test_pinned_host_cuda" || ! starts "$B/bin/test_device_cuda" --list-tests || ! starts "$B/bin/gpu_step_cuda" --steps 0 ||
-   ! starts "$B/bin/gpu_compositions_cuda" --steps 0; then
+   ! starts "$B/bin/gpu_compositions_cuda" --steps 0 || ! starts "$B/bin/pinned_alloc_cuda" --reps 1 --bytes 2097152; then
   stamp "a bundled binary does not start here: rebuilding with this machine's nvcc"
   bash bench/gpu_build.sh "$B" 2>&1 | tee "$OUT/rebuild.log"
 fi
@@ -37,8 +39,12 @@ fi
 stamp "GPU tests"
 timeout 30 "$B/bin/test_pinned_host_cuda" 2>&1 | tee "$OUT/test_pinned_host_cuda.log"
 echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/test_pinned_host_cuda.log"
-timeout 100 "$B/bin/test_device_cuda" 2>&1 | tail -40 | tee "$OUT/test_device_cuda.log"
+timeout 90 "$B/bin/test_device_cuda" 2>&1 | tail -40 | tee "$OUT/test_device_cuda.log"
 echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/test_device_cuda.log"
+
+stamp "pinned_alloc"
+timeout 45 "$B/bin/pinned_alloc_cuda" 2>&1 | tee "$OUT/pinned_alloc.jsonl"
+echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/script.log"
 
 stamp "example"
 timeout 30 "$B/bin/gpu_compositions_cuda" --elements 20000000 --steps 20 2>&1 | tee "$OUT/gpu_compositions.log"
@@ -56,11 +62,11 @@ from tierstate_torch._build import load_extension; load_extension()" >"$OUT/pyto
 fi
 TIERSTATE_TORCH_PREBUILT="$ext" TIERSTATE_TORCH_CUDA=1 TORCH_EXTENSIONS_DIR="$PWD/$OUT/torch-build" \
   TIERSTATE_TORCH_DEPS_CFLAGS="-isystem $PWD/$B/include" TIERSTATE_TORCH_LDFLAGS="$PWD/$B/lib/liburing.a" \
-  TIERSTATE_TEST_DIR=/tmp timeout 240 "$py" tests/pytorch/test_parity_cuda.py 2>&1 | tee "$OUT/pytorch_parity_cuda.log"
+  TIERSTATE_TEST_DIR=/tmp timeout 200 "$py" tests/pytorch/test_parity_cuda.py 2>&1 | tee "$OUT/pytorch_parity_cuda.log"
 echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/pytorch_parity_cuda.log"
 rm -rf "$OUT/torch-build"
 
 stamp "gpu_step"
-timeout 160 "$B/bin/gpu_step_cuda" --steps 3 2>&1 | tee "$OUT/gpu_step.jsonl"
+timeout 180 "$B/bin/gpu_step_cuda" --steps 3 2>&1 | tee "$OUT/gpu_step.jsonl"
 echo "rc ${PIPESTATUS[0]}" | tee -a "$OUT/script.log"
 stamp "done"

@@ -3,14 +3,17 @@
 // composition, against the bound set by its slowest resource, measured in the same run.
 //
 // For every composition it prints one JSON line:
-//   seconds_per_step   the median step (CudaOverlapped<2>, AdamW, bf16/bf16/fp32/fp32)
+//   seconds_per_step   the median step (CudaOverlapped<2>, AdamW, bf16/bf16/fp32/fp32; the
+//                      "+8bit" rows with m and v in 8-bit blocks, Bf16Mixed8bit)
 //   h2d_gb_s, d2h_gb_s pinned cudaMemcpyAsync, both directions at once (as a step uses them)
 //   host_seconds       the host kernel alone over the same elements (host::update, in memory)
 //   device_seconds     the device kernel alone over the same elements (one launch)
 //   nvme_seconds       where the state is on NVMe: writing and reading the state's bytes with
 //                      dd and O_DIRECT on the same path (dd is on every Linux; fio may not be)
 //   bound_seconds      max(h2d bytes / h2d_gb_s, d2h bytes / d2h_gb_s, and of host_seconds,
-//                      device_seconds and nvme_seconds those the composition uses)
+//                      device_seconds and nvme_seconds those the composition uses; the
+//                      kernels alone are timed with fp32 state, so an 8-bit row's bound
+//                      leaves them out: it is its transfers' and its disk's)
 //   bound_ratio        seconds_per_step / bound_seconds: 1 is perfect overlap
 //
 // With no arguments on a GPU: 1e9 elements for the in-memory compositions, 2.5e8 for those on
@@ -41,7 +44,8 @@ using namespace tierstate;
 
 namespace {
 
-using P = Bf16Mixed;
+using P  = Bf16Mixed;
+using P8 = Bf16Mixed8bit;  // the +8bit rows: m and v in 8-bit blocks (codecs/dynamic8.hpp)
 using clock_type = std::chrono::steady_clock;
 
 double since(clock_type::time_point t0) { return std::chrono::duration<double>(clock_type::now() - t0).count(); }
@@ -259,8 +263,9 @@ int main(int argc, char** argv)
     return 2;
   }
   // In-memory first: a run cut short by a timeout still reports those.
-  std::vector<std::string> const all = {"device", "pinned_host+on_host", "pinned_host+on_device",
-                                        "nvme+on_host", "nvme+on_device"};
+  std::vector<std::string> const all = {"device",       "pinned_host+on_host",      "pinned_host+on_device",
+                                        "device+8bit",  "pinned_host+on_host+8bit", "nvme+on_host",
+                                        "nvme+on_device", "nvme+on_host+8bit"};
   if (s.compositions.empty()) { s.compositions = all; }
   for (auto const& c : s.compositions) {
     if (std::find(all.begin(), all.end(), c) == all.end()) {
@@ -283,8 +288,10 @@ int main(int argc, char** argv)
   std::map<std::size_t, double> host_t, device_t, nvme_t;
   auto host_alone   = [&](std::size_t n) { return host_t.count(n) ? host_t[n] : (host_t[n] = host_seconds(n, pool)); };
   auto device_alone = [&](std::size_t n) { return device_t.count(n) ? device_t[n] : (device_t[n] = device_seconds(n)); };
-  auto nvme_alone   = [&](std::size_t n) {
-    return nvme_t.count(n) ? nvme_t[n] : (nvme_t[n] = dd_seconds(s.dir, 12 * ((n + s.chunk - 1) / s.chunk) * s.chunk));
+  auto nvme_alone   = [&](std::size_t n, std::size_t per_element) {  // master and state bytes
+    std::size_t const key = n * 16 + per_element;
+    return nvme_t.count(key) ? nvme_t[key]
+                             : (nvme_t[key] = dd_seconds(s.dir, per_element * ((n + s.chunk - 1) / s.chunk) * s.chunk));
   };
 
   for (auto const& c : s.compositions) {
@@ -293,6 +300,7 @@ int main(int argc, char** argv)
     std::size_t const n  = nvme ? s.nvme_elements : s.elements;
     NvmeFile::options tier;
     tier.directory = s.dir;
+    bool const eight     = c.size() > 5 && c.compare(c.size() - 5, 5, "+8bit") == 0;
     measured m;
     if (c == "device") {
       m = run<OffloadedOptimizer<AdamW, P, Device, CudaOverlapped<2>, OnDevice>>(s, n, {});
@@ -302,12 +310,20 @@ int main(int argc, char** argv)
       m = run<OffloadedOptimizer<AdamW, P, NvmeFile, CudaOverlapped<2>, OnHost<>>>(s, n, {.tier = tier});
     } else if (c == "pinned_host+on_device") {
       m = run<OffloadedOptimizer<AdamW, P, PinnedHost, CudaOverlapped<2>, OnDevice>>(s, n, {});
-    } else {
+    } else if (c == "nvme+on_device") {
       m = run<OffloadedOptimizer<AdamW, P, NvmeFile, CudaOverlapped<2>, OnDevice>>(s, n, {.tier = tier});
+    } else if (c == "device+8bit") {
+      m = run<OffloadedOptimizer<AdamW, P8, Device, CudaOverlapped<2>, OnDevice>>(s, n, {});
+    } else if (c == "pinned_host+on_host+8bit") {
+      m = run<OffloadedOptimizer<AdamW, P8, PinnedHost, CudaOverlapped<2>, OnHost<>>>(s, n, {});
+    } else {
+      m = run<OffloadedOptimizer<AdamW, P8, NvmeFile, CudaOverlapped<2>, OnHost<>>>(s, n, {.tier = tier});
     }
-    double const hs = on_device ? 0.0 : host_alone(n);
-    double const ds = on_device ? device_alone(n) : 0.0;
-    double const ns = nvme ? nvme_alone(n) : 0.0;
+    // The kernels alone are timed with fp32 state: for an 8-bit row they are left out of its
+    // bound (null), which is then the transfers' (and the disk's, for a smaller state).
+    double const hs = on_device || eight ? 0.0 : host_alone(n);
+    double const ds = on_device && !eight ? device_alone(n) : 0.0;
+    double const ns = nvme ? nvme_alone(n, eight ? 6 : 12) : 0.0;
     double const bound = std::max({static_cast<double>(m.h2d) / (h2d_gb_s * 1e9),
                                    static_cast<double>(m.d2h) / (d2h_gb_s * 1e9), hs, ds, ns});
     std::printf("{\"bench\":\"gpu_step\",\"composition\":\"%s\",\"rule\":\"AdamW\",\"precision\":\"%s\","
@@ -316,10 +332,10 @@ int main(int argc, char** argv)
                 "\"d2h_gb_s\":%.2f,\"host_seconds\":%s,\"device_seconds\":%s,\"nvme_seconds\":%s,"
                 "\"bound_seconds\":%.4f,\"bound_ratio\":%.3f,\"staging_bytes\":%zu,"
                 "\"device_staging_bytes\":%zu,\"threads\":%zu,\"device\":\"%s\",\"emulated\":%s}\n",
-                c.c_str(), P::name().c_str(), n, s.chunk, s.steps, m.seconds,
+                c.c_str(), eight ? P8::name().c_str() : P::name().c_str(), n, s.chunk, s.steps, m.seconds,
                 static_cast<unsigned long long>(m.h2d), static_cast<unsigned long long>(m.d2h), h2d_gb_s,
-                d2h_gb_s, on_device ? "null" : std::to_string(hs).c_str(),
-                on_device ? std::to_string(ds).c_str() : "null", nvme ? std::to_string(ns).c_str() : "null",
+                d2h_gb_s, on_device || eight ? "null" : std::to_string(hs).c_str(),
+                on_device && !eight ? std::to_string(ds).c_str() : "null", nvme ? std::to_string(ns).c_str() : "null",
                 bound, bound > 0 ? m.seconds / bound : 0.0, m.staging, m.device_staging, pool.size(),
                 device::describe().c_str(), device::is_emulated ? "true" : "false");
     std::fflush(stdout);

@@ -196,11 +196,12 @@ class Parity(unittest.TestCase):
         replaced after each step by what their 8-bit blocks decode to (the Python reference,
         tests/golden/make_golden_dynamic8.py) in tensors of at least `least` elements; then the
         8-bit moments equal (but for 0.1%, a moment at a midpoint rounded the other way), the
-        fp32 ones to fp32 rounding, and the params within 1e-5 * (|p| + 1e-2)."""
+        fp32 ones to fp32 rounding, and the params within 1e-5 * (|p| + 1e-2). ps and grads are
+        on the CPU; qs may be on a CUDA device."""
         import make_golden_dynamic8 as ref8
         for g in grads:
             for p, q, x in zip(ps, qs, g):
-                p.grad, q.grad = x.clone(), x.clone()
+                p.grad, q.grad = x.clone(), x.to(q.device, copy=True)
             ref.step()
             ours.step()
             for p in ps:
@@ -209,7 +210,7 @@ class Parity(unittest.TestCase):
                         ref.state[p][slot].copy_(ref8.store(signed, ref.state[p][slot]))
         for i, (p, q) in enumerate(zip(ps, qs)):
             for slot, _ in slots:
-                a, b = ref.state[p][slot], ours.get_state(q, slot)
+                a, b = ref.state[p][slot], ours.get_state(q, slot).cpu()
                 if p.numel() < least:
                     close = torch.allclose(a, b, rtol=1e-5, atol=1e-6 * a.abs().max().item())
                     self.assertTrue(close, f"tensor {i} {slot} (fp32 state)")
@@ -217,7 +218,7 @@ class Parity(unittest.TestCase):
                 same = (a == b).float().mean().item()
                 self.assertGreaterEqual(same, 0.999, f"tensor {i} {slot}: {same:.4f} of the moments equal")
                 self.assertTrue(torch.allclose(a, b, rtol=0.05, atol=1e-12), f"tensor {i} {slot}")
-            excess = ((p - q).abs() - 1e-5 * (p.abs() + 1e-2)).max().item()
+            excess = ((p - q.detach().cpu()).abs() - 1e-5 * (p.abs() + 1e-2)).max().item()
             self.assertLessEqual(excess, 0.0, f"tensor {i} of {p.numel()} differs")
 
     def reference(self, data, **kw):
