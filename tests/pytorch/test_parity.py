@@ -13,6 +13,7 @@ extension's CPU build is made on first use).
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import io
 import math
@@ -1040,6 +1041,93 @@ class Parity(unittest.TestCase):
                   f"elements in blocks whose scale it shrank")
             self.assertGreaterEqual(min(equal[k]), 0.95)
         ours.close()
+
+    def test_load_state_dict_of_bitsandbytes(self):
+        """load_state_dict takes a checkpoint of bitsandbytes' AdamW8bit, Adam8bit, Lion8bit,
+        SGD8bit and 32-bit AdamW (3 steps, saved and loaded through torch.save's bytes): each
+        moment equals bitsandbytes' own dequantize_blockwise of its codes (fp32 state), or what the
+        Python 8-bit reference stores that as (int8 state: our blocks are not bnb's, whose scale
+        is the magnitude its map's extreme code stands for, not the block's largest value); then
+        one more step of each from there on the same
+        gradients agrees on the params (fp32 state: to 1e-5 of lr); a state_dict of another
+        shape is refused by name."""
+        import make_golden_dynamic8 as ref8
+        try:
+            import bitsandbytes as bnb
+            import bitsandbytes.functional as bnbf
+        except ImportError as e:
+            self.fail(f"bitsandbytes does not import ({e}): pip install --no-deps bitsandbytes==0.50.2 packaging")
+        sizes = [5000, 4095, 300]
+        torch.manual_seed(11)
+        init = [torch.randn(n) for n in sizes]
+        grads = [[torch.randn(n) for n in sizes] for _ in range(4)]
+        cases = ((bnb.optim.AdamW8bit, tierstate_torch.AdamW, dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)),
+                 (bnb.optim.Adam8bit, tierstate_torch.Adam, dict(lr=1e-3, betas=(0.9, 0.99))),
+                 (bnb.optim.Lion8bit, tierstate_torch.Lion, dict(lr=1e-4, betas=(0.9, 0.99), weight_decay=0.1)),
+                 (bnb.optim.SGD8bit, tierstate_torch.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=0.01)),
+                 (bnb.optim.AdamW, tierstate_torch.AdamW, dict(lr=1e-3, weight_decay=0.01)))
+        for theirs, mine, kw in cases:
+            ps = [x.clone().requires_grad_() for x in init]
+            ref = theirs(ps, **kw)
+            for g in grads[:3]:
+                for p, x in zip(ps, g):
+                    p.grad = x.clone()
+                ref.step()
+            buf = io.BytesIO()
+            torch.save(ref.state_dict(), buf)
+            slots = mine([torch.zeros(1)], **kw)._torch_slots
+            want = []  # bitsandbytes' own decoding of each moment
+            for p in ps:
+                s = ref.state[p]
+                want.append([bnbf.dequantize_blockwise(s[f"state{i + 1}"], absmax=s[f"absmax{i + 1}"],
+                                                       code=s[f"qmap{i + 1}"], blocksize=256).reshape(-1)
+                             if s[f"state{i + 1}"].dtype == torch.uint8 else s[f"state{i + 1}"].clone()
+                             for i in range(len(slots))])
+            for state_dtype in ("float32", "int8"):
+                with self.subTest(bnb=theirs.__name__, state_dtype=state_dtype):
+                    qs = [p.detach().clone().requires_grad_() for p in ps]
+                    ours = mine(qs, state_dtype=state_dtype, **kw)
+                    buf.seek(0)
+                    ours.load_state_dict(torch.load(buf, weights_only=False))
+                    for i, q in enumerate(qs):
+                        for slot, w in zip(slots, want[i]):
+                            got = ours.get_state(q, slot)
+                            if state_dtype == "float32" or q.numel() < 4096:
+                                self.assertTrue(torch.equal(got, w), f"tensor {i} {slot}")
+                            else:
+                                stored = ref8.store(slot != "exp_avg_sq", w)
+                                same = (got == stored).float().mean().item()
+                                self.assertGreaterEqual(same, 0.999, f"tensor {i} {slot}: {same:.4f} equal")
+                    if state_dtype == "float32":  # one more step of each, from the same state
+                        ps2 = [p.detach().clone().requires_grad_() for p in ps]
+                        ref2 = theirs(ps2, **kw)
+                        buf.seek(0)
+                        ref2.load_state_dict(torch.load(buf, weights_only=False))
+                        for p, q, x in zip(ps2, qs, grads[3]):
+                            p.grad, q.grad = x.clone(), x.clone()
+                        ref2.step()
+                        ours.step()
+                        for i, (p, q) in enumerate(zip(ps2, qs)):
+                            excess = ((p - q).abs() - 1e-5 * kw["lr"] - 1e-6 * p.abs()).max().item()
+                            self.assertLessEqual(excess, 0.0, f"tensor {i}")
+                    ours.close()
+        # Another optimizer's state, or numbers that mean another rule, are refused by name.
+        ps = [x.clone().requires_grad_() for x in init]
+        ref = bnb.optim.AdamW8bit(ps, lr=1e-3, weight_decay=0.1)
+        for p, x in zip(ps, grads[0]):
+            p.grad = x.clone()
+        ref.step()
+        sd = ref.state_dict()
+        for make, pattern in ((tierstate_torch.Lion, "keeps 1 moment"),
+                              (tierstate_torch.Adam, "AdamW's with weight decay"),
+                              (functools.partial(tierstate_torch.AdamW, amsgrad=True), "without amsgrad"),
+                              (tierstate_torch.Adafactor, "rule is 'adafactor'")):
+            opt = make([p.detach().clone() for p in ps])
+            with self.subTest(refused=type(opt).__name__):
+                with self.assertRaisesRegex(ValueError, pattern):
+                    opt.load_state_dict(sd)
+                self.assertEqual(opt.step_count(), 0)
+                opt.close()
 
     def test_compact_state_training_quality(self):
         """The transformer trained 300 steps (warmup, then cosine) with each state format, from

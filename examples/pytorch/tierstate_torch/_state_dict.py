@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from . import _bnb
 from ._common import _DTYPES, _FORMAT, _format_suffix, _key_name, _number, _on
 
 
@@ -35,8 +36,12 @@ class _StateDicts:
         return f"{_DTYPES[key[0]]}/{self._members[key][0]}{_format_suffix(key, compact_only=True)}"
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Takes a state_dict() of this class, or one of the torch optimizer it stands in for."""
+        """Takes a state_dict() of this class, one of the torch optimizer it stands in for, or
+        one of bitsandbytes' (AdamW8bit, Adam8bit, Lion8bit, SGD8bit; 32-bit and paged forms
+        too), whose 8-bit moments are decoded and then stored in this optimizer's state_dtype."""
         self._refuse_if("load_state_dict", replaced=True)
+        if _bnb.is_bitsandbytes(state_dict):
+            state_dict = _bnb.to_torch(self, state_dict)
         if "tierstate" not in state_dict:
             self._load_torch_state_dict(state_dict)
             return
