@@ -703,10 +703,11 @@ int run_size(options const& o, std::string const& dir)
   run_config<2>(o, dir, params, grads, true, refs);  // Pipelined<> and every default option
   run_config<3>(o, dir, params, grads, false, refs);
   // Compact state at the default depth: 8-bit m and v (codecs/dynamic8.hpp) beside an fp32
-  // master (6.03 state bytes per element against Bf16Mixed's 12), and with stochastic rounding
-  // in place of the master (2.03): where the disk is the bound, the step's time should shrink
-  // with its bytes.
+  // master (6.03 state bytes per element against Bf16Mixed's 12), beside a bf16 Kahan
+  // compensation slot in its place (4.03), and with stochastic rounding in its place (2.03):
+  // where the disk is the bound, the step's time should shrink with its bytes.
   run_config<2, Bf16Mixed8bit>(o, dir, params, grads, false, refs);
+  run_config<2, Precision<bf16, bf16, Compensated, Bf16Mixed8bit::state_type>>(o, dir, params, grads, false, refs);
   run_config<2, Precision<bf16, bf16, StochasticRounding, Bf16Mixed8bit::state_type>>(o, dir, params, grads, false, refs);
   std::filesystem::remove(dir + "/fio.scratch");
   return 0;
