@@ -8,7 +8,7 @@
 #                        sm_90, host code for x86-64-v3, liburing linked statically
 #   gpu-bundle/include/  the headers they need (xsimd, Catch2, liburing, xxHash), so that
 #   gpu-bundle/lib/      the script can rebuild there (with liburing.a) if a binary does not start;
-#                        and tierstate_torch_C_cuda.so, the PyTorch extension's CUDA build (sm_90,
+#                        and tierstate_torch_C_cuda.so.xz, the PyTorch extension's CUDA build (sm_90,
 #                        x86-64-v3), when PyTorch 2.11.0 is here (TORCH_PYTHON, default the
 #                        pytorch test stage's environment)
 #
@@ -29,10 +29,16 @@ if "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -c "import sys; sys.path.insert(0, 'examples/pytorch')
 from tierstate_torch._build import load_extension
 load_extension()"
-  cp "$B/torch-build/tierstate_torch_C_cuda/tierstate_torch_C_cuda.so" "$B/lib/"
+  # Stripped and xz-compressed (about 10x), so that the bundle fits what a device run carries
+  # (64 MiB with the checkout); gpu_script.sh unpacks it with Python's lzma.
+  strip --strip-unneeded -o "$B/lib/tierstate_torch_C_cuda.so" "$B/torch-build/tierstate_torch_C_cuda/tierstate_torch_C_cuda.so"
+  xz -T0 -6 -f "$B/lib/tierstate_torch_C_cuda.so"
   rm -rf "$B/torch-build"
 else
   echo "no PyTorch at $PY: the bundle has no PyTorch extension (gpu_script.sh then builds it there)"
 fi
+strip --strip-unneeded "$B"/bin/*
 ls -la "$B/bin" "$B/lib"
 du -sh "$B"
+size=$(du -sm "$B" | cut -f1)
+[ "$size" -lt 60 ] || { echo "gpu_prepare: the bundle is $size MiB: over what a device run carries (64 MiB with the checkout)"; exit 1; }

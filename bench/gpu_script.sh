@@ -55,6 +55,9 @@ stamp "PyTorch parity on the GPU"
 # bundle's headers.
 py=$(command -v python3 || command -v python)
 ext="$B/lib/tierstate_torch_C_cuda.so"
+if [ -f "$ext.xz" ] && [ ! -f "$ext" ]; then
+  "$py" -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$ext.xz" "$ext"
+fi
 if ! TIERSTATE_TORCH_PREBUILT="$ext" "$py" -c "import sys; sys.path.insert(0, 'examples/pytorch')
 from tierstate_torch._build import load_extension; load_extension()" >"$OUT/pytorch_import.log" 2>&1; then
   stamp "the prebuilt extension does not import here (pytorch_import.log): building it"
