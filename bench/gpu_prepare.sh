@@ -4,13 +4,17 @@
 # bench/gpu_script.sh runs on a lent GPU machine (which has nvcc but no package registry and
 # none of xsimd, Catch2 or liburing):
 #
-#   gpu-bundle/bin/      test_device_cuda, gpu_compositions_cuda, gpu_step_cuda: nvcc,
+#   gpu-bundle/bin/      test_device_cuda, test_pinned_host_cuda, gpu_compositions_cuda, gpu_step_cuda,
+#                        pinned_alloc_cuda: nvcc,
 #                        sm_90, host code for x86-64-v3, liburing linked statically
 #   gpu-bundle/include/  the headers they need (xsimd, Catch2, liburing, xxHash), so that
 #   gpu-bundle/lib/      the script can rebuild there (with liburing.a) if a binary does not start;
-#                        and tierstate_torch_C_cuda.so.xz, the PyTorch extension's CUDA build (sm_90,
-#                        x86-64-v3), when PyTorch 2.11.0 is here (TORCH_PYTHON, default the
-#                        pytorch test stage's environment)
+#                        and, with GPU_TORCH_PREBUILD=1, tierstate_torch_C_cuda.so.xz, the PyTorch
+#                        extension's CUDA build (sm_90, x86-64-v3) for TORCH_PYTHON (default the
+#                        pytorch test stage's environment). Off by default: it takes about 23
+#                        minutes on 2 cores, and an extension imports only into the Python it was
+#                        built for (here 3.11; the lent machine ran 3.12 on 2026-12-04, and
+#                        gpu_script.sh builds it there in about 3 minutes on 16 cores)
 #
 #   bash bench/gpu_prepare.sh [BUNDLE_DIR]     (default gpu-bundle; then carry it)
 set -euo pipefail
@@ -23,7 +27,7 @@ cp -r /usr/include/xsimd /usr/include/catch2 /usr/include/liburing /usr/include/
 cp /usr/lib/x86_64-linux-gnu/liburing.a "$B/lib/"
 bash bench/gpu_build.sh "$B" "$NVCC"
 PY=${TORCH_PYTHON:-$HOME/.cache/tierstate/torch-2.11.0/bin/python}
-if "$PY" -c "import torch" 2>/dev/null; then
+if [ "${GPU_TORCH_PREBUILD:-0}" = 1 ] && "$PY" -c "import torch" 2>/dev/null; then
   TORCH_EXTENSIONS_DIR="$PWD/$B/torch-build" TIERSTATE_TORCH_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 \
     TIERSTATE_TORCH_CFLAGS="-O3 -march=x86-64-v3" TIERSTATE_TORCH_LDFLAGS="$PWD/$B/lib/liburing.a" \
     "$PY" -c "import sys; sys.path.insert(0, 'examples/pytorch')
@@ -35,9 +39,8 @@ load_extension()"
   xz -T0 -6 -f "$B/lib/tierstate_torch_C_cuda.so"
   rm -rf "$B/torch-build"
 else
-  echo "no PyTorch at $PY: the bundle has no PyTorch extension (gpu_script.sh then builds it there)"
+  echo "no prebuilt PyTorch extension (GPU_TORCH_PREBUILD=1 and PyTorch at $PY make one): gpu_script.sh builds it there"
 fi
-strip --strip-unneeded "$B"/bin/*
 ls -la "$B/bin" "$B/lib"
 du -sh "$B"
 size=$(du -sm "$B" | cut -f1)
