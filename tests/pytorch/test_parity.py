@@ -930,6 +930,61 @@ class Parity(unittest.TestCase):
                     if a.numel() >= 256:
                         self.assertLessEqual(((a - r).abs() / spacing).mean().item(), 2, "stochastic")
 
+    def test_compact_state_on_the_emulated_device(self):
+        """compute='device' with 8-bit state and the compact masters, on tierstate's emulated
+        device (its OnDevice kernels on Thrust's CPP backend): each rule against its torch
+        reference with re-encoded moments, as the CPU tests above, with the state in Device
+        memory, PinnedHost and NvmeFile; then bf16 params with each compact master, whose params
+        and state equal compute='host''s bit for bit (the device kernels are the host's math)."""
+        sizes = [5000, 700, 257, 3]
+        torch.manual_seed(6)
+        init = [torch.randn(n) for n in sizes]
+        grads = [[torch.randn(n) * (1 + (t % 3)) for n in sizes] for t in range(8)]
+        cases = [
+            (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01, foreach=False),
+             lambda qs, **kw: tierstate_torch.AdamW(qs, lr=1e-2, weight_decay=0.01, **kw),
+             (("exp_avg", True), ("exp_avg_sq", False))),
+            (lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.01, foreach=False),
+             lambda qs, **kw: tierstate_torch.Adam(qs, lr=1e-2, weight_decay=0.01, **kw),
+             (("exp_avg", True), ("exp_avg_sq", False))),
+            (lambda ps: LionReference(ps, lr=1e-3, weight_decay=0.1),
+             lambda qs, **kw: tierstate_torch.Lion(qs, lr=1e-3, weight_decay=0.1, **kw), (("exp_avg", True),)),
+            (lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.01, foreach=False),
+             lambda qs, **kw: tierstate_torch.SGD(qs, lr=1e-2, momentum=0.9, weight_decay=0.01, **kw),
+             (("momentum_buffer", True),)),
+        ]
+        os.environ["TIERSTATE_TORCH_EMULATED_DEVICE"] = "1"
+        try:
+            with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+                for make_ref, make_ours, slots in cases:
+                    for tier in ("device", "pinned", "nvme"):
+                        ps = [x.clone().requires_grad_() for x in init]
+                        qs = [x.clone().requires_grad_() for x in init]
+                        ours = make_ours(qs, state_dtype=torch.int8, min_8bit_size=300, compute="device", tier=tier,
+                                         path=d if tier == "nvme" else None)
+                        with self.subTest(rule=type(ours).__name__, tier=tier):
+                            self.assertIn("OnDevice", ours.composition()[0])
+                            self.assertEqual(sum("dynamic8" in c for c in ours.composition()), 1)
+                            self.assert_8bit_parity(make_ref(ps), ours, ps, qs, grads, 300, slots)
+                        ours.close()
+                    for master in ("kahan", "stochastic"):
+                        runs = []
+                        for compute in ("host", "device"):
+                            rs = [x.to(torch.bfloat16).requires_grad_() for x in init]
+                            opt = make_ours(rs, state_dtype=torch.int8, master=master, min_8bit_size=0,
+                                            compute=compute, tier="pinned")
+                            for g in grads:
+                                for r, x in zip(rs, g):
+                                    r.grad = x.to(torch.bfloat16)
+                                opt.step()
+                            runs.append((rs, [opt.get_state(r, slot) for r in rs for slot, _ in slots]))
+                            opt.close()
+                        with self.subTest(rule=type(opt).__name__, master=master):
+                            self.assertTrue(all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0])), "params")
+                            self.assertTrue(all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1])), "state")
+        finally:
+            del os.environ["TIERSTATE_TORCH_EMULATED_DEVICE"]
+
     def test_int8_adamw_against_bitsandbytes(self):
         """state_dtype=torch.int8 against bitsandbytes.optim.AdamW8bit on CPU tensors (its CPU
         kernels, bitsandbytes 0.50.2): the same maps, blocks of 256 and min_8bit_size 4096, fed

@@ -3,9 +3,9 @@
 transformer of test_parity.py, 50 steps, in each GPU composition (ZeRO-Offload with the
 state in PinnedHost and NvmeFile; OnDevice with it in Device memory, or streamed from
 PinnedHost and NvmeFile), every loss within 1e-4 relative and the final params within
-1e-4 * (|p| + lr); then hooks with a GradScaler, bf16 params, and 8-bit state (compute='host')
-for CUDA params against torch.optim.AdamW on the CPU whose moments are re-encoded after each
-step, as test_parity.py's CPU test does. Exits 77 (skipped) without
+1e-4 * (|p| + lr); then hooks with a GradScaler, bf16 params, and 8-bit state for CUDA params in
+every composition against torch.optim.AdamW on the CPU whose moments are re-encoded after
+each step, as test_parity.py's CPU test does. Exits 77 (skipped) without
 a CUDA device. Attention runs on the math backend: the fused backends' backward passes may
 sum in a different order from run to run.
 
@@ -96,30 +96,29 @@ class CudaParity(unittest.TestCase):
         init = [torch.randn(n) for n in sizes]
         grads = [[torch.randn(n) * (1 + (t % 3)) for n in sizes] for t in range(12)]
         with tempfile.TemporaryDirectory(dir=tp.SCRATCH) as d:
-            for tier in ("pinned", "nvme"):
-                with self.subTest(tier=tier):
+            for compute, tier in COMPOSITIONS:
+                with self.subTest(compute=compute, tier=tier):
                     ps = [x.clone().requires_grad_() for x in init]
                     qs = [x.to(self.dev).requires_grad_() for x in init]
                     ref = torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01, foreach=False)
                     ours = tierstate_torch.AdamW(qs, lr=1e-2, weight_decay=0.01, state_dtype="int8", min_8bit_size=300,
-                                                 tier=tier, path=d if tier == "nvme" else None)
+                                                 compute=compute, tier=tier, path=d if tier == "nvme" else None)
                     print(ours.composition(), flush=True)
                     self.assertIn("dynamic8", " ".join(ours.composition()))
                     tp.Parity.assert_8bit_parity(self, ref, ours, ps, qs, grads, 300,
                                                  (("exp_avg", True), ("exp_avg_sq", False)))
                     ours.close()
-        # bf16 CUDA params with each compact master learn, and the device build refuses 8-bit state by name.
+        # bf16 CUDA params with each compact master learn, on the host and on the GPU.
         data = self.data(10, seed=23) * 3
-        for master in ("kahan", "stochastic"):
-            with self.subTest(master=master):
-                model = self.model(torch.bfloat16)
-                opt = tierstate_torch.AdamW(model.parameters(), lr=1e-2, state_dtype=torch.int8, master=master)
-                losses = tp.train(model, opt, data)
-                self.assertLess(losses[-1], losses[0])
-                opt.close()
-        with self.assertRaisesRegex(ValueError, "compute='host'"):
-            tierstate_torch.AdamW(self.model().parameters(), compute="device", state_dtype=torch.int8)
-
+        for compute, tier in (("host", "pinned"), ("device", "device")):
+            for master in ("kahan", "stochastic"):
+                with self.subTest(compute=compute, master=master):
+                    model = self.model(torch.bfloat16)
+                    opt = tierstate_torch.AdamW(model.parameters(), lr=1e-2, state_dtype=torch.int8, master=master,
+                                                compute=compute, tier=tier)
+                    losses = tp.train(model, opt, data)
+                    self.assertLess(losses[-1], losses[0])
+                    opt.close()
 
 if __name__ == "__main__":
     if not torch.cuda.is_available():

@@ -38,8 +38,9 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 # The translation units of the compositions, one pair (shards_<unit>.cpp for OnHost,
 # device_shards_<unit>.cpp or .cu for OnDevice) each: one per Adam rule, one for the rest.
 _UNITS = ["adam", "adamw", "adam_amsgrad", "adamw_amsgrad", "sgd_lion_adafactor"]
-# The rules with compact compositions (8-bit state, bf16 params without an fp32 master),
-# OnHost only: shards_<rule>_compact.cpp each (tierstate_torch refuses the others by name).
+# The rules with compact compositions (8-bit state, bf16 params without an fp32 master): a
+# pair each, shards_<rule>_compact.cpp (OnHost) and device_shards_<rule>_compact.cpp or .cu
+# (OnDevice); tierstate_torch refuses the other rules by name.
 _COMPACT_RULES = ("adam", "adamw", "lion", "sgd_momentum")
 
 
@@ -125,6 +126,7 @@ def load_extension():
     if cuda:
         cflags.append("-DTIERSTATE_ENABLE_CUDA")
         sources += [_CSRC / f"device_shards_{r}.cu" for r in _UNITS]
+        sources += [_CSRC / f"device_shards_{r}_compact.cu" for r in _COMPACT_RULES]
         # PyTorch's nvcc flags switch off __half and __nv_bfloat16's operators and
         # conversions, which the device kernels use; switched back on for these files.
         cuda_cflags = common + ["-DTIERSTATE_ENABLE_CUDA", "--expt-relaxed-constexpr", "-O3",
@@ -140,6 +142,7 @@ def load_extension():
         if thrust is not None:
             cflags += ["-isystem", thrust, "-DTHRUST_DEVICE_SYSTEM=THRUST_DEVICE_SYSTEM_CPP"]
             sources += [_CSRC / f"device_shards_{r}.cpp" for r in _UNITS]
+            sources += [_CSRC / f"device_shards_{r}_compact.cpp" for r in _COMPACT_RULES]
         else:
             sources.append(_CSRC / "no_device_shards.cpp")
     return load(

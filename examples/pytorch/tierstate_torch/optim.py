@@ -249,9 +249,6 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
             if self._rule not in _COMPACT_RULES:
                 raise ValueError(f"{name}: {what} is built for AdamW and Adam without amsgrad, Lion and SGD with "
                                  f"momentum (this optimizer's rule is {self._rule!r})")
-            if self._options["compute"] != "host":
-                raise ValueError(f"{name}: {what} is built for compute='host' (the 8-bit and compensated "
-                                 "compositions are not in the extension's device build)")
         if master != "fp32":
             for p in group["params"]:
                 if p.dtype != torch.bfloat16:

@@ -23,5 +23,9 @@ std::unique_ptr<shard> make_sgd_device_shard(config const&) { refuse(); }
 std::unique_ptr<shard> make_sgd_momentum_device_shard(config const&) { refuse(); }
 std::unique_ptr<shard> make_lion_device_shard(config const&) { refuse(); }
 std::unique_ptr<shard> make_adafactor_device_shard(config const&) { refuse(); }
+std::unique_ptr<shard> make_adam_device_compact_shard(config const&) { refuse(); }
+std::unique_ptr<shard> make_adamw_device_compact_shard(config const&) { refuse(); }
+std::unique_ptr<shard> make_lion_device_compact_shard(config const&) { refuse(); }
+std::unique_ptr<shard> make_sgd_momentum_device_compact_shard(config const&) { refuse(); }
 
 }  // namespace tierstate_torch

@@ -157,12 +157,17 @@ std::unique_ptr<shard> make_lion_shard(config const& c);
 std::unique_ptr<shard> make_sgd_device_shard(config const& c);
 std::unique_ptr<shard> make_sgd_momentum_device_shard(config const& c);
 std::unique_ptr<shard> make_lion_device_shard(config const& c);
-/// The compact compositions (state i8, or master "kahan" or "stochastic"), OnHost only, of
-/// the rules with moments and without amsgrad: shards_<rule>_compact.cpp.
+/// The compact compositions (state i8, or master "kahan" or "stochastic") of the rules with
+/// moments and without amsgrad: shards_<rule>_compact.cpp (OnHost) and
+/// device_shards_<rule>_compact.cpp (OnDevice; .cu with CUDA; refused in no_device_shards.cpp).
 std::unique_ptr<shard> make_adam_compact_shard(config const& c);
 std::unique_ptr<shard> make_adamw_compact_shard(config const& c);
 std::unique_ptr<shard> make_lion_compact_shard(config const& c);
 std::unique_ptr<shard> make_sgd_momentum_compact_shard(config const& c);
+std::unique_ptr<shard> make_adam_device_compact_shard(config const& c);
+std::unique_ptr<shard> make_adamw_device_compact_shard(config const& c);
+std::unique_ptr<shard> make_lion_device_compact_shard(config const& c);
+std::unique_ptr<shard> make_sgd_momentum_device_compact_shard(config const& c);
 rule_info adafactor_info();
 std::unique_ptr<shard> make_adafactor_shard(config const& c);
 std::unique_ptr<shard> make_adafactor_device_shard(config const& c);
