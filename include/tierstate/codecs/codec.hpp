@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -79,6 +80,23 @@ concept block_codec = requires(std::byte* b, std::byte const* cb, float* f, floa
 
 template <class C>
 concept codec = element_codec<C> || block_codec<C>;
+
+/// A block codec whose block is a float scale, then one byte per element whose value is
+/// map().value[code] * scale (codecs/dynamic8.hpp), with the scale from its `extremes` and
+/// each code from code_of(map(), x * inverse_scale(scale)): its elements decode and encode
+/// one by one, so that the device kernels give each element a thread of its own, the block's
+/// scale found between the update and the encoding, rather than a block a thread.
+template <class C>
+concept scaled_map_codec = block_codec<C> && requires(float x, float const* in, std::size_t n) {
+  { C::map().value[0] } -> std::convertible_to<float>;
+  { C::map().zero_code } -> std::convertible_to<int>;
+  requires requires(typename C::extremes e) {
+    e.add(in, n);
+    { e.scale() } -> std::same_as<float>;
+  };
+  { C::inverse_scale(x) } -> std::same_as<float>;
+  { C::code_of(C::map(), x) } -> std::same_as<std::uint8_t>;
+} && C::block_bytes == sizeof(float) + C::block;
 
 /// State stored with a codec per slot: the rule's slot j with the j-th codec (each C a
 /// `codec`: the precision that holds them says so where one is not).

@@ -268,7 +268,7 @@ using dynamic8 = blockwise8<true>;
 /// bitsandbytes' unsigned dynamic map: Adam's v.
 using udynamic8 = blockwise8<false>;
 
-static_assert(block_codec<dynamic8> && block_codec<udynamic8>);
+static_assert(scaled_map_codec<dynamic8> && scaled_map_codec<udynamic8>);
 
 }  // namespace tierstate::inline TIERSTATE_ABI::codecs
 
