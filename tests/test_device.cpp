@@ -544,6 +544,13 @@ TEMPLATE_LIST_TEST_CASE("a tensor without a gradient keeps its own step count on
         train<HostOpt<P>>(12, host, false, absent));
 }
 
+// The 8-bit moments take the element-parallel kernels (a thread an element, then the blocks'
+// scales, then the codes); the test's block codec and StochasticRounding alone, the block ones.
+static_assert(device::TIERSTATE_DEVICE_ABI::detail::elementwise_blocks<AdamW, Bf16Mixed8bit, 2>);
+static_assert(device::TIERSTATE_DEVICE_ABI::detail::elementwise_blocks<AdamW, Precision<bf16, bf16, Compensated, Bf16Mixed8bit::state_type>, 2>);
+static_assert(!device::TIERSTATE_DEVICE_ABI::detail::elementwise_blocks<AdamW, Bf16MixedInt8M, 2>);
+static_assert(!device::TIERSTATE_DEVICE_ABI::detail::elementwise_blocks<AdamW, Bf16Stochastic, 2>);
+
 /// The test's block codecs (tests/block_codec.hpp) over the device routes: all five with 8-bit
 /// m in blocks of 256, two with blocks of 64 (smaller than some chunks' pieces, larger than
 /// others), and Compensated (no master) on an OnDevice and an OnHost route (whose params
@@ -551,13 +558,6 @@ TEMPLATE_LIST_TEST_CASE("a tensor without a gradient keeps its own step count on
 /// (codecs/dynamic8.hpp: its tables are the device's own copies under nvcc) on three routes,
 /// and StochasticRounding (its bits a hash of the element's place) on two; reduced: one OnHost
 /// and three OnDevice routes.
-// The 8-bit moments take the element-parallel kernels (a thread an element, then the blocks'
-// scales, then the codes); the test's block codec and StochasticRounding alone, the block ones.
-static_assert(device::detail::elementwise_blocks<AdamW, Bf16Mixed8bit, 2>);
-static_assert(device::detail::elementwise_blocks<AdamW, Precision<bf16, bf16, Compensated, Bf16Mixed8bit::state_type>, 2>);
-static_assert(!device::detail::elementwise_blocks<AdamW, Bf16MixedInt8M, 2>);
-static_assert(!device::detail::elementwise_blocks<AdamW, Bf16Stochastic, 2>);
-
 using codec_device_routes =
   pick<std::tuple<overlapped_on_device<Bf16MixedInt8M, Device, OnDevice>,
                   overlapped_on_device<Bf16MixedInt8M, PinnedHost, OnDevice>,
