@@ -80,9 +80,9 @@ def to_torch(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
                        decoupled_weight_decay=True)
         elif family == "lion":
             out.update(betas=tuple(g["betas"]))
-        else:  # SGD8bit keeps (momentum, dampening) as betas
-            out.update(momentum=g["betas"][0], dampening=g["betas"][1], nesterov=bool(g.get("nesterov", False)),
-                       maximize=False)
+        else:  # SGD8bit keeps (momentum, dampening) as betas, but its update uses neither
+            # dampening nor Nesterov (buf = momentum * buf + g): what it ran, not what it was given
+            out.update(momentum=g["betas"][0], dampening=0.0, nesterov=False, maximize=False)
         groups.append(out)
     state: dict[Any, dict[str, Any]] = {}
     for key, raw in sd["state"].items():

@@ -85,9 +85,11 @@ concept codec = element_codec<C> || block_codec<C>;
 /// map().value[code] * scale (codecs/dynamic8.hpp), with the scale from its `extremes` and
 /// each code from code_of(map(), x * inverse_scale(scale)): its elements decode and encode
 /// one by one, so that the device kernels give each element a thread of its own, the block's
-/// scale found between the update and the encoding, rather than a block a thread.
+/// scale found between the update and the encoding, rather than a block a thread. A codec
+/// says so (`scaled_map = true`): its decode and encode must then be exactly that, which
+/// members of the same names need not promise.
 template <class C>
-concept scaled_map_codec = block_codec<C> && requires(float x, float const* in, std::size_t n) {
+concept scaled_map_codec = block_codec<C> && C::scaled_map && requires(float x, float const* in, std::size_t n) {
   { C::map().value[0] } -> std::convertible_to<float>;
   { C::map().zero_code } -> std::convertible_to<int>;
   requires requires(typename C::extremes e) {

@@ -189,6 +189,8 @@ struct blockwise8 {
   static constexpr std::size_t block       = 256;
   static constexpr std::size_t block_bytes = sizeof(float) + block;
   static constexpr bool is_signed          = Signed;
+  /// decode and encode are element by element under the block's scale (scaled_map_codec)
+  static constexpr bool scaled_map = true;
 
   TIERSTATE_HOST_DEVICE static dynamic_map const& map() noexcept { return detail::dynamic_map_for<Signed>(); }
 

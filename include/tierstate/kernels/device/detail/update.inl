@@ -18,6 +18,7 @@
 #include <cstring>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace tierstate::inline TIERSTATE_ABI::device {
 inline namespace TIERSTATE_DEVICE_ABI {
@@ -381,42 +382,59 @@ struct mapped_code {
   }
 };
 
-/// thrust::for_each of f over [0, count) on stream s.
-template <class F>
-void for_each_index(stream_view s, std::size_t count, F const& f)
+/// The element-parallel step's three passes over n elements, each `for_each(count, f)`
+/// (f over [0, count)) run after the one before: the update, then each block-coded slot's
+/// scales, then its codes, through `scratch` (n floats a slot).
+template <class R, class P, std::size_t Slots, class ForEach>
+void mapped_passes(typename R::coefficients const& k, update_arrays<P, Slots> const& a, std::size_t n, float* scratch,
+                   ForEach const& for_each)
 {
-  auto const first = thrust::counting_iterator<std::size_t>(0);
-  auto const last  = first + static_cast<std::ptrdiff_t>(count);
-#if defined(TIERSTATE_ENABLE_CUDA)
-  thrust::for_each(thrust::cuda::par_nosync.on(s.native()), first, last, f);
-  TIERSTATE_CUDA_TRY(cudaGetLastError());
-#else
-  runtime::detail::enqueue(s, [=] { thrust::for_each(thrust::device, first, last, f); });
-#endif
-}
-
-/// The element-parallel step (elementwise_blocks): the update, then each block-coded slot's
-/// scales, then its codes, three passes in stream order over a scratch of n floats a slot.
-template <class R, class P, std::size_t Slots>
-void update_mapped_async(stream_view s, typename R::coefficients const& k, update_arrays<P, Slots> const& a,
-                         std::size_t n)
-{
-  using f_t           = update_mapped_element<R, P, Slots>;
-  auto* const scratch = static_cast<float*>(allocate_async(Slots * n * sizeof(float), s));
+  using f_t = update_mapped_element<R, P, Slots>;
   f_t f{k, reinterpret_cast<typename f_t::param_t*>(a.param), reinterpret_cast<typename f_t::grad_t const*>(a.grad),
         a.master, reinterpret_cast<typename f_t::param_t*>(a.compensation), {}, scratch, n, a.tensor_offset,
         a.rounding_key};
   for (std::size_t j = 0; j != Slots; ++j) { f.state[j] = a.state[j]; }
-  for_each_index(s, n, f);
+  for_each(n, f);
   host::detail::for_each_slot<Slots>([&](auto j) {
     using C = typename P::template state_codec<j>;
     if constexpr (block_codec<C>) {
       auto* const base = static_cast<std::byte*>(a.state[j]);
-      for_each_index(s, (n + C::block - 1) / C::block, mapped_scale<C>{scratch + j * n, base, n});
-      for_each_index(s, n, mapped_code<C>{scratch + j * n, base});
+      for_each((n + C::block - 1) / C::block, mapped_scale<C>{scratch + j * n, base, n});
+      for_each(n, mapped_code<C>{scratch + j * n, base});
     }
   });
+}
+
+/// The element-parallel step (elementwise_blocks) on stream s. On a GPU, its scratch comes
+/// from the stream-ordered allocator (cudaMallocAsync where the device has memory pools) and
+/// goes back after the passes, with no wait; on the emulated device the passes are one task
+/// of the stream, its scratch its own, so that nothing waits and a failure stays the stream's.
+template <class R, class P, std::size_t Slots>
+void update_mapped_async(stream_view s, typename R::coefficients const& k, update_arrays<P, Slots> const& a,
+                         std::size_t n)
+{
+#if defined(TIERSTATE_ENABLE_CUDA)
+  auto* const scratch = static_cast<float*>(allocate_async(Slots * n * sizeof(float), s));
+  try {
+    mapped_passes<R, P, Slots>(k, a, n, scratch, [&](std::size_t count, auto const& f) {
+      auto const first = thrust::counting_iterator<std::size_t>(0);
+      thrust::for_each(thrust::cuda::par_nosync.on(s.native()), first, first + static_cast<std::ptrdiff_t>(count), f);
+      TIERSTATE_CUDA_TRY(cudaGetLastError());
+    });
+  } catch (...) {
+    deallocate_async(scratch, s);
+    throw;
+  }
   deallocate_async(scratch, s);
+#else
+  runtime::detail::enqueue(s, [=] {
+    std::vector<float> scratch(Slots * n);
+    mapped_passes<R, P, Slots>(k, a, n, scratch.data(), [](std::size_t count, auto const& f) {
+      auto const first = thrust::counting_iterator<std::size_t>(0);
+      thrust::for_each(thrust::device, first, first + static_cast<std::ptrdiff_t>(count), f);
+    });
+  });
+#endif
 }
 
 /// An infinity or NaN: an exponent of all ones, in every storage type.
