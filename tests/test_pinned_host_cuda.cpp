@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // The CUDA runtime path as an ordinary C++ compiler builds it (TIERSTATE_ENABLE_CUDA, cudart,
-// no nvcc): PinnedHost's page-locked memory from cudaHostAlloc, and ZeRO-Offload (OnHost +
+// no nvcc): PinnedHost's memory page-locked with cudaHostRegister, and ZeRO-Offload (OnHost +
 // CudaOverlapped) with params and gradients in device memory, which needs no device kernel.
 // Needs a CUDA device; without one it exits 77 (Meson's SKIP) and says why.
 #include <tierstate/tierstate.hpp>
@@ -9,6 +9,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 using namespace tierstate;
@@ -78,19 +79,31 @@ int main()
     std::printf("SKIP: no CUDA device here (cudaGetDeviceCount: %s)\n", cudaGetErrorString(e));
     return 77;
   }
-  std::size_t const bytes = std::size_t{3} << 20;
-  tierstate::PinnedHost tier(bytes);
-  std::vector<std::byte> chunk(4096);
-  tier.read(bytes - 4096, chunk);
-  for (auto b : chunk) {
-    if (b != std::byte{0}) { std::printf("FAIL: not zero-filled\n"); return 1; }
+  // Sizes below a huge page, of a whole one plus a few bytes, and of several (moved once).
+  for (std::size_t const bytes : {std::size_t{4097}, (std::size_t{2} << 20) + 5, std::size_t{3} << 20}) {
+    tierstate::PinnedHost first(bytes);
+    tierstate::PinnedHost tier = std::move(first);
+    std::vector<std::byte> chunk(4096);
+    tier.read(bytes - 4096, chunk);
+    for (auto b : chunk) {
+      if (b != std::byte{0}) { std::printf("FAIL: not zero-filled\n"); return 1; }
+    }
+    cudaPointerAttributes attributes{};
+    if (cudaPointerGetAttributes(&attributes, tier.data()) != cudaSuccess ||
+        attributes.type != cudaMemoryTypeHost) {
+      std::printf("FAIL: PinnedHost memory of %zu bytes is not page-locked CUDA host memory\n", bytes);
+      return 1;
+    }
+    // A copy to the device and back through it, as the transfers do.
+    void* d = nullptr;
+    std::memset(tier.data(), 0x5A, bytes);
+    if (cudaMalloc(&d, bytes) != cudaSuccess || cudaMemcpy(d, tier.data(), bytes, cudaMemcpyHostToDevice) != cudaSuccess ||
+        (std::memset(tier.data(), 0, bytes), cudaMemcpy(tier.data(), d, bytes, cudaMemcpyDeviceToHost)) != cudaSuccess || tier.data()[bytes - 1] != std::byte{0x5A}) {
+      std::printf("FAIL: a copy through %zu bytes of PinnedHost memory\n", bytes);
+      return 1;
+    }
+    cudaFree(d);
+    std::printf("PinnedHost: %zu bytes of memory page-locked with cudaHostRegister\n", bytes);
   }
-  cudaPointerAttributes attributes{};
-  if (cudaPointerGetAttributes(&attributes, tier.data()) != cudaSuccess ||
-      attributes.type != cudaMemoryTypeHost) {
-    std::printf("FAIL: PinnedHost memory is not page-locked CUDA host memory\n");
-    return 1;
-  }
-  std::printf("PinnedHost: %zu bytes of page-locked memory from cudaHostAlloc\n", bytes);
   return zero_offload_matches_host();
 }

@@ -23,8 +23,8 @@
 // Every tierstate definition lives in one inline namespace named after the configuration
 // it was compiled for: the instruction-set extensions the compiler may use (each -m flag
 // that changes what an inline function compiles to, F16C and AVX512-BF16 included) and
-// whether CUDA is enabled (TIERSTATE_ENABLE_CUDA: PinnedHost allocating with
-// cudaHostAlloc, the device tiers). Two translation units built with different flags then
+// whether CUDA is enabled (TIERSTATE_ENABLE_CUDA: PinnedHost page-locking with
+// cudaHostRegister, the device tiers). Two translation units built with different flags then
 // define differently-named functions and types, and the linker can never keep one's body
 // for the other's call: a baseline translation unit never runs an AVX-512 body, whatever it
 // links with (tests/odr checks this with nm). The cost: translation units that hand
