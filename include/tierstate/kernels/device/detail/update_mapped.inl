@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The device step for precisions whose block-coded slots are all scaled_map_codecs (8-bit
 // moments, codecs/dynamic8.hpp): a thread an element, then each block's scale, then each
-// code. Included by update.inl after its helpers (load_weight, store_weight, the native
+// code (on a GPU, a warp a block for both). Included by update.inl after its helpers (load_weight, store_weight, the native
 // types), whose update_async takes this path where elementwise_blocks holds.
 #pragma once
 
@@ -135,12 +135,56 @@ struct mapped_code {
   }
 };
 
+#if defined(TIERSTATE_ENABLE_CUDA)
+/// The second and third passes at once on a GPU, for a slot stored with C: a warp a block, its
+/// lanes reading the block's values 32 apart (coalesced), combining their extremes with
+/// shuffles into the block's scale (max and min are exact in any order, so it is
+/// mapped_scale's), then writing the codes as mapped_code does. (A thread a block, mapped_scale
+/// reads 256 values a block apart from its neighbours': on an H200 that pass was most of the
+/// 8-bit step's 0.165 s for 1e9 elements, against 0.012 s with fp32 state.)
+template <class C>
+__global__ void mapped_encode_warps(float const* values, std::byte* base, std::size_t n)
+{
+  static_assert(C::block % 32 == 0);
+  constexpr unsigned per_lane = C::block / 32;
+  std::size_t const b         = (static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  unsigned const lane         = threadIdx.x % 32;
+  std::size_t const i         = b * C::block;
+  if (i >= n) { return; }  // (the whole warp: b is the warp's)
+  std::size_t const m = n - i < C::block ? n - i : C::block;
+  float v[per_lane];
+  typename C::extremes x;
+  for (unsigned q = 0; q < per_lane; ++q) {
+    std::size_t const e = q * 32 + lane;
+    v[q]                = e < m ? values[i + e] : 0.0f;
+    x.add(&v[q], 1);  // (a zero past m changes no extreme)
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    float const hi = __shfl_xor_sync(0xFFFFFFFFu, x.hi, offset);
+    float const lo = __shfl_xor_sync(0xFFFFFFFFu, x.lo, offset);
+    x.nan          = __shfl_xor_sync(0xFFFFFFFFu, static_cast<int>(x.nan), offset) != 0 || x.nan;
+    x.hi           = hi > x.hi ? hi : x.hi;
+    x.lo           = lo < x.lo ? lo : x.lo;
+  }
+  float const scale = x.scale();
+  std::byte* block  = tierstate::detail::codec_address<C>(base, i);
+  if (lane == 0) { std::memcpy(block, &scale, sizeof scale); }
+  float const inverse = C::inverse_scale(scale);
+  auto const& map     = C::map();
+  for (unsigned q = 0; q < per_lane; ++q) {
+    std::size_t const e = q * 32 + lane;
+    block[sizeof(float) + e] =
+      static_cast<std::byte>(e < m && inverse != 0.0f ? C::code_of(map, v[q] * inverse) : map.zero_code);
+  }
+}
+#endif
+
 /// The element-parallel step's three passes over n elements, each `for_each(count, f)`
 /// (f over [0, count)) run after the one before: the update, then each block-coded slot's
 /// scales, then its codes, through `scratch` (n floats a slot).
-template <class R, class P, std::size_t Slots, class ForEach>
+template <class R, class P, std::size_t Slots, class ForEach, class Encode>
 void mapped_passes(typename R::coefficients const& k, update_arrays<P, Slots> const& a, std::size_t n, float* scratch,
-                   ForEach const& for_each)
+                   ForEach const& for_each, Encode const& encode)
 {
   using f_t = update_mapped_element<R, P, Slots>;
   f_t f{k, reinterpret_cast<typename f_t::param_t*>(a.param), reinterpret_cast<typename f_t::grad_t const*>(a.grad),
@@ -152,8 +196,10 @@ void mapped_passes(typename R::coefficients const& k, update_arrays<P, Slots> co
     using C = typename P::template state_codec<j>;
     if constexpr (block_codec<C>) {
       auto* const base = static_cast<std::byte*>(a.state[j]);
-      for_each((n + C::block - 1) / C::block, mapped_scale<C>{scratch + j * n, base, n});
-      for_each(n, mapped_code<C>{scratch + j * n, base});
+      if (!encode(C{}, scratch + j * n, base)) {
+        for_each((n + C::block - 1) / C::block, mapped_scale<C>{scratch + j * n, base, n});
+        for_each(n, mapped_code<C>{scratch + j * n, base});
+      }
     }
   });
 }
@@ -173,6 +219,17 @@ void update_mapped_async(stream_view s, typename R::coefficients const& k, updat
       auto const first = thrust::counting_iterator<std::size_t>(0);
       thrust::for_each(thrust::cuda::par_nosync.on(s.native()), first, first + static_cast<std::ptrdiff_t>(count), f);
       TIERSTATE_CUDA_TRY(cudaGetLastError());
+    }, [&]<class C>(C, float const* values, std::byte* base) {
+      if constexpr (C::block % 32 == 0) {
+        constexpr unsigned threads = 256;  // 8 blocks of the codec a CUDA block
+        std::size_t const warps    = (n + C::block - 1) / C::block;
+        auto const grid            = static_cast<unsigned>((warps * 32 + threads - 1) / threads);
+        mapped_encode_warps<C><<<grid, threads, 0, s.native()>>>(values, base, n);
+        TIERSTATE_CUDA_TRY(cudaGetLastError());
+        return true;
+      } else {
+        return false;
+      }
     });
   } catch (...) {
     deallocate_async(scratch, s);
@@ -185,7 +242,7 @@ void update_mapped_async(stream_view s, typename R::coefficients const& k, updat
     mapped_passes<R, P, Slots>(k, a, n, scratch.data(), [](std::size_t count, auto const& f) {
       auto const first = thrust::counting_iterator<std::size_t>(0);
       thrust::for_each(thrust::device, first, first + static_cast<std::ptrdiff_t>(count), f);
-    });
+    }, [](auto, float const*, std::byte*) { return false; });
   });
 #endif
 }
