@@ -14,6 +14,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string_view>
 #include <vector>
@@ -213,6 +214,30 @@ TEMPLATE_TEST_CASE("a block with a non-finite value decodes to NaN; zeros and fr
     INFO("scale " << scale);
     CHECK(encoded_scalar<C>(v) == encoded_batches<C>(v));
   }
+}
+
+TEMPLATE_TEST_CASE("the host's batches decode every code at every position as the codec does", "[dynamic8]",
+                   codecs::dynamic8, codecs::udynamic8)
+{
+  using C = TestType;
+  // Code (i + r) mod 256 at position i, for each r: every code at every position of a whole
+  // block (the byte-permute path where the host has AVX-512 VBMI) and of a short one (the
+  // gathers and the scalar tail), under scales of both signs, zero, subnormal and NaN.
+  std::vector<std::byte> block(C::block_bytes);
+  std::vector<float> want(C::block), got(C::block);
+  std::size_t bad = 0;
+  for (float const scale : {1.0f, -2.5f, 0.0f, 3e-41f, 7.5e30f, std::numeric_limits<float>::quiet_NaN()}) {
+    std::memcpy(block.data(), &scale, sizeof scale);
+    for (std::size_t r = 0; r < 256; ++r) {
+      for (std::size_t i = 0; i < C::block; ++i) { block[4 + i] = static_cast<std::byte>((i + r) & 255u); }
+      for (std::size_t const n : {C::block, std::size_t{77}}) {
+        C::decode(block.data(), want.data(), n);
+        host::detail::decode_block<C, arch>(block.data(), got.data(), n);
+        for (std::size_t i = 0; i < n; ++i) { bad += bits(got[i]) != bits(want[i]); }
+      }
+    }
+  }
+  CHECK(bad == 0);
 }
 
 TEMPLATE_TEST_CASE("a decoded block encodes to the same bytes, its largest magnitude exactly, of either sign", "[dynamic8]",

@@ -136,8 +136,13 @@
 #else
 #define TIERSTATE_ABI_AVX512FP16
 #endif
-#define TIERSTATE_ABI_ISA_3(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t) \
-  x##a##b##c##d##e##f##g##h##i##j##k##l##m##n##o##p##q##r##s##t
+#if defined(__AVX512VBMI__)
+#define TIERSTATE_ABI_AVX512VBMI M
+#else
+#define TIERSTATE_ABI_AVX512VBMI
+#endif
+#define TIERSTATE_ABI_ISA_3(a, b, c, d, e, f, g, h, i, j, k, l, m, n, o, p, q, r, s, t, u) \
+  x##a##b##c##d##e##f##g##h##i##j##k##l##m##n##o##p##q##r##s##t##u
 #define TIERSTATE_ABI_ISA_2(...) TIERSTATE_ABI_ISA_3(__VA_ARGS__)
 #define TIERSTATE_ABI_ISA                                                                         \
   TIERSTATE_ABI_ISA_2(TIERSTATE_ABI_SSE3, TIERSTATE_ABI_SSSE3, TIERSTATE_ABI_SSE41, TIERSTATE_ABI_SSE42,     \
@@ -145,7 +150,7 @@
                       TIERSTATE_ABI_F16C, TIERSTATE_ABI_BMI, TIERSTATE_ABI_BMI2, TIERSTATE_ABI_LZCNT,        \
                       TIERSTATE_ABI_AVX512F, TIERSTATE_ABI_AVX512CD, TIERSTATE_ABI_AVX512BW,                \
                       TIERSTATE_ABI_AVX512DQ, TIERSTATE_ABI_AVX512VL, TIERSTATE_ABI_AVX512VNNI,             \
-                      TIERSTATE_ABI_AVX512BF16, TIERSTATE_ABI_AVX512FP16)
+                      TIERSTATE_ABI_AVX512BF16, TIERSTATE_ABI_AVX512FP16, TIERSTATE_ABI_AVX512VBMI)
 #elif defined(__aarch64__) && defined(__ARM_FEATURE_SVE)
 #define TIERSTATE_ABI_ISA sve
 #elif defined(__aarch64__)

@@ -18,10 +18,12 @@
 #include <tierstate/kernels/host/detail/simd.hpp>
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 namespace tierstate::inline TIERSTATE_ABI::host::detail {
 
@@ -107,6 +109,56 @@ TIERSTATE_ALWAYS_INLINE xsimd::batch<T, A> gather(T const* table, int_batch<A> c
   }
 }
 
+#if XSIMD_WITH_AVX512F && defined(__AVX512VBMI__)
+/// A map's 256 values as four planes of bytes (plane b: byte b of each value), for lookups
+/// with byte permutes.
+struct value_planes {
+  alignas(64) std::uint8_t byte[4][256];
+};
+constexpr value_planes make_value_planes(codecs::dynamic_map const& m) noexcept
+{
+  value_planes p{};
+  for (int c = 0; c < 256; ++c) {
+    auto const bits = std::bit_cast<std::uint32_t>(m.value[c]);
+    for (int b = 0; b < 4; ++b) { p.byte[b][c] = static_cast<std::uint8_t>(bits >> (8 * b)); }
+  }
+  return p;
+}
+template <bool Signed>
+inline constexpr value_planes value_planes_of = make_value_planes(Signed ? codecs::detail::signed_dynamic_map : codecs::detail::unsigned_dynamic_map);
+
+/// Decodes 64 codes to their map values (before the scale) at out[0 .. 64) with byte
+/// permutes instead of gathers (four times faster on Zen 5): each plane's byte looked up from
+/// two registers' 128 bytes by the code's low 7 bits, the half chosen by its top bit, then the
+/// four planes interleaved into floats. The interleave (unpack within 128-bit lanes) leaves
+/// element 16k + 4L + j at position 16L + 4k + j, so the codes are put there first.
+TIERSTATE_ALWAYS_INLINE void decode_values64(value_planes const& p, std::uint8_t const* codes, float* out) noexcept
+{
+  alignas(64) static constexpr std::uint8_t order[64] = {
+#define TIERSTATE_ORDER_ROW(L) 4 * (L), 4 * (L) + 1, 4 * (L) + 2, 4 * (L) + 3, 16 + 4 * (L), 17 + 4 * (L), 18 + 4 * (L), \
+                               19 + 4 * (L), 32 + 4 * (L), 33 + 4 * (L), 34 + 4 * (L), 35 + 4 * (L), 48 + 4 * (L),  \
+                               49 + 4 * (L), 50 + 4 * (L), 51 + 4 * (L)
+    TIERSTATE_ORDER_ROW(0), TIERSTATE_ORDER_ROW(1), TIERSTATE_ORDER_ROW(2), TIERSTATE_ORDER_ROW(3)
+#undef TIERSTATE_ORDER_ROW
+  };
+  __m512i const index = _mm512_permutexvar_epi8(_mm512_load_si512(order), _mm512_loadu_si512(codes));
+  __mmask64 const upper = _mm512_movepi8_mask(index);
+  __m512i b[4];
+  for (int k = 0; k < 4; ++k) {
+    __m512i const lower = _mm512_permutex2var_epi8(_mm512_load_si512(p.byte[k]), index, _mm512_load_si512(p.byte[k] + 64));
+    __m512i const upper_half =
+      _mm512_permutex2var_epi8(_mm512_load_si512(p.byte[k] + 128), index, _mm512_load_si512(p.byte[k] + 192));
+    b[k] = _mm512_mask_blend_epi8(upper, lower, upper_half);
+  }
+  __m512i const low01 = _mm512_unpacklo_epi8(b[0], b[1]), high01 = _mm512_unpackhi_epi8(b[0], b[1]);
+  __m512i const low23 = _mm512_unpacklo_epi8(b[2], b[3]), high23 = _mm512_unpackhi_epi8(b[2], b[3]);
+  _mm512_storeu_si512(out, _mm512_unpacklo_epi16(low01, low23));
+  _mm512_storeu_si512(out + 16, _mm512_unpackhi_epi16(low01, low23));
+  _mm512_storeu_si512(out + 32, _mm512_unpacklo_epi16(high01, high23));
+  _mm512_storeu_si512(out + 48, _mm512_unpackhi_epi16(high01, high23));
+}
+#endif
+
 /// Decodes a block's first n values into `out`.
 template <class C, class A>
 TIERSTATE_ALWAYS_INLINE void decode_block(std::byte const* from, float* out, std::size_t n) noexcept
@@ -119,6 +171,17 @@ TIERSTATE_ALWAYS_INLINE void decode_block(std::byte const* from, float* out, std
     auto const* codes = reinterpret_cast<std::uint8_t const*>(from + sizeof(float));
     float_batch<A> const s(scale);
     std::size_t const whole = n / N * N;
+#if XSIMD_WITH_AVX512F && defined(__AVX512VBMI__)
+    if constexpr (is_avx512<A> && std::is_same_v<C, codecs::blockwise8<C::is_signed>>) {
+      if (n == C::block) {
+        for (std::size_t i = 0; i < n; i += 64) { decode_values64(value_planes_of<C::is_signed>, codes + i, out + i); }
+        for (std::size_t i = 0; i < n; i += N) {
+          (float_batch<A>::load_unaligned(out + i) * s + float_batch<A>(0.0f)).store_unaligned(out + i);
+        }
+        return;
+      }
+    }
+#endif
     for (std::size_t i = 0; i < whole; i += N) {
       (gather<A>(m.value, load_u8<A>(codes + i)) * s + float_batch<A>(0.0f)).store_unaligned(out + i);
     }
