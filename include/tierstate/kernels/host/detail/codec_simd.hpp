@@ -191,6 +191,86 @@ TIERSTATE_ALWAYS_INLINE void decode_block(std::byte const* from, float* out, std
   }
 }
 
+#if XSIMD_WITH_AVX512F
+/// A dynamic map's rungs by arithmetic, without a table gather. Within decade i (its c_i
+/// values from rung R_i on), the midpoints between the map's values lie on a line: the
+/// points of linspace(0.1, 1, c_i + 1) times the decade d_i, so a magnitude x there lies
+/// above floor(y) of them, y = (x / d_i - 0.1) c_i / 0.9, clamped to [0, c_i - 1]. The
+/// decade is the count of boundaries (the midpoints between decades, exact, from the map)
+/// below x: those below x's binade, from a table by its exponent, plus the one inside it
+/// (a binade holds one at most). y is computed in float, and the map's values are float
+/// roundings of the line, so where y lies within 2^-11 of a whole number the count could be
+/// off: those batches take the bucket table instead (about 0.015% of all floats in [0, 1];
+/// tests/test_dynamic8.cpp checks both ways agree at every float in [0, 1.001] there).
+struct rung_tables {
+  static constexpr int first_binade = 127 - 24;  ///< 2^-24: every boundary lies above
+  alignas(64) std::int32_t below[32];  ///< boundaries below binade first_binade + e
+  alignas(64) float inside[32];        ///< the boundary inside it, or +inf
+  alignas(64) float slope[16];         ///< by count: c_i / (0.9 d_i); 0 for rung 0 and the last
+  alignas(64) float offset[16];        ///< -c_i / 9; 0.5 there (never near a whole number)
+  alignas(64) std::int32_t base[16];   ///< R_i; 0, and the last rung
+  alignas(64) std::int32_t top[16];    ///< c_i - 1; 0
+};
+constexpr rung_tables make_rung_tables(codecs::dynamic_map const& m)
+{
+  rung_tables t{};
+  int R[8] = {1}, c[7] = {};
+  for (int i = 0; i < 7; ++i) {
+    c[i]     = m.is_signed ? 1 << i : 2 << i;
+    R[i + 1] = R[i] + c[i];
+  }
+  if (R[7] != m.rungs) { throw "rung_tables: the map is not 7 decades of 2^i (signed) or 2^(i+1) values"; }
+  for (int e = 0; e < 32; ++e) {
+    float const lo = std::bit_cast<float>(static_cast<std::uint32_t>(e + rung_tables::first_binade) << 23);
+    float const hi = std::bit_cast<float>(static_cast<std::uint32_t>(e + rung_tables::first_binade + 1) << 23);
+    t.inside[e]    = std::numeric_limits<float>::infinity();
+    for (int i = 0; i < 8; ++i) {
+      float const boundary = m.midpoint[R[i] - 1];
+      if (boundary < lo) {
+        ++t.below[e];
+      } else if (boundary < hi) {
+        if (t.inside[e] != std::numeric_limits<float>::infinity()) { throw "rung_tables: two boundaries in a binade"; }
+        t.inside[e] = boundary;
+      }
+    }
+  }
+  constexpr double decade[7] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0};
+  for (int k = 0; k < 16; ++k) { t.offset[k] = 0.5f; }
+  t.base[8] = m.rungs;
+  for (int i = 0; i < 7; ++i) {
+    t.slope[i + 1]  = static_cast<float>(c[i] / (0.9 * decade[i]));
+    t.offset[i + 1] = static_cast<float>(-c[i] / 9.0);
+    t.base[i + 1]   = R[i];
+    t.top[i + 1]    = c[i] - 1;
+  }
+  return t;
+}
+template <bool Signed>
+inline constexpr rung_tables rung_tables_of =
+  make_rung_tables(Signed ? codecs::detail::signed_dynamic_map : codecs::detail::unsigned_dynamic_map);
+
+/// The rungs of 16 magnitudes in [0, 1 + a few ulps] (rung_tables), and in `near` the lanes
+/// whose estimate may be off by one.
+TIERSTATE_ALWAYS_INLINE __m512i estimated_rungs(rung_tables const& t, __m512 ax, __mmask16& near) noexcept
+{
+  __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(ax), 23), _mm512_set1_epi32(rung_tables::first_binade));
+  e         = _mm512_min_epi32(_mm512_max_epi32(e, _mm512_setzero_si512()), _mm512_set1_epi32(31));
+  __m512i count = _mm512_permutex2var_epi32(_mm512_load_si512(t.below), e, _mm512_load_si512(t.below + 16));
+  __m512 const inside = _mm512_permutex2var_ps(_mm512_load_ps(t.inside), e, _mm512_load_ps(t.inside + 16));
+  count = _mm512_mask_add_epi32(count, _mm512_cmp_ps_mask(ax, inside, _CMP_GT_OQ), count, _mm512_set1_epi32(1));
+  __m512 const y = _mm512_fmadd_ps(ax, _mm512_permutexvar_ps(count, _mm512_load_ps(t.slope)),
+                                   _mm512_permutexvar_ps(count, _mm512_load_ps(t.offset)));
+  __m512 const whole   = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 const part    = _mm512_sub_ps(y, whole);
+  constexpr float slack = 1.0f / 2048;
+  near = _mm512_cmp_ps_mask(part, _mm512_set1_ps(slack), _CMP_LT_OQ) |
+         _mm512_cmp_ps_mask(part, _mm512_set1_ps(1.0f - slack), _CMP_GT_OQ);
+  __m512i const j = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvttps_epi32(whole), _mm512_setzero_si512()),
+                                     _mm512_permutexvar_epi32(count, _mm512_load_si512(t.top)));
+  return _mm512_add_epi32(j, _mm512_permutexvar_epi32(count, _mm512_load_si512(t.base)));
+}
+#endif
+
 /// Encodes a block from its first n values (the rest of its codes: the zero code).
 template <class C, class A>
 TIERSTATE_ALWAYS_INLINE void encode_block(float const* in, std::size_t n, std::byte* to) noexcept
@@ -234,11 +314,24 @@ TIERSTATE_ALWAYS_INLINE void encode_block(float const* in, std::size_t n, std::b
     for (std::size_t i = 0; i < whole; i += N) {
       F const x  = F::load_unaligned(in + i) * inv;
       F const ax = xsimd::abs(x);
-      I const bits = bit_cast<std::int32_t>(ax);
-      I const q    = xsimd::min(xsimd::max((bits >> codecs::dynamic_map::bucket_shift) - base, first), last);
-      I const e    = gather<A>(m.bucket, q);
-      // The rungs below the bucket, + 1 where the bucket's midpoint lies below.
-      I const k    = (e >> 17) + xsimd::select((bits & low16) > (e & low17), I(1), first);
+      auto const bucketed = [&] {
+        I const bits = bit_cast<std::int32_t>(ax);
+        I const q    = xsimd::min(xsimd::max((bits >> codecs::dynamic_map::bucket_shift) - base, first), last);
+        I const e    = gather<A>(m.bucket, q);
+        // The rungs below the bucket, + 1 where the bucket's midpoint lies below.
+        return I((e >> 17) + xsimd::select((bits & low16) > (e & low17), I(1), first));
+      };
+      I k;
+#if XSIMD_WITH_AVX512F
+      if constexpr (is_avx512<A> && std::is_same_v<C, codecs::blockwise8<C::is_signed>>) {
+        __mmask16 near;
+        k = estimated_rungs(rung_tables_of<C::is_signed>, ax, near);
+        if (near != 0) [[unlikely]] { k = bucketed(); }
+      } else
+#endif
+      {
+        k = bucketed();
+      }
       if constexpr (C::is_signed) {
         auto const negative = bit_cast<std::int32_t>(x) < first;  // the sign bit (-0 encodes as +0 either way)
         store_u8<A>(codes + i, xsimd::select(negative, zero - xsimd::min(k, zero), zero + k));
