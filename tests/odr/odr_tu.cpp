@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Compiled several times into one program: for baseline x86-64 (SSE2, no FMA, no F16C), for
 // the build machine (-march=native), and for AVX2 with FMA with and without F16C, and for
-// AVX-512 (tests/meson.build). Each instantiates the same kernels and the same optimizer
+// AVX-512 with and without VBMI (tests/meson.build). Each instantiates the same kernels and the same optimizer
 // through the same source text; if any configuration-dependent definition shared a mangled
 // name, the linker would keep one and the other side would run its code (check_symbols.py
 // looks for such a name in the objects).
@@ -52,9 +52,19 @@ odr_result ODR_FUNCTION()
   opt.add_tensor("w", oparam.data(), n);
   grad_view<fp16> const og{ograd.data(), n};
   for (int t = 1; t <= 5; ++t) { opt.step({&og, 1}); }
+  // And 8-bit moments, whose codes each instruction set finds its own way (byte permutes with
+  // AVX-512 VBMI, arithmetic with AVX-512, a gathered table with AVX2, scalar below): bf16
+  // params from the same start, 5 steps.
+  std::vector<bf16> qparam(n);
+  for (std::size_t i = 0; i < n; ++i) { qparam[i] = bf16(0.25f + static_cast<float>(i % 89) * 0.01f); }
+  OffloadedOptimizer<AdamW, Bf16Mixed8bit, PinnedHost, Synchronous> qopt({}, {.chunk_elements = 2048, .threads = 2});
+  qopt.add_tensor("w", qparam.data(), n);
+  grad_view<bf16> const qg{grad.data(), n};
+  for (int t = 1; t <= 5; ++t) { qopt.step({&qg, 1}); }
   odr_result r;
   r.arch = host::arch_name();
   for (std::size_t i = 0; i < n; ++i) { r.bits.push_back(oparam[i].bits); }
+  for (std::size_t i = 0; i < n; ++i) { r.bits.push_back(qparam[i].bits); }
   for (std::size_t i = 0; i < n; ++i) {
     r.bits.push_back(param[i].bits);
     r.bits.push_back(hparam[i].bits);

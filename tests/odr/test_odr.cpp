@@ -48,10 +48,10 @@ std::size_t differences(odr_result const& a, odr_result const& b)
 
 }  // namespace
 
-// The translation units that differ in one flag only (F16C; AVX-512 over x86-64-v3) run
+// The translation units that differ in one flag only (F16C; AVX-512 over x86-64-v3; VBMI) run
 // where this CPU has what they were built for; check_symbols.py checks their objects on
 // any CPU.
-TEST_CASE("translation units that differ only in F16C, or only in AVX-512, each run their own code and agree",
+TEST_CASE("translation units that differ only in F16C, only in AVX-512 or only in VBMI each run their own code and agree",
           "[odr]")
 {
   odr_result const base = odr_baseline();
@@ -76,6 +76,12 @@ TEST_CASE("translation units that differ only in F16C, or only in AVX-512, each 
     odr_result const v4 = odr_avx512();
     CHECK(v4.arch.rfind("avx512", 0) == 0);
     CHECK(differences(v4, base) == 0);
+    if (__builtin_cpu_supports("avx512vbmi")) {
+      odr_result const vbmi = odr_avx512_vbmi();
+      CHECK(differences(vbmi, base) == 0);
+    } else {
+      WARN("this CPU has no AVX-512 VBMI: odr_avx512_vbmi is linked and its symbols checked, not run");
+    }
   } else {
     WARN("this CPU has no AVX-512: odr_avx512 (x86-64-v4) is linked and its symbols checked, not run");
   }
