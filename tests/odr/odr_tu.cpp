@@ -52,9 +52,9 @@ odr_result ODR_FUNCTION()
   opt.add_tensor("w", oparam.data(), n);
   grad_view<fp16> const og{ograd.data(), n};
   for (int t = 1; t <= 5; ++t) { opt.step({&og, 1}); }
-  // And 8-bit moments, whose codes each instruction set finds its own way (byte permutes with
-  // AVX-512 VBMI, arithmetic with AVX-512, a gathered table with AVX2, scalar below): bf16
-  // params from the same start, 5 steps.
+  // And 8-bit moments, which each instruction set decodes and encodes its own way (AVX-512
+  // VBMI: byte permutes to decode; AVX-512: rungs by arithmetic to encode; AVX2: gathers;
+  // below: the tables lane by lane): bf16 params from the same start, 5 steps.
   std::vector<bf16> qparam(n);
   for (std::size_t i = 0; i < n; ++i) { qparam[i] = bf16(0.25f + static_cast<float>(i % 89) * 0.01f); }
   OffloadedOptimizer<AdamW, Bf16Mixed8bit, PinnedHost, Synchronous> qopt({}, {.chunk_elements = 2048, .threads = 2});

@@ -6,11 +6,15 @@
 // whole one, advised MADV_HUGEPAGE), zero-filled and addressable. With CUDA enabled
 // (TIERSTATE_ENABLE_CUDA) it is then page-locked with cudaHostRegister, so that copies to and
 // from the GPU run at full PCIe speed. (Rather than cudaHostAlloc: on an H200, 2026-12-04,
-// bench/pinned_alloc.cu found the copies as fast, 54 GB/s either way, and taking 1 GiB 7.7x
-// faster, 0.082 s against 0.634 s: about a minute less at start-up for 100 GiB of state.)
+// bench/pinned_alloc.cu found the copies as fast, 55 GB/s either way, and taking 1 GiB 5.9x
+// faster, 0.079 s against 0.472 s: about a minute less at start-up for 100 GiB of state.
+// Where the platform cannot register host memory, cudaHostAlloc it is.) Registered memory is
+// advised MADV_DONTFORK: pinned private pages would otherwise be copied whole into every
+// forked child (a DataLoader's workers), where cudaHostAlloc's are not; a child then has no
+// PinnedHost memory, as it has no CUDA context.
 //
-// Neither is limited by RLIMIT_MEMLOCK (`ulimit -l`): mmap's memory is not locked, and the
-// CUDA driver pins registered pages itself, outside that limit. What can refuse it is
+// Neither is limited by RLIMIT_MEMLOCK (`ulimit -l`): without CUDA the memory is not locked,
+// and the CUDA driver pins its pages itself, outside that limit. What can refuse it is
 // the memory there is, and so, before any byte is taken, the need is compared with
 //   - MemAvailable in /proc/meminfo (with SwapFree, for the pageable memory of mmap; a
 //     page-locked allocation cannot be swapped);
@@ -177,7 +181,7 @@ inline std::optional<memory_room> tightest_memory_limit(bool locked)
              std::string("raise it (`") + command + "`, or the job's limits)");
   };
   rlimit_room(RLIMIT_AS, "RLIMIT_AS", "VmSize", "ulimit -v");
-  if (!locked) { rlimit_room(RLIMIT_DATA, "RLIMIT_DATA", "VmData", "ulimit -d"); }
+  rlimit_room(RLIMIT_DATA, "RLIMIT_DATA", "VmData", "ulimit -d");  // (the memory is mmap'ed, locked or not)
   return best;
 }
 
@@ -273,15 +277,23 @@ class PinnedHost {
                                 "smaller chunk_elements for staging buffers)");
     }
 #if defined(TIERSTATE_ENABLE_CUDA)
-    cudaError_t const e = cudaHostRegister(p, mapped_, cudaHostRegisterDefault);
+    (void)::madvise(p, mapped_, MADV_DONTFORK);
+    cudaError_t e = cudaHostRegister(p, mapped_, cudaHostRegisterDefault);
+    if (e == cudaErrorNotSupported) {  // (some Tegra and virtualized platforms)
+      (void)cudaGetLastError();
+      ::munmap(p, std::exchange(mapped_, 0));  // mapped_ 0: cudaHostAlloc's
+      p = nullptr;
+      e = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+      if (e == cudaSuccess) { std::memset(p, 0, bytes); }
+    }
     if (e != cudaSuccess) {
       (void)cudaGetLastError();  // clear it: the next CUDA call must not see it
-      ::munmap(p, std::exchange(mapped_, 0));
+      if (mapped_ != 0) { ::munmap(p, std::exchange(mapped_, 0)); }
       throw std::system_error(ENOMEM, std::generic_category(),
-                              "PinnedHost: cudaHostRegister of " + std::to_string(bytes) +
-                                " bytes of host memory failed: " + cudaGetErrorString(e) +
-                                " (page-locking them; keep the state in NvmeFile, or use a "
-                                "smaller chunk_elements for staging buffers)");
+                              "PinnedHost: page-locking " + std::to_string(bytes) +
+                                " bytes of host memory failed (cudaHostRegister, or cudaHostAlloc where "
+                                "registering is not supported): " + cudaGetErrorString(e) +
+                                " (keep the state in NvmeFile, or use a smaller chunk_elements for staging buffers)");
     }
 #endif
     data_ = static_cast<std::byte*>(p);
@@ -333,6 +345,11 @@ class PinnedHost {
   {
     if (data_ == nullptr) { return; }
 #if defined(TIERSTATE_ENABLE_CUDA)
+    if (mapped_ == 0) {
+      cudaFreeHost(data_);
+      data_ = nullptr;
+      return;
+    }
     (void)cudaHostUnregister(data_);
 #endif
     ::munmap(data_, mapped_);
@@ -349,7 +366,7 @@ class PinnedHost {
 
   std::byte* data_    = nullptr;
   std::size_t size_   = 0;
-  std::size_t mapped_ = 0;  ///< bytes mapped: size_ rounded up to the huge page
+  std::size_t mapped_ = 0;  ///< bytes mapped: size_ rounded up to the huge page (0: cudaHostAlloc's)
 };
 
 static_assert(addressable_tier<PinnedHost>);

@@ -41,6 +41,7 @@
 #error "tierstate/kernels/device: with TIERSTATE_ENABLE_CUDA device memory is GPU memory, which Thrust's host backends cannot touch: leave THRUST_DEVICE_SYSTEM at CUDA."
 #endif
 
+#include <tierstate/codecs/dynamic8.hpp>  // blockwise8: the GPU's warp-per-block encode
 #include <tierstate/core/concepts.hpp>
 #include <tierstate/core/device_runtime.hpp>
 #include <tierstate/core/numeric.hpp>

@@ -5,6 +5,7 @@
 // types), whose update_async takes this path where elementwise_blocks holds.
 #pragma once
 
+#include <type_traits>
 #include <vector>
 
 namespace tierstate::inline TIERSTATE_ABI::device {
@@ -196,7 +197,7 @@ void mapped_passes(typename R::coefficients const& k, update_arrays<P, Slots> co
     using C = typename P::template state_codec<j>;
     if constexpr (block_codec<C>) {
       auto* const base = static_cast<std::byte*>(a.state[j]);
-      if (!encode(C{}, scratch + j * n, base)) {
+      if (!encode(std::type_identity<C>{}, scratch + j * n, base)) {
         for_each((n + C::block - 1) / C::block, mapped_scale<C>{scratch + j * n, base, n});
         for_each(n, mapped_code<C>{scratch + j * n, base});
       }
@@ -219,8 +220,10 @@ void update_mapped_async(stream_view s, typename R::coefficients const& k, updat
       auto const first = thrust::counting_iterator<std::size_t>(0);
       thrust::for_each(thrust::cuda::par_nosync.on(s.native()), first, first + static_cast<std::ptrdiff_t>(count), f);
       TIERSTATE_CUDA_TRY(cudaGetLastError());
-    }, [&]<class C>(C, float const* values, std::byte* base) {
-      if constexpr (C::block % 32 == 0) {
+    }, [&]<class C>(std::type_identity<C>, float const* values, std::byte* base) {
+      // (blockwise8's extremes only: the warp combines their hi, lo and nan members, which the
+      // scaled_map_codec concept does not ask of a user's codec)
+      if constexpr (std::is_same_v<C, codecs::blockwise8<C::is_signed>> && C::block % 32 == 0) {
         constexpr unsigned threads = 256;  // 8 blocks of the codec a CUDA block
         std::size_t const warps    = (n + C::block - 1) / C::block;
         auto const grid            = static_cast<unsigned>((warps * 32 + threads - 1) / threads);
