@@ -3,7 +3,13 @@
 #include <tierstate/tierstate.hpp>
 
 #include <cstdio>
+#include <string_view>
 #include <vector>
+
+#if defined(EXPECTED_VERSION)  // (VERSION's, from run_consumers.sh)
+static_assert(std::string_view(TIERSTATE_VERSION_STRING) == EXPECTED_VERSION, "the headers' version is not VERSION's");
+static_assert(TIERSTATE_VERSION == TIERSTATE_VERSION_MAJOR * 10000 + TIERSTATE_VERSION_MINOR * 100 + TIERSTATE_VERSION_PATCH);
+#endif
 
 int main()
 {

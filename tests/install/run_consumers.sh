@@ -25,15 +25,20 @@ pc=$(dirname "$(find "$prefix" -name tierstate.pc | head -1)")
 cm=$(dirname "$(find "$prefix" -name tierstateConfig.cmake | head -1)")
 echo "installed: $(find "$prefix" -name '*.hpp' | wc -l) headers, $pc/tierstate.pc, $cm/tierstateConfig.cmake"
 
+# VERSION, the one source of the version: what pkg-config, CMake and the headers say of it.
+version=$(cat "$src/VERSION")
+
 echo "== pkg-config"
+pc_version=$(PKG_CONFIG_PATH=$pc pkg-config --modversion tierstate)
+[ "$pc_version" = "$version" ] || { echo "tierstate.pc says version $pc_version, VERSION $version"; exit 1; }
 # shellcheck disable=SC2046
-"$cxx" -O2 "$src/tests/install/consumer.cpp" -o "$work/consumer_pc" \
+"$cxx" -O2 "$src/tests/install/consumer.cpp" -o "$work/consumer_pc" -DEXPECTED_VERSION="\"$version\"" \
   $(PKG_CONFIG_PATH=$pc pkg-config --cflags --libs tierstate)
 "$work/consumer_pc"
 
 echo "== CMake find_package"
 CXX=$cxx cmake -S "$src/tests/install/cmake" -B "$work/cmake" -DCMAKE_PREFIX_PATH="$prefix" \
-  -DCMAKE_BUILD_TYPE=Release >/dev/null
+  -DEXPECTED_VERSION="$version" -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$work/cmake" >/dev/null
 "$work/cmake/consumer"
 

@@ -5,3 +5,4 @@ first use)."""
 from .optim import SGD, Adafactor, Adam, AdamW, Lion
 
 __all__ = ["Adam", "AdamW", "SGD", "Lion", "Adafactor"]
+__version__ = "0.1.0"  # VERSION's (tests/check_version.py)

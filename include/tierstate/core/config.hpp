@@ -2,9 +2,15 @@
 // Configuration macros shared by every tierstate header.
 #pragma once
 
+// The version, as VERSION (the repository's one source of it) says: tests/check_version.py
+// checks these against it, as it checks meson's, the installed pkg-config and CMake files'
+// and the packages'.
 #define TIERSTATE_VERSION_MAJOR 0
 #define TIERSTATE_VERSION_MINOR 1
 #define TIERSTATE_VERSION_PATCH 0
+#define TIERSTATE_VERSION_STRING "0.1.0"
+/// MAJOR * 10000 + MINOR * 100 + PATCH, for comparisons: #if TIERSTATE_VERSION >= 100
+#define TIERSTATE_VERSION (TIERSTATE_VERSION_MAJOR * 10000 + TIERSTATE_VERSION_MINOR * 100 + TIERSTATE_VERSION_PATCH)
 
 // Functions callable from host code and, under nvcc, from device code. Without a CUDA
 // compiler they are plain inline functions, so the CPU build needs no CUDA header.
