@@ -82,7 +82,7 @@ template <class C>
 concept codec = element_codec<C> || block_codec<C>;
 
 /// A block codec whose block is a float scale, then one byte per element whose value is
-/// map().value[code] * scale (codecs/dynamic8.hpp), with the scale from its `extremes` and
+/// map().value[code] * scale, a zero product +0 (codecs/dynamic8.hpp), with the scale from its `extremes` and
 /// each code from code_of(map(), x * inverse_scale(scale)): its elements decode and encode
 /// one by one, so that the device kernels give each element a thread of its own, the block's
 /// scale found between the update and the encoding, rather than a block a thread. A codec

@@ -242,13 +242,22 @@ struct blockwise8 {
     }
   }
 
+  /// value * scale, a zero always +0 (where code 0's negative value meets a zero scale, or a
+  /// negative value's product underflows). (Not `value * scale + 0.0f`: a compiler that
+  /// contracts it into a fused multiply-add, as clang and nvcc do by default, rounds an
+  /// underflowing negative product to -0.)
+  TIERSTATE_HOST_DEVICE static float scaled(float value, float scale) noexcept
+  {
+    float const r = value * scale;
+    return r == 0.0f ? 0.0f : r;
+  }
+
   TIERSTATE_HOST_DEVICE static void decode(std::byte const* from, float* out, std::size_t n) noexcept
   {
     float scale;
     std::memcpy(&scale, from, sizeof scale);
     auto const& m = map();
-    // (+ 0: a zero is +0, also where code 0's negative value meets a zero scale)
-    for (std::size_t i = 0; i < n; ++i) { out[i] = m.value[static_cast<std::uint8_t>(from[sizeof(float) + i])] * scale + 0.0f; }
+    for (std::size_t i = 0; i < n; ++i) { out[i] = scaled(m.value[static_cast<std::uint8_t>(from[sizeof(float) + i])], scale); }
   }
 
   TIERSTATE_HOST_DEVICE static void encode(float const* in, std::size_t n, std::byte* to) noexcept

@@ -65,8 +65,10 @@ struct update_mapped_element {
       auto const* block = tierstate::detail::codec_address<C>(static_cast<std::byte const*>(state[J]), e);
       float scale;
       std::memcpy(&scale, block, sizeof scale);
-      // (+ 0, as C::decode: a zero is +0)
-      return C::map().value[static_cast<std::uint8_t>(block[sizeof(float) + e % C::block])] * scale + 0.0f;
+      // (a zero +0, as the concept says; never `* scale + 0.0f`, which nvcc fuses into an fma
+      // that rounds an underflowing negative product to -0)
+      float const r = C::map().value[static_cast<std::uint8_t>(block[sizeof(float) + e % C::block])] * scale;
+      return r == 0.0f ? 0.0f : r;
     } else {
       return to_float(static_cast<slot_native_t<P, J> const*>(state[J])[e]);
     }

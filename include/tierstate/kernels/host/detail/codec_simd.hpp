@@ -159,6 +159,14 @@ TIERSTATE_ALWAYS_INLINE void decode_values64(value_planes const& p, std::uint8_t
 }
 #endif
 
+/// r with its zeros +0 (codecs::blockwise8::scaled, lane for lane: a compare and a blend,
+/// never an add that a contracting compiler could fuse with the multiply before it).
+template <class A>
+TIERSTATE_ALWAYS_INLINE float_batch<A> positive_zero(float_batch<A> const& r) noexcept
+{
+  return xsimd::select(r == float_batch<A>(0.0f), float_batch<A>(0.0f), r);
+}
+
 /// Decodes a block's first n values into `out`.
 template <class C, class A>
 TIERSTATE_ALWAYS_INLINE void decode_block(std::byte const* from, float* out, std::size_t n) noexcept
@@ -176,16 +184,16 @@ TIERSTATE_ALWAYS_INLINE void decode_block(std::byte const* from, float* out, std
       if (n == C::block) {
         for (std::size_t i = 0; i < n; i += 64) { decode_values64(value_planes_of<C::is_signed>, codes + i, out + i); }
         for (std::size_t i = 0; i < n; i += N) {
-          (float_batch<A>::load_unaligned(out + i) * s + float_batch<A>(0.0f)).store_unaligned(out + i);
+          positive_zero<A>(float_batch<A>::load_unaligned(out + i) * s).store_unaligned(out + i);
         }
         return;
       }
     }
 #endif
     for (std::size_t i = 0; i < whole; i += N) {
-      (gather<A>(m.value, load_u8<A>(codes + i)) * s + float_batch<A>(0.0f)).store_unaligned(out + i);
+      positive_zero<A>(gather<A>(m.value, load_u8<A>(codes + i)) * s).store_unaligned(out + i);
     }
-    for (std::size_t i = whole; i < n; ++i) { out[i] = m.value[codes[i]] * scale + 0.0f; }
+    for (std::size_t i = whole; i < n; ++i) { out[i] = C::scaled(m.value[codes[i]], scale); }
   } else {
     C::decode(from, out, n);
   }
