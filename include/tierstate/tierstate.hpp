@@ -5,6 +5,8 @@
 // compute that runs them, need Thrust: include <tierstate/kernels/device/on_device.hpp>.
 #pragma once
 
+#include <tierstate/core/config.hpp>  // first: it stops a compiler that is not in C++20 mode
+
 #include <tierstate/checkpoint/format.hpp>
 #include <tierstate/codecs/codec.hpp>
 #include <tierstate/codecs/dynamic8.hpp>

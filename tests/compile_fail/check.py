@@ -8,7 +8,9 @@ pages of template errors, or into compiling).
   check.py FILE [--needs-thrust] -- COMPILER ARGS...
 
 A file with a `// needs: thrust` line exits 77 (Meson's skip), saying so, when the command
-has no Thrust include (the caller passes --no-thrust)."""
+has no Thrust include (the caller passes --no-thrust). `// flags: ...` lines add compiler flags
+after the command's (a later -std wins); a `// max-lines: N` line fails diagnostics longer
+than N lines."""
 import subprocess
 import sys
 
@@ -29,7 +31,11 @@ def main() -> int:
     if "// needs: thrust" in text and "--no-thrust" in opts:
         print(f"SKIP: {path} needs Thrust's headers, and this build has none")
         return 77
-    run = subprocess.run(command + ["-fsyntax-only", path], capture_output=True, text=True,
+    flags = [f for line in text.splitlines() if line.startswith("// flags:")
+             for f in line.split("// flags:", 1)[1].split()]
+    max_lines = [int(line.split("// max-lines:", 1)[1]) for line in text.splitlines()
+                 if line.startswith("// max-lines:")]
+    run = subprocess.run(command + flags + ["-fsyntax-only", path], capture_output=True, text=True,
                          env={"LC_ALL": "C", "PATH": __import__("os").environ.get("PATH", "")})
     out = run.stdout + run.stderr
     if run.returncode == 0:
@@ -39,6 +45,10 @@ def main() -> int:
     if missing:
         print(out[-6000:])
         print(f"{path} failed to compile, but its diagnostics lack: {' / '.join(missing)}")
+        return 1
+    if max_lines and len(out.splitlines()) > max_lines[0]:
+        print(out[-6000:])
+        print(f"{path}: {len(out.splitlines())} lines of diagnostics, more than {max_lines[0]}")
         return 1
     print(f"{path}: refused, saying: {' / '.join(expected)}")
     return 0

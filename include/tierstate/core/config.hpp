@@ -1,6 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
 // Configuration macros shared by every tierstate header.
 #pragma once
+// C++20 is required. Without it, the first error says so, and the missing file below (named as a
+// sentence) stops the compiler there, before thousands of lines about std::span and concepts.
+#if !defined(__cplusplus) || __cplusplus < 202002L
+#error "tierstate needs C++20: compile with -std=c++20 or later (C code includes <tierstate/c.h>)"
+#include "tierstate needs C++20"
+#endif
 
 // The version, as VERSION (the repository's one source of it) says: tests/check_version.py
 // checks these against it, as it checks meson's, the installed pkg-config and CMake files'
