@@ -29,6 +29,10 @@
 #                   that nothing needs the toolkit): the unit suite over the reduced matrix, whose
 #                   thread tests (thread pool, streaming gate, call gate, engines, emulated device
 #                   streams) are what TSan is for
+#   packages        the package routes that need more than Meson: the vcpkg port (tests/packaging/vcpkg.sh,
+#                   with the offline vcpkg in ../shared/vcpkg) and the Conan recipes
+#                   (tests/packaging/conan.sh, Conan 2 from PyPI in ~/.cache/tierstate/conan-venv),
+#                   each installing tierstate and building and running tests/packaging/consumer
 # The reduced matrix keeps one or two compositions per list (tests/matrix.hpp says which): every
 # code path of the full matrix is still reached once, and gcc-native runs the full matrix.
 # Named only, not in CI's list (each mostly repeats stages that are): gcc-baseline (GCC at
@@ -39,7 +43,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-all_stages=(gcc-native clang-native clang-asan-ubsan clang-tsan pytorch fuzz bench)
+all_stages=(gcc-native clang-native clang-asan-ubsan clang-tsan packages pytorch fuzz bench)
 extra_stages=(gcc-baseline clang-baseline gcc-asan-ubsan bench-long)
 # Where the native stages already cover them: the benchmarks' smoke tests, the per-header
 # compile checks and install_consumers (see above).
@@ -256,6 +260,29 @@ run_pytorch() {
   [ "$rc" -eq 0 ]
 }
 
+# run_packages: each script in tests/packaging is one test (exit 77: skipped, saying why).
+run_packages() {
+  local script rc out ok=0 bad=0 skip=0
+  mkdir -p build-packages
+  for script in vcpkg conan; do
+    out=build-packages/$script.log
+    rm -rf "build-packages/$script"
+    local t0=$SECONDS
+    bash "tests/packaging/$script.sh" "$PWD" "$PWD/build-packages/$script" >"$out" 2>&1
+    rc=$?
+    tail -n 25 "$out"
+    case $rc in
+      0) ok=$((ok + 1)); echo "package route $script: ok in $((SECONDS - t0))s" ;;
+      77) skip=$((skip + 1)); echo "package route $script: skipped" ;;
+      *) bad=$((bad + 1)); echo "package route $script: FAILED (exit $rc)"
+         { echo "--- stage packages, $script: exit $rc; the last 60 lines of its output:"; tail -n 60 "$out"; } >>"$failure_log" ;;
+    esac
+  done
+  passed=$((passed + ok)) failed=$((failed + bad)) skipped=$((skipped + skip))
+  echo "stage packages: $ok passed, $bad failed, $skip skipped"
+  [ "$bad" -eq 0 ]
+}
+
 # asan_ubsan_stage NAME CXX CPP_ARGS: the sanitizer stage (see run_stage) with compiler CXX and
 # CPP_ARGS, a Meson array's quoted items.
 asan_ubsan_stage() {
@@ -324,6 +351,7 @@ run_stage() {
     # for the 8-bit state's test against AdamW8bit). The extension is compiled
     # into build-pytorch/, at -O1 (see run_pytorch); bench/torch_step.py, which needs the
     # default -O3 build, runs in bench-long.
+    packages) run_packages ;;
     pytorch) run_pytorch ;;
     # libFuzzer on checkpoint loading, from the committed seeds, for TIERSTATE_FUZZ_SECONDS
     # (default 60) under ASan and UBSan; any finding fails the stage. No single allocation

@@ -1,0 +1,85 @@
+import os
+
+from conan import ConanFile
+from conan.errors import ConanInvalidConfiguration
+from conan.tools.build import check_min_cppstd
+from conan.tools.files import copy, get
+from conan.tools.layout import basic_layout
+from conan.tools.scm import Version
+
+required_conan_version = ">=2.1"
+
+
+class TierstateConan(ConanFile):
+    name = "tierstate"
+    description = ("Offloaded optimizer state for training: optimizer state kept in pinned host "
+                   "memory or NVMe files (io_uring) and updated there with SIMD kernels")
+    license = "Apache-2.0"
+    url = "https://github.com/conan-io/conan-center-index"
+    homepage = "https://github.com/tierstate/tierstate"
+    topics = ("optimizer", "offloading", "deep-learning", "io-uring", "simd", "header-only")
+    package_type = "header-library"
+    settings = "os", "arch", "compiler", "build_type"
+    no_copy_source = True
+
+    @property
+    def _min_cppstd(self):
+        return 20
+
+    @property
+    def _compilers_minimum_version(self):
+        # Designated initializers, concepts and std::span as the headers use them.
+        return {
+            "gcc": "12",
+            "clang": "14",
+        }
+
+    def layout(self):
+        basic_layout(self, src_folder="src")
+
+    def requirements(self):
+        # The public headers include xsimd's, liburing's and xxhash's, so a consumer needs
+        # their include directories; liburing is also linked by whoever includes tierstate.
+        self.requires("xsimd/14.2.0", transitive_headers=True)
+        self.requires("liburing/2.15", transitive_headers=True, transitive_libs=True)
+        # xxhash is used header-only (XXH_INLINE_ALL): nothing of it is linked.
+        self.requires("xxhash/0.8.3", transitive_headers=True, transitive_libs=False)
+
+    def package_id(self):
+        self.info.clear()
+
+    def validate(self):
+        if self.settings.os != "Linux":
+            raise ConanInvalidConfiguration(
+                f"{self.ref} is Linux only: its NVMe tier is built on io_uring and O_DIRECT.")
+        check_min_cppstd(self, self._min_cppstd)
+        minimum_version = self._compilers_minimum_version.get(str(self.settings.compiler))
+        if minimum_version and Version(self.settings.compiler.version) < minimum_version:
+            raise ConanInvalidConfiguration(
+                f"{self.ref} needs {self.settings.compiler} {minimum_version} or newer for its "
+                f"C++{self._min_cppstd}; this is {self.settings.compiler.version}.")
+
+    def source(self):
+        get(self, **self.conan_data["sources"][self.version], strip_root=True)
+
+    def build(self):
+        pass
+
+    def package(self):
+        copy(self, "LICENSE", self.source_folder, os.path.join(self.package_folder, "licenses"))
+        # Only the headers: the CMake and pkg-config files that the project's own install
+        # writes come from CMakeDeps and PkgConfigDeps here.
+        for pattern in ("*.hpp", "*.inl"):
+            copy(self, os.path.join("tierstate", pattern),
+                 os.path.join(self.source_folder, "include"),
+                 os.path.join(self.package_folder, "include"))
+
+    def package_info(self):
+        self.cpp_info.bindirs = []
+        self.cpp_info.libdirs = []
+        self.cpp_info.set_property("cmake_file_name", "tierstate")
+        self.cpp_info.set_property("cmake_target_name", "tierstate::tierstate")
+        self.cpp_info.set_property("pkg_config_name", "tierstate")
+        self.cpp_info.requires = ["xsimd::xsimd", "liburing::liburing", "xxhash::libxxhash"]
+        if self.settings.os == "Linux":
+            self.cpp_info.system_libs = ["pthread"]
