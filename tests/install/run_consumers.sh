@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
 # Installs tierstate into a temporary prefix and builds the tiny consumer three ways:
-# pkg-config, CMake find_package, and a Meson subproject. Exits 77 (skip) only when a tool
+# pkg-config, CMake find_package, and a Meson subproject; and the C consumer through
+# pkg-config and CMake's tierstate::tierstate_c. Exits 77 (skip) only when a tool
 # the test needs is missing, saying which.
 #   run_consumers.sh SOURCE_DIR CXX
 set -euo pipefail
@@ -32,23 +33,32 @@ echo "== pkg-config"
 pc_version=$(PKG_CONFIG_PATH=$pc pkg-config --modversion tierstate)
 [ "$pc_version" = "$version" ] || { echo "tierstate.pc says version $pc_version, VERSION $version"; exit 1; }
 # shellcheck disable=SC2046
-"$cxx" -O2 "$src/tests/install/consumer.cpp" -o "$work/consumer_pc" -DEXPECTED_VERSION="\"$version\"" \
+"$cxx" -O2 -Wall -Wextra -Werror "$src/tests/install/consumer.cpp" -o "$work/consumer_pc" -DEXPECTED_VERSION="\"$version\"" \
   $(PKG_CONFIG_PATH=$pc pkg-config --cflags --libs tierstate)
 "$work/consumer_pc"
+
+echo "== C, pkg-config tierstate-c (libtierstate_c)"
+cc=${CC:-gcc}
+lib=$(dirname "$(find "$prefix" -name 'libtierstate_c.so' | head -1)")
+# shellcheck disable=SC2046
+"$cc" -std=c11 -Wall -Wextra -Werror -pedantic "$src/tests/install/consumer.c" -o "$work/consumer_c" \
+  -DEXPECTED_VERSION="\"$version\"" $(PKG_CONFIG_PATH=$pc pkg-config --cflags --libs tierstate-c)
+LD_LIBRARY_PATH=$lib "$work/consumer_c"
 
 echo "== CMake find_package"
 CXX=$cxx cmake -S "$src/tests/install/cmake" -B "$work/cmake" -DCMAKE_PREFIX_PATH="$prefix" \
   -DEXPECTED_VERSION="$version" -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build "$work/cmake" >/dev/null
 "$work/cmake/consumer"
+LD_LIBRARY_PATH=$lib "$work/cmake/consumer_c"
 
 echo "== Meson subproject"
 mkdir -p "$work/sub/subprojects"
 cp "$src/tests/install/meson/meson.build" "$src/tests/install/consumer.cpp" "$work/sub/"
 sed -i "s|'../consumer.cpp'|'consumer.cpp'|" "$work/sub/meson.build"
 ln -s "$(cd "$src" && pwd)" "$work/sub/subprojects/tierstate"
-CXX=$cxx meson setup "$work/sub/build" "$work/sub" -Dtierstate:tests=false \
+CXX=$cxx meson setup "$work/sub/build" "$work/sub" --werror -Dwarning_level=2 -Dtierstate:tests=false \
   -Dtierstate:benchmarks=false -Dtierstate:examples=false -Dtierstate:cuda=disabled >/dev/null
 meson compile -C "$work/sub/build" >/dev/null
 "$work/sub/build/consumer"
-echo "all three consumers built and ran"
+echo "all four consumers built and ran"
