@@ -11,7 +11,8 @@ vcpkg_from_github(
     HEAD_REF main
 )
 
-file(INSTALL "${SOURCE_PATH}/include/tierstate" DESTINATION "${CURRENT_PACKAGES_DIR}/include")
+# The C API's header (tierstate/c.h) goes with its library, which this port does not build.
+file(INSTALL "${SOURCE_PATH}/include/tierstate" DESTINATION "${CURRENT_PACKAGES_DIR}/include" PATTERN "c.h" EXCLUDE)
 
 # The same tierstateConfig.cmake that `meson install` writes: tierstate::tierstate, with
 # xsimd, liburing and libxxhash found through pkg-config.

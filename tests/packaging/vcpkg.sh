@@ -78,6 +78,9 @@ for f in include/tierstate/tierstate.hpp share/tierstate/tierstateConfig.cmake \
          share/tierstate/tierstateConfigVersion.cmake share/tierstate/copyright share/tierstate/usage; do
   grep -qx "x64-linux-release/$f" "$list" || { echo "the port did not install $f"; exit 1; }
 done
+if grep -x "x64-linux-release/include/tierstate/c.h" "$list"; then
+  echo "the port installs the C API's header, and not its library"; exit 1
+fi
 if grep -E "^x64-linux-release/(lib|debug|bin)/" "$list"; then
   echo "a header-only port installs no lib/, debug/ or bin/"; exit 1
 fi
