@@ -2,7 +2,8 @@
 /* tierstate's C API, for trainers written in C (llm.c-style): an AdamW optimizer whose
  * state lives in pinned host memory or in an NVMe scratch file, with fp32 or bf16 params.
  * Link with libtierstate_c (pkg-config tierstate-c; CMake tierstate::tierstate_c), a small
- * compiled library around the C++ headers.
+ * compiled library around the C++ headers, with kernels for several x86-64 levels of which
+ * it runs the widest this CPU has (tierstate_arch).
  *
  *   tierstate_options o;
  *   tierstate_options_init(&o);                     // PinnedHost, fp32, AdamW's defaults
@@ -117,6 +118,14 @@ TIERSTATE_C_EXPORT tierstate_status tierstate_load(tierstate_optimizer* opt, con
  * into `to` (`elements` floats: the tensor's size), for inspection and tests. */
 TIERSTATE_C_EXPORT tierstate_status tierstate_copy_moment(tierstate_optimizer* opt, const char* name, int slot,
                                                            float* to, size_t elements);
+
+/* The kernels this library runs on this CPU, chosen at the first call that needs them: the
+ * widest of "x86-64-v4" (AVX-512), "x86-64-v3" (AVX2, FMA) and "x86-64-v2" the CPU has, or
+ * the one the environment variable TIERSTATE_ARCH names; "build" where the library was built
+ * for one target only. NULL, with tierstate_last_error() saying why, when TIERSTATE_ARCH
+ * names kernels that this library lacks or this CPU cannot run (tierstate_create then fails
+ * likewise). */
+TIERSTATE_C_EXPORT const char* tierstate_arch(void);
 
 /* The message of this thread's last failed call ("" when none has failed). Valid until the
  * thread's next failed call. */

@@ -90,7 +90,23 @@ int main(int argc, char** argv)
   const char* dir = argc > 1 ? argv[1] : ".";
   static float wp[n], wn[n], wr[n], g[n], m[n], v[n], moment[n];
   char path[4096];
-  printf("tierstate %s, C API version %d\n", tierstate_version(), TIERSTATE_C_API_VERSION);
+  const char* arch = tierstate_arch();
+  if (arch == NULL) {
+    /* TIERSTATE_ARCH names kernels this CPU cannot run: a skip (meson's 77), saying so. */
+    const char* forced = getenv("TIERSTATE_ARCH");
+    int const cannot   = forced != NULL && strstr(tierstate_last_error(), "this CPU cannot run") != NULL;
+    printf("%s%s\n", cannot ? "SKIP: " : "FAILED: ", tierstate_last_error());
+    return cannot ? 77 : 1;
+  }
+  printf("tierstate %s, C API version %d, kernels %s\n", tierstate_version(), TIERSTATE_C_API_VERSION, arch);
+  {
+    tierstate_options d;
+    tierstate_options_init(&d);
+    CHECK(d.hyper.lr == 1e-3 && d.hyper.beta1 == 0.9 && d.hyper.beta2 == 0.999 && d.hyper.eps == 1e-8 &&
+            d.hyper.weight_decay == 0.01 && d.tier == TIERSTATE_PINNED_HOST && d.precision == TIERSTATE_FP32 &&
+            d.skip_nonfinite == 1 && d.max_grad_norm == 0.0,
+          "tierstate_options_init's defaults are not torch.optim.AdamW's");
+  }
 
   /* fp32 in PinnedHost and in an NvmeFile: the same bits, and near a plain AdamW. */
   tierstate_optimizer* pinned = make(TIERSTATE_PINNED_HOST, TIERSTATE_FP32, NULL);
