@@ -10,6 +10,7 @@
 #include <tierstate/rules/adam.hpp>  // (AdamW's defaults: a struct, no kernel)
 
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <string_view>
 
@@ -104,6 +105,7 @@ void tierstate_options_init(tierstate_options* o)
   if (o == nullptr) { return; }
   tierstate::AdamW::hyperparameters const d{};  // torch.optim.AdamW's defaults
   *o                = tierstate_options{};
+  o->struct_size    = sizeof(tierstate_options);
   o->tier           = TIERSTATE_PINNED_HOST;
   o->precision      = TIERSTATE_FP32;
   o->hyper          = {d.lr, d.betas[0], d.betas[1], d.eps, d.weight_decay};
@@ -178,7 +180,10 @@ char const* tierstate_last_error(void) { return last_error.c_str(); }
 
 char const* tierstate_status_name(tierstate_status status)
 {
-  switch (status) {
+  int code = 0;  // (read as its bits: C may pass any int, which C++ may not load as the enum)
+  static_assert(sizeof code == sizeof status);
+  std::memcpy(&code, &status, sizeof code);
+  switch (code) {
     case TIERSTATE_OK: return "TIERSTATE_OK";
     case TIERSTATE_INVALID_ARGUMENT: return "TIERSTATE_INVALID_ARGUMENT";
     case TIERSTATE_WRONG_USE: return "TIERSTATE_WRONG_USE";

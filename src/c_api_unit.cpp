@@ -26,13 +26,20 @@ using namespace tierstate;
 // Runs f; what it throws becomes a status and this thread's message. The C++ calls refuse
 // bad input before they change anything, so a refused call leaves the optimizer as it was;
 // state_lost says when a failure did not.
+// `lost` says whether the failure left the optimizer's state part-updated (a step or a load
+// that failed part-way): then the status is TIERSTATE_STATE_LOST, whatever the cause, whose
+// message it keeps.
 template <class F>
-tierstate_status guarded(char const* call, F&& f) noexcept
+tierstate_status guarded(char const* call, F&& f, bool (*lost)(void const*) = nullptr, void const* self = nullptr) noexcept
 {
   auto fail = [&](tierstate_status s, char const* what) noexcept {
+    if (lost != nullptr && lost(self)) { s = TIERSTATE_STATE_LOST; }
     try {
       std::string text = what;
       if (text.rfind("tierstate", 0) != 0) { text = std::string(call) + ": " + text; }
+      if (s == TIERSTATE_STATE_LOST && text.find("was lost") == std::string::npos) {
+        text += " (the optimizer's state was lost: load a checkpoint or destroy it)";
+      }
       return tierstate_c::fail(s, text.c_str());
     } catch (...) {
       return tierstate_c::fail(s, what);  // (no memory to prefix the call's name)
@@ -117,7 +124,9 @@ class adamw final : public tierstate_optimizer {
   }
   tierstate_status step(void const* const* grads, std::size_t count, double scale, int* skipped) noexcept override
   {
-    return guarded("tierstate_step", [&] {
+    return guarded(
+      "tierstate_step",
+      [&] {
       if (count != sizes_.size()) {
         throw logic_error("tierstate_step: " + std::to_string(count) + " gradients for " +
                           std::to_string(sizes_.size()) + " tensors (one per add_tensor, NULL for none)");
@@ -130,7 +139,8 @@ class adamw final : public tierstate_optimizer {
       }
       bool const s = opt_.step(views_, scale).skipped;
       if (skipped != nullptr) { *skipped = s ? 1 : 0; }
-    });
+      },
+      lost, this);
   }
   [[nodiscard]] std::int64_t step_count() const noexcept override { return opt_.step_count(); }
   tierstate_status save(char const* path) noexcept override
@@ -142,10 +152,13 @@ class adamw final : public tierstate_optimizer {
   }
   tierstate_status load(char const* path) noexcept override
   {
-    return guarded("tierstate_load", [&] {
-      if (path == nullptr) { throw logic_error("tierstate_load: path is NULL"); }
-      opt_.load(path);
-    });
+    return guarded(
+      "tierstate_load",
+      [&] {
+        if (path == nullptr) { throw logic_error("tierstate_load: path is NULL"); }
+        opt_.load(path);
+      },
+      lost, this);
   }
   tierstate_status copy_moment(char const* name, int which, float* to, std::size_t elements) noexcept override
   {
@@ -160,6 +173,8 @@ class adamw final : public tierstate_optimizer {
   }
 
  private:
+  static bool lost(void const* self) noexcept { return static_cast<adamw const*>(self)->opt_.state_lost(); }
+
   optimizer opt_;
   std::vector<std::size_t> sizes_;
   std::vector<grad_view<grad>> views_;
@@ -172,7 +187,8 @@ tierstate_optimizer* make(tierstate_options const& o)
   if (o.chunk_elements != 0) { opts.chunk_elements = o.chunk_elements; }
   opts.threads       = o.threads;
   opts.max_grad_norm = o.max_grad_norm;
-  opts.on_nonfinite  = o.skip_nonfinite != 0 ? nonfinite_policy::skip_step : nonfinite_policy::report;
+  // Without the skip, nothing looks: the C API has no way to report what `report` would find.
+  opts.on_nonfinite  = o.skip_nonfinite != 0 ? nonfinite_policy::skip_step : nonfinite_policy::ignore;
   if constexpr (std::is_same_v<Tier, NvmeFile>) {
     if (o.directory == nullptr || *o.directory == '\0') {
       throw invalid_option("tierstate_options.directory", "NULL",
@@ -195,6 +211,11 @@ tierstate_optimizer* make(tierstate_options const& o, long long tier)
 tierstate_status tierstate_c::TIERSTATE_C_UNIT(tierstate_options const& o, tierstate_optimizer** out) noexcept
 {
   return guarded("tierstate_create", [&] {
+    if (o.struct_size != sizeof(tierstate_options)) {
+      throw invalid_option("tierstate_options.struct_size", std::to_string(o.struct_size),
+                           "it is sizeof(tierstate_options), " + std::to_string(sizeof(tierstate_options)) +
+                             ", as tierstate_options_init sets it (call it before setting the options)");
+    }
     long long const tier = enum_value(o.tier), precision = enum_value(o.precision);
     if (tier != TIERSTATE_PINNED_HOST && tier != TIERSTATE_NVME_FILE) {
       throw invalid_option("tierstate_options.tier", std::to_string(tier),

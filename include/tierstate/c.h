@@ -12,12 +12,13 @@
  *   if (tierstate_create(&o, &opt) != TIERSTATE_OK) fail(tierstate_last_error());
  *   tierstate_add_tensor(opt, "w", w, n);           // before the first step, in a fixed order
  *   const void* grads[] = {g};
- *   tierstate_step(opt, grads, 1, NULL);            // updates w in place
+ *   tierstate_step(opt, grads, 1, 1.0, NULL);       // updates w in place
  *   tierstate_destroy(opt);
  *
  * Every call that can fail returns a tierstate_status; on failure, tierstate_last_error()
- * says what was wrong, and a refused call leaves the optimizer as it was (except
- * TIERSTATE_STATE_LOST, below). An optimizer is used from one thread at a time. */
+ * says what was wrong, and a refused call leaves the optimizer as it was, except one that
+ * returns TIERSTATE_STATE_LOST (a step or load whose I/O failed part-way: the message names
+ * the cause). An optimizer is used from one thread at a time. */
 #ifndef TIERSTATE_C_H
 #define TIERSTATE_C_H
 
@@ -34,7 +35,8 @@
 extern "C" {
 #endif
 
-/* Structs below only grow with a new TIERSTATE_C_API_VERSION. */
+/* Structs below only grow, with a new TIERSTATE_C_API_VERSION; tierstate_options carries its
+ * size, so that a library can tell which version a caller compiled against. */
 #define TIERSTATE_C_API_VERSION 1
 
 typedef struct tierstate_optimizer tierstate_optimizer;
@@ -51,7 +53,7 @@ typedef enum tierstate_status {
 } tierstate_status;
 
 typedef enum tierstate_tier {
-  TIERSTATE_PINNED_HOST = 0, /* the state in page-locked host memory */
+  TIERSTATE_PINNED_HOST = 0, /* the state in host memory (huge pages where the kernel gives them) */
   TIERSTATE_NVME_FILE   = 1  /* the state in a nameless scratch file in `directory`, read ahead (Pipelined<2>) */
 } tierstate_tier;
 
@@ -70,6 +72,7 @@ typedef struct tierstate_adamw {
 } tierstate_adamw;
 
 typedef struct tierstate_options {
+  size_t struct_size;      /* sizeof(tierstate_options), set by tierstate_options_init */
   tierstate_tier tier;
   tierstate_precision precision;
   tierstate_adamw hyper;
@@ -77,10 +80,13 @@ typedef struct tierstate_options {
   size_t chunk_elements;   /* elements per chunk, a multiple of 2048; 0: 2^20 */
   size_t threads;          /* worker threads, the caller's included; 0: every CPU it may use */
   double max_grad_norm;    /* clip the gradients' global 2-norm to this; 0: no clipping */
-  int skip_nonfinite;      /* nonzero (the default): skip a step whose gradients hold inf or NaN */
+  int skip_nonfinite;      /* nonzero (the default): skip a step whose gradients hold inf or NaN
+                            * (one more read of them); 0: do not look (an inf or NaN reaches the
+                            * params: check the gradients yourself) */
 } tierstate_options;
 
-/* The defaults: PinnedHost, fp32, torch.optim.AdamW's hyper-parameters, no clipping. */
+/* The defaults: PinnedHost, fp32, torch.optim.AdamW's hyper-parameters, no clipping, and
+ * struct_size. Call it first, then set what differs. */
 TIERSTATE_C_EXPORT void tierstate_options_init(tierstate_options* options);
 
 /* Makes an optimizer (*out; NULL on failure). NVMe: the directory is checked here. */
@@ -110,7 +116,12 @@ TIERSTATE_C_EXPORT tierstate_status tierstate_step(tierstate_optimizer* opt, con
 TIERSTATE_C_EXPORT int64_t tierstate_step_count(const tierstate_optimizer* opt);
 
 /* A checkpoint of the state and step count (tierstate's format, which the C++ and PyTorch
- * optimizers read too); load needs the same tensors, names and sizes. */
+ * optimizers read too); load needs the same tensors, names and sizes. With TIERSTATE_FP32 the
+ * params are not in it (the moments and step counts are): save your weights yourself; with
+ * TIERSTATE_BF16 it holds the fp32 master, and load writes the params from it. A load that
+ * is refused (a corrupt or mismatched file: TIERSTATE_CHECKPOINT_ERROR) changes nothing; one
+ * whose reads fail part-way returns TIERSTATE_STATE_LOST. Loading (like copy_moment, and
+ * the first step) makes the state: add_tensor is refused after it. */
 TIERSTATE_C_EXPORT tierstate_status tierstate_save(tierstate_optimizer* opt, const char* path);
 TIERSTATE_C_EXPORT tierstate_status tierstate_load(tierstate_optimizer* opt, const char* path);
 

@@ -162,10 +162,14 @@ int main(int argc, char** argv)
     fclose(f);
   }
   long long const before = (long long)tierstate_step_count(nvme);
+  static float m_before[n], m_after[n];
+  must(tierstate_copy_moment(nvme, "w", 1, m_before, n), "tierstate_copy_moment");
   tierstate_status s = tierstate_load(nvme, path);
   CHECK(s == TIERSTATE_CHECKPOINT_ERROR, "a corrupt checkpoint: %s", tierstate_status_name(s));
   CHECK(strstr(tierstate_last_error(), path) != NULL, "the message does not name the file: %s", tierstate_last_error());
   CHECK(tierstate_step_count(nvme) == before, "a refused load changed the step count");
+  must(tierstate_copy_moment(nvme, "w", 1, m_after, n), "tierstate_copy_moment");
+  CHECK(memcmp(m_before, m_after, sizeof m_before) == 0, "a refused load changed exp_avg_sq");
   remove(path);
 
   /* Refused calls: each with its status and a message that names what was wrong. */
@@ -184,6 +188,7 @@ int main(int argc, char** argv)
         "lr = -1: %s (%s)", tierstate_status_name(s), tierstate_last_error());
   CHECK(tierstate_step(NULL, two, 1, 1.0, NULL) == TIERSTATE_INVALID_ARGUMENT, "a NULL optimizer");
   CHECK(tierstate_step_count(NULL) == -1, "step_count(NULL)");
+  CHECK(strcmp(tierstate_status_name((tierstate_status)42), "an unknown tierstate_status") == 0, "status 42");
 
   /* A non-finite gradient: the step is skipped, the param as it was. */
   memcpy(saved, wp, sizeof wp);
@@ -193,6 +198,12 @@ int main(int argc, char** argv)
   int skipped        = 0;
   must(tierstate_step(pinned, one, 1, 1.0, &skipped), "tierstate_step (NaN)");
   CHECK(skipped == 1 && memcmp(saved, wp, sizeof wp) == 0, "a NaN gradient's step was not skipped");
+  /* set_lr takes effect at the next step: with lr 0, AdamW changes nothing (its decay is lr * wd). */
+  must(tierstate_set_lr(pinned, 0.0), "tierstate_set_lr");
+  for (size_t i = 0; i < n; ++i) { g[i] = 0.1f; }
+  must(tierstate_step(pinned, one, 1, 1.0, NULL), "tierstate_step (lr 0)");
+  CHECK(memcmp(saved, wp, sizeof wp) == 0, "a step at lr 0 changed the params");
+  must(tierstate_set_lr(pinned, 0.02), "tierstate_set_lr");
   /* A NULL gradient: that tensor is left alone. */
   const void* none[] = {NULL};
   must(tierstate_step(pinned, none, 1, 1.0, NULL), "tierstate_step (NULL gradient)");
@@ -216,6 +227,11 @@ int main(int argc, char** argv)
   CHECK(s == TIERSTATE_INVALID_ARGUMENT && strstr(tierstate_last_error(), "chunk_elements") != NULL,
         "chunk_elements = 1000: %s (%s)", tierstate_status_name(s), tierstate_last_error());
   o.chunk_elements = 0;
+  o.struct_size    = sizeof o - 8; /* as a caller compiled against another version would pass */
+  s                = tierstate_create(&o, &none_made);
+  CHECK(s == TIERSTATE_INVALID_ARGUMENT && strstr(tierstate_last_error(), "struct_size") != NULL,
+        "struct_size: %s (%s)", tierstate_status_name(s), tierstate_last_error());
+  o.struct_size    = sizeof o;
   o.tier           = (tierstate_tier)-3;
   s                = tierstate_create(&o, &none_made);
   CHECK(s == TIERSTATE_INVALID_ARGUMENT && strstr(tierstate_last_error(), "tier = -3") != NULL,

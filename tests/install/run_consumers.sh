@@ -41,8 +41,10 @@ echo "== C, pkg-config tierstate-c (libtierstate_c)"
 cc=${CC:-gcc}
 lib=$(dirname "$(find "$prefix" -name 'libtierstate_c.so' | head -1)")
 # shellcheck disable=SC2046
+# Only tierstate's .pc files on the path (PKG_CONFIG_LIBDIR): a C program needs none of the
+# C++ headers' dependencies.
 "$cc" -std=c11 -Wall -Wextra -Werror -pedantic "$src/tests/install/consumer.c" -o "$work/consumer_c" \
-  -DEXPECTED_VERSION="\"$version\"" $(PKG_CONFIG_PATH=$pc pkg-config --cflags --libs tierstate-c)
+  -DEXPECTED_VERSION="\"$version\"" $(PKG_CONFIG_LIBDIR=$pc pkg-config --cflags --libs tierstate-c)
 LD_LIBRARY_PATH=$lib "$work/consumer_c"
 
 echo "== CMake find_package"
@@ -51,6 +53,12 @@ CXX=$cxx cmake -S "$src/tests/install/cmake" -B "$work/cmake" -DCMAKE_PREFIX_PAT
 cmake --build "$work/cmake" >/dev/null
 "$work/cmake/consumer"
 LD_LIBRARY_PATH=$lib "$work/cmake/consumer_c"
+# The C API alone (COMPONENTS c), with a PKG_CONFIG_PATH that holds none of the C++
+# dependencies' .pc files: it must not look for them.
+PKG_CONFIG_LIBDIR=/nonexistent cmake -S "$src/tests/install/cmake_c" -B "$work/cmake_c" -DCMAKE_PREFIX_PATH="$prefix" \
+  -DEXPECTED_VERSION="$version" -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$work/cmake_c" >/dev/null
+LD_LIBRARY_PATH=$lib "$work/cmake_c/consumer_c"
 
 echo "== Meson subproject"
 mkdir -p "$work/sub/subprojects"

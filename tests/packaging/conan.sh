@@ -127,7 +127,7 @@ archive=$work/tierstate-$version.tar.gz
 if git -C "$src" rev-parse --git-dir >/dev/null 2>&1; then
   # `git stash create` commits the uncommitted changes to tracked files without touching the
   # checkout or the stash list; with none it prints nothing.
-  rev=$(git -C "$src" stash create)
+  rev=$(git -C "$src" stash create || true)
   rev=${rev:-HEAD}
   echo "archive of $(git -C "$src" rev-parse --short "$rev") ($([[ $rev == HEAD ]] && echo HEAD || echo 'HEAD and uncommitted changes'))"
   git -C "$src" archive --format=tar --prefix="tierstate-$version/" "$rev" | gzip -n > "$archive"
