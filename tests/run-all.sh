@@ -190,6 +190,10 @@ torch_venv() {
       echo "TIERSTATE_TORCH_VENV=$venv has no deepspeed: torch_step.py's deepspeed_cpu_adam row will say skipped"
     fi
   fi
+  # wheel, for `pip wheel` of the package with this environment's setuptools (the pytorch stage).
+  if ! "$venv/bin/python" -c "import wheel" >/dev/null 2>&1 && [ "$venv" = "$own" ]; then
+    "$venv/bin/pip" install -q --disable-pip-version-check wheel || echo "wheel did not install: the pytorch stage's package build fails"
+  fi
   # bitsandbytes too, in every stage that uses this environment: the pytorch stage's
   # test_int8_adamw_against_bitsandbytes (which fails where it does not import) and
   # torch_step.py's bnb_adamw8bit row (skipped). Its CPU kernels; --no-deps: it must not
@@ -239,14 +243,41 @@ run_torch_bench() {
 # the compact ones (8-bit state, host only) came (a shard's translation unit: 164 s of CPU at
 # -O3, 87 s at -O1; with them, about 9 minutes in all at -O1 on 2 cores). The library itself
 # is tested at -O3 by the native stages; the speed against torch (at -O3) is bench-long's.
+#
+# The parity test runs against the installed package, as a user gets it: a wheel built with
+# `pip wheel --no-build-isolation` (its CPU build, with the emulated device's units for the
+# GPU compositions' tests), installed into a fresh virtual environment that sees the cached
+# torch environment's packages (a .pth file: `--system-site-packages` would reach the system
+# Python's, not that environment's), and imported from there, never compiling. The stage
+# prints the wheel's size and the times of its build, its install and the import.
 run_pytorch() {
   torch_venv || return 1
   local venv=$venv_path
   mkdir -p build-pytorch
   local out=build-pytorch/parity.log
-  TORCH_EXTENSIONS_DIR="$PWD/build-pytorch/torch_extensions" TIERSTATE_TEST_DIR="$PWD/build-pytorch" \
-    TIERSTATE_TORCH_CFLAGS="-O1 -march=native" \
-    "$venv/bin/python" tests/pytorch/test_parity.py 2>&1 | grep -v "No CUDA runtime is found" | tee "$out"
+  rm -rf build-pytorch/wheel build-pytorch/wheel-venv examples/pytorch/build
+  local t0=$SECONDS
+  if ! MAX_JOBS=2 TIERSTATE_TORCH_CUDA=0 TIERSTATE_TORCH_EMULATED_DEVICE_BUILD=1 TIERSTATE_TORCH_CFLAGS="-O1 -march=native" \
+      "$venv/bin/pip" wheel --no-build-isolation --no-deps --disable-pip-version-check -w build-pytorch/wheel \
+      ./examples/pytorch >build-pytorch/wheel.log 2>&1; then
+    tail -n 40 build-pytorch/wheel.log
+    { echo "--- stage pytorch: the wheel did not build; the end of its log:"; tail -n 60 build-pytorch/wheel.log; } >>"$failure_log"
+    failed=$((failed + 1)); return 1
+  fi
+  rm -rf examples/pytorch/build examples/pytorch/*.egg-info  # (setuptools' leftovers in the checkout)
+  local wheel
+  wheel=$(ls build-pytorch/wheel/tierstate_torch-*.whl)
+  echo "wheel: $(basename "$wheel"), $(du -k "$wheel" | cut -f1) KiB, built in $((SECONDS - t0)) s (MAX_JOBS=2, -O1)"
+  t0=$SECONDS
+  "$venv/bin/python" -m venv build-pytorch/wheel-venv || return 1
+  local site
+  site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "$site" >"$(build-pytorch/wheel-venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/torch-venv.pth"
+  build-pytorch/wheel-venv/bin/pip install -q --no-deps --no-index --disable-pip-version-check "$wheel" || return 1
+  echo "installed in $((SECONDS - t0)) s into build-pytorch/wheel-venv"
+  (cd build-pytorch && wheel-venv/bin/python -c "import time; t = time.time(); import tierstate_torch, tierstate_torch._common as c; c._ext(); print(f'import tierstate_torch and its extension: {time.time() - t:.2f} s, from {tierstate_torch.__file__}')") || return 1
+  TIERSTATE_TORCH_TEST_INSTALLED=1 TIERSTATE_TEST_DIR="$PWD/build-pytorch" \
+    build-pytorch/wheel-venv/bin/python tests/pytorch/test_parity.py 2>&1 | grep -v "No CUDA runtime is found" | tee "$out"
   local rc=${PIPESTATUS[0]}
   local line
   line=$(grep -E "^pytorch parity: [0-9]+ tests ran, [0-9]+ failed, [0-9]+ skipped" "$out") || {

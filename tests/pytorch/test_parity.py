@@ -8,7 +8,9 @@ and conversions to and from torch.optim.AdamW's, Adam with AMSGrad, bf16 params,
 replaced by a newer one and close(), errors.
 
 Run: python tests/pytorch/test_parity.py  (PyTorch 2.11.0 and bitsandbytes 0.50.2 on CPU; the
-extension's CPU build is made on first use).
+extension's CPU build is made on first use). With TIERSTATE_TORCH_TEST_INSTALLED=1, against the
+installed package instead of this checkout's sources (tests/run-all.sh's pytorch stage installs
+it from a wheel): nothing is compiled then.
 """
 from __future__ import annotations
 
@@ -26,7 +28,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "pytorch"))
+INSTALLED = os.environ.get("TIERSTATE_TORCH_TEST_INSTALLED") == "1"
+SOURCES = Path(__file__).resolve().parents[2] / "examples" / "pytorch"
+if not INSTALLED:
+    sys.path.insert(0, str(SOURCES))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "golden"))  # make_golden_dynamic8: the 8-bit reference
 import tierstate_torch  # noqa: E402
 
@@ -1409,6 +1414,34 @@ class Parity(unittest.TestCase):
         model.head.weight.data = model.head.weight.data.clone()
         with self.assertRaisesRegex(RuntimeError, "no longer the memory"):
             opt.step()
+
+
+class TestPackage(unittest.TestCase):
+    def test_the_extension_is_the_one_expected(self):
+        """Installed (TIERSTATE_TORCH_TEST_INSTALLED=1): the package outside this checkout, its
+        extension the one pip installed, built against this torch, and a torch of another
+        version refused with a sentence that says what to do. From the checkout: the
+        just-in-time build."""
+        from tierstate_torch import _build, _common
+        ext = _common._ext()
+        package = Path(tierstate_torch.__file__).resolve().parent
+        if INSTALLED:
+            self.assertNotEqual(package, SOURCES / "tierstate_torch")
+            self.assertEqual(ext.__name__, "tierstate_torch._C")
+            self.assertEqual(Path(ext.__file__).resolve().parent, package)
+            from tierstate_torch import _build_info
+            self.assertEqual(_build_info.TORCH_VERSION, torch.__version__)
+            saved = torch.__version__
+            try:
+                torch.__version__ = "9.9.0"
+                with self.assertRaisesRegex(RuntimeError, r"built against torch 2\.11.* and this is torch 9\.9\.0: .*"
+                                            r"Reinstall it under this torch"):
+                    _build._load_installed()
+            finally:
+                torch.__version__ = saved
+        else:
+            self.assertEqual(package, SOURCES / "tierstate_torch")
+            self.assertIn(ext.__name__, ("tierstate_torch_C", "tierstate_torch_C_cuda"))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Compiles the extension on first use with torch.utils.cpp_extension.load.
+"""The extension: the one a package install built (tierstate_torch._C, see setup.py), or, in
+a checkout, compiled on first use with torch.utils.cpp_extension.load.
 
-The build is cached (by PyTorch, under TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions)
-and redone when a source or header changes. It needs g++ >= 12 (C++20), tierstate's
+An installed package never compiles: `pip install --no-build-isolation ./examples/pytorch`
+(or a wheel from `pip wheel`) builds the extension once, against the torch it finds, and
+records that torch's version; importing it under another torch is refused with a sentence
+that says what to do. From a checkout without an install, the extension is built on first
+use and cached (by PyTorch, under TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions), and
+rebuilt when a source or header changes. Either needs g++ >= 12 (C++20), tierstate's
 headers, and the headers of xsimd, liburing (and its library) and xxHash:
     apt-get install g++ libxsimd-dev liburing-dev libxxhash-dev pkg-config
 and, for compute='device', Thrust (the CUDA toolkit's include/cccl).
 
 Two builds:
-- with CUDA (when torch.cuda.is_available(), or TIERSTATE_TORCH_CUDA=1): tierstate's
+- with CUDA (TIERSTATE_TORCH_CUDA=1, or, when it is unset, a visible GPU): tierstate's
   device runtime on the CUDA runtime, the OnDevice kernels compiled by nvcc (CUDA_HOME) for
   TORCH_CUDA_ARCH_LIST (default: the GPUs present, else 9.0);
-- without (a CPU-only PyTorch, or TIERSTATE_TORCH_CUDA=0): CPU params, and tierstate's
-  emulated device, whose OnDevice kernels run on Thrust's CPP backend.
+- without (TIERSTATE_TORCH_CUDA=0, or no GPU): CPU params only. The just-in-time build also
+  compiles tierstate's emulated device (its OnDevice kernels on Thrust's CPP backend), for
+  tests; a package build only with TIERSTATE_TORCH_EMULATED_DEVICE_BUILD=1.
 
 Environment:
     TIERSTATE_INCLUDE        tierstate's include directory (default: this checkout's, else
@@ -26,6 +32,7 @@ Environment:
                              the flags for liburing and xxHash (default: pkg-config's), for
                              machines without their packages (bench/gpu_prepare.sh)
     TIERSTATE_TORCH_PREBUILT a built extension (.so) to import instead of building
+    TIERSTATE_TORCH_JIT=1    in a checkout with an installed package too: build just in time
 """
 from __future__ import annotations
 
@@ -110,13 +117,10 @@ def _import_prebuilt(path: str):
     return module
 
 
-def load_extension():
-    prebuilt = os.environ.get("TIERSTATE_TORCH_PREBUILT")
-    if prebuilt:
-        return _import_prebuilt(prebuilt)
-    from torch.utils.cpp_extension import load
-
-    cuda = with_cuda()
+def extension_spec(cuda: bool, emulated: bool, static_liburing: bool = False) -> dict:
+    """The extension's sources (absolute paths) and flags, for the just-in-time
+    build and for setup.py's: with CUDA's device units, or on the CPU with the emulated
+    device's units or without them."""
     common = ["-std=c++20", "-DNDEBUG"] + _include_flags() + _deps_cflags()
     host = shlex.split(os.environ.get("TIERSTATE_TORCH_CFLAGS", "-O3 -march=native"))
     sources = [_CSRC / "bindings.cpp", _CSRC / "rules.cpp"] + [_CSRC / f"shards_{r}.cpp" for r in _UNITS]
@@ -134,23 +138,64 @@ def load_extension():
                                 "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
                                 "-U__CUDA_NO_BFLOAT16_OPERATORS__"]
         cuda_cflags += [f for h in host for f in ("-Xcompiler", h)]
-        import torch
-        if "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
     else:
-        thrust = _thrust_include()
+        thrust = _thrust_include() if emulated else None
         if thrust is not None:
             cflags += ["-isystem", thrust, "-DTHRUST_DEVICE_SYSTEM=THRUST_DEVICE_SYSTEM_CPP"]
             sources += [_CSRC / f"device_shards_{r}.cpp" for r in _UNITS]
             sources += [_CSRC / f"device_shards_{r}_compact.cpp" for r in _COMPACT_RULES]
         else:
             sources.append(_CSRC / "no_device_shards.cpp")
+    ldflags = _ldflags()
+    if static_liburing:
+        # A package links liburing statically: a wheel then needs no liburing on the machine.
+        ldflags = [f for f in ldflags if f != "-luring"] + ["-Wl,-Bstatic", "-luring", "-Wl,-Bdynamic"]
+    return {"sources": sources, "cflags": cflags, "cuda_cflags": cuda_cflags, "ldflags": ldflags}
+
+
+def _load_installed():
+    """The extension a package install built, checked against this torch; None in a checkout
+    that has none."""
+    import importlib.util
+    if os.environ.get("TIERSTATE_TORCH_JIT") == "1" or importlib.util.find_spec("tierstate_torch._C") is None:
+        return None
+    import torch
+    from . import _build_info
+    built, running = _build_info.TORCH_VERSION, torch.__version__
+    if built.split("+")[0].split(".")[:2] != running.split("+")[0].split(".")[:2]:
+        raise RuntimeError(
+            f"tierstate_torch was built against torch {built} and this is torch {running}: its compiled "
+            "extension works with the torch it was built for only. Reinstall it under this torch "
+            "(pip install --no-build-isolation --force-reinstall tierstate-torch, or from its source), or "
+            f"install torch {'.'.join(built.split('+')[0].split('.')[:2])}.*")
+    from . import _C
+    return _C
+
+
+def load_extension():
+    prebuilt = os.environ.get("TIERSTATE_TORCH_PREBUILT")
+    if prebuilt:
+        return _import_prebuilt(prebuilt)
+    installed = _load_installed()
+    if installed is not None:
+        return installed
+    if not (_CSRC / "bindings.cpp").is_file():
+        raise RuntimeError("tierstate_torch: this installation has no compiled extension and no sources to build "
+                           "one: reinstall it (pip install --no-build-isolation tierstate-torch)")
+    from torch.utils.cpp_extension import load
+
+    cuda = with_cuda()
+    spec = extension_spec(cuda, emulated=True)
+    if cuda:
+        import torch
+        if "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
     return load(
         name="tierstate_torch_C_cuda" if cuda else "tierstate_torch_C",
-        sources=[str(s) for s in sources],
-        extra_cflags=cflags,
-        extra_cuda_cflags=cuda_cflags or None,
-        extra_ldflags=_ldflags(),
+        sources=[str(s) for s in spec["sources"]],
+        extra_cflags=spec["cflags"],
+        extra_cuda_cflags=spec["cuda_cflags"] or None,
+        extra_ldflags=spec["ldflags"],
         with_cuda=cuda,
         verbose=os.environ.get("TIERSTATE_TORCH_VERBOSE") == "1",
     )

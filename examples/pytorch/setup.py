@@ -1,0 +1,64 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Builds tierstate_torch's extension ahead of time, so that `import tierstate_torch` never
+compiles (pyproject.toml). setuptools with torch's own BuildExtension, because it is the build
+PyTorch documents for extensions: it knows torch's include and library paths, its C++ ABI
+flag, nvcc and TORCH_CUDA_ARCH_LIST, and compiles in parallel with ninja (MAX_JOBS); the
+sources and flags are the just-in-time build's (tierstate_torch/_build.py), so the two cannot
+drift.
+
+Environment, besides _build.py's:
+    TIERSTATE_TORCH_CUDA=1|0                the CUDA build, or the CPU one (default: CUDA only
+                                            where a GPU is visible)
+    TIERSTATE_TORCH_EMULATED_DEVICE_BUILD=1 the CPU build with tierstate's emulated device too
+                                            (the tests' GPU compositions; 4 more units)
+    TIERSTATE_TORCH_SHARED_LIBURING=1       link liburing as a shared library (default:
+                                            statically, so that a wheel needs none)
+"""
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+from setuptools import setup
+from setuptools.command.build_py import build_py
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+here = Path(__file__).resolve().parent
+spec = importlib.util.spec_from_file_location("_tierstate_torch_build", here / "tierstate_torch" / "_build.py")
+build = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(build)
+
+cuda = build.with_cuda()
+emulated = os.environ.get("TIERSTATE_TORCH_EMULATED_DEVICE_BUILD") == "1"
+config = build.extension_spec(cuda, emulated=emulated and not cuda,
+                              static_liburing=os.environ.get("TIERSTATE_TORCH_SHARED_LIBURING") != "1")
+if cuda and "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
+extension = (CUDAExtension if cuda else CppExtension)(
+    "tierstate_torch._C",
+    sources=[str(s.relative_to(here)) for s in config["sources"]],
+    # -g0: Python's own CFLAGS ask for -g, which made a 531 MB extension (a 134 MB wheel) and
+    # a slower build; a user who wants symbols sets CFLAGS.
+    extra_compile_args={"cxx": config["cflags"] + ["-g0"], "nvcc": config["cuda_cflags"]},
+    extra_link_args=config["ldflags"],
+)
+torch_version = torch.__version__
+
+
+class BuildPyWithInfo(build_py):
+    """Also writes tierstate_torch/_build_info.py into the build: the torch this was built
+    against, which the package checks at import (_build.py)."""
+
+    def run(self):
+        super().run()
+        target = Path(self.build_lib) / "tierstate_torch" / "_build_info.py"
+        target.write_text(f'"""Written by setup.py."""\nTORCH_VERSION = "{torch_version}"\nCUDA = {cuda}\n'
+                          f'EMULATED_DEVICE = {emulated and not cuda}\n')
+
+
+major, minor = torch_version.split("+")[0].split(".")[:2]
+setup(
+    ext_modules=[extension],
+    cmdclass={"build_ext": BuildExtension, "build_py": BuildPyWithInfo},
+    install_requires=[f"torch=={major}.{minor}.*"],
+)
