@@ -160,8 +160,12 @@ def _load_installed():
     if os.environ.get("TIERSTATE_TORCH_JIT") == "1" or importlib.util.find_spec("tierstate_torch._C") is None:
         return None
     import torch
-    from . import _build_info
-    built, running = _build_info.TORCH_VERSION, torch.__version__
+    try:
+        from . import _build_info
+        built = _build_info.TORCH_VERSION
+    except ImportError:  # built in place (setup.py build_ext --inplace, for development): no record
+        built = torch.__version__
+    running = torch.__version__
     if built.split("+")[0].split(".")[:2] != running.split("+")[0].split(".")[:2]:
         raise RuntimeError(
             f"tierstate_torch was built against torch {built} and this is torch {running}: its compiled "
