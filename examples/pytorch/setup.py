@@ -18,7 +18,11 @@ import importlib.util
 import os
 from pathlib import Path
 
-import torch
+try:
+    import torch
+except ImportError:
+    raise SystemExit("tierstate-torch builds against the torch already installed, without build isolation: "
+                     "pip install --no-build-isolation ./examples/pytorch")
 from setuptools import setup
 from setuptools.command.build_py import build_py
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
@@ -29,8 +33,11 @@ build = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(build)
 
 cuda = build.with_cuda()
-emulated = os.environ.get("TIERSTATE_TORCH_EMULATED_DEVICE_BUILD") == "1"
-config = build.extension_spec(cuda, emulated=emulated and not cuda,
+emulated = os.environ.get("TIERSTATE_TORCH_EMULATED_DEVICE_BUILD") == "1" and not cuda
+if emulated and build._thrust_include() is None:
+    raise SystemExit("TIERSTATE_TORCH_EMULATED_DEVICE_BUILD=1 needs Thrust's headers (TIERSTATE_THRUST_INCLUDE, or "
+                     "the CUDA toolkit's include/cccl)")
+config = build.extension_spec(cuda, emulated=emulated,
                               static_liburing=os.environ.get("TIERSTATE_TORCH_SHARED_LIBURING") != "1")
 if cuda and "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
     os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
@@ -51,9 +58,12 @@ class BuildPyWithInfo(build_py):
 
     def run(self):
         super().run()
-        target = Path(self.build_lib) / "tierstate_torch" / "_build_info.py"
-        target.write_text(f'"""Written by setup.py."""\nTORCH_VERSION = "{torch_version}"\nCUDA = {cuda}\n'
-                          f'EMULATED_DEVICE = {emulated and not cuda}\n')
+        # An editable install keeps the package in the checkout: the record goes there.
+        package = here / "tierstate_torch" if getattr(self, "editable_mode", False) else Path(self.build_lib) / "tierstate_torch"
+        package.mkdir(parents=True, exist_ok=True)
+        (package / "_build_info.py").write_text(
+            f'"""Written by setup.py."""\nTORCH_VERSION = "{torch_version}"\nTORCH_CUDA = {torch.version.cuda!r}\n'
+            f'CUDA = {cuda}\nEMULATED_DEVICE = {emulated}\nCFLAGS = {config["cflags"]!r}\n')
 
 
 major, minor = torch_version.split("+")[0].split(".")[:2]

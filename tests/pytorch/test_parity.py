@@ -1435,7 +1435,7 @@ class TestPackage(unittest.TestCase):
             try:
                 torch.__version__ = "9.9.0"
                 with self.assertRaisesRegex(RuntimeError, r"built against torch 2\.11.* and this is torch 9\.9\.0: .*"
-                                            r"Reinstall it under this torch"):
+                                            r"Rebuild it under this torch \(pip install --no-build-isolation --no-deps --force-reinstall"):
                     _build._load_installed()
             finally:
                 torch.__version__ = saved

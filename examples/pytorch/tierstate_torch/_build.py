@@ -32,7 +32,8 @@ Environment:
                              the flags for liburing and xxHash (default: pkg-config's), for
                              machines without their packages (bench/gpu_prepare.sh)
     TIERSTATE_TORCH_PREBUILT a built extension (.so) to import instead of building
-    TIERSTATE_TORCH_JIT=1    in a checkout with an installed package too: build just in time
+    TIERSTATE_TORCH_JIT=1    in a checkout with an in-place or editable build: build just in
+                             time instead of using it
 """
 from __future__ import annotations
 
@@ -149,30 +150,63 @@ def extension_spec(cuda: bool, emulated: bool, static_liburing: bool = False) ->
     ldflags = _ldflags()
     if static_liburing:
         # A package links liburing statically: a wheel then needs no liburing on the machine.
-        ldflags = [f for f in ldflags if f != "-luring"] + ["-Wl,-Bstatic", "-luring", "-Wl,-Bdynamic"]
+        # (--exclude-libs: its functions stay inside the extension, not exported from it)
+        ldflags = [f for f in ldflags if f != "-luring"] + ["-Wl,-Bstatic", "-luring", "-Wl,-Bdynamic",
+                                                             "-Wl,--exclude-libs,liburing.a"]
     return {"sources": sources, "cflags": cflags, "cuda_cflags": cuda_cflags, "ldflags": ldflags}
+
+
+_REINSTALL = ("pip install --no-build-isolation --no-deps --force-reinstall --no-cache-dir "
+              "<tierstate checkout>/examples/pytorch")
+
+
+def _installed() -> bool:
+    """Whether this package has a compiled extension beside it (a package install, or an
+    in-place build), which it then uses (TIERSTATE_TORCH_JIT=1: build just in time instead)."""
+    import importlib.util
+    return os.environ.get("TIERSTATE_TORCH_JIT") != "1" and importlib.util.find_spec("tierstate_torch._C") is not None
+
+
+def check_torch() -> None:
+    """Refuses, with a sentence that says what to do, a torch other than the one the installed
+    extension was built against: another major.minor, or a CPU torch (or another CUDA major)
+    under the CUDA build. tierstate_torch's __init__ calls it, so the import fails, not the
+    first step. An in-place build (setup.py build_ext --inplace) has no record: not checked."""
+    if not _installed():
+        return
+    try:
+        from . import _build_info
+    except ImportError:
+        return
+    import torch
+    built, running = _build_info.TORCH_VERSION, torch.__version__
+    wrong = None
+    if built.split("+")[0].split(".")[:2] != running.split("+")[0].split(".")[:2]:
+        wrong = f"this is torch {running}"
+    elif _build_info.CUDA:
+        built_cuda, cuda = getattr(_build_info, "TORCH_CUDA", None), torch.version.cuda
+        if cuda is None:
+            wrong = f"this torch ({running}) has no CUDA, and tierstate_torch is its CUDA build"
+        elif built_cuda is not None and built_cuda.split(".")[0] != cuda.split(".")[0]:
+            wrong = f"this torch is built for CUDA {cuda}, and tierstate_torch for CUDA {built_cuda}"
+    if wrong is not None:
+        raise RuntimeError(
+            f"tierstate_torch was built against torch {built} and {wrong}: its compiled extension works with "
+            f"the torch it was built for only. Rebuild it under this torch ({_REINSTALL}), or install torch "
+            f"{'.'.join(built.split('+')[0].split('.')[:2])}.*")
 
 
 def _load_installed():
     """The extension a package install built, checked against this torch; None in a checkout
     that has none."""
-    import importlib.util
-    if os.environ.get("TIERSTATE_TORCH_JIT") == "1" or importlib.util.find_spec("tierstate_torch._C") is None:
+    if not _installed():
         return None
-    import torch
+    check_torch()
     try:
-        from . import _build_info
-        built = _build_info.TORCH_VERSION
-    except ImportError:  # built in place (setup.py build_ext --inplace, for development): no record
-        built = torch.__version__
-    running = torch.__version__
-    if built.split("+")[0].split(".")[:2] != running.split("+")[0].split(".")[:2]:
-        raise RuntimeError(
-            f"tierstate_torch was built against torch {built} and this is torch {running}: its compiled "
-            "extension works with the torch it was built for only. Reinstall it under this torch "
-            "(pip install --no-build-isolation --force-reinstall tierstate-torch, or from its source), or "
-            f"install torch {'.'.join(built.split('+')[0].split('.')[:2])}.*")
-    from . import _C
+        from . import _C
+    except ImportError as e:
+        raise RuntimeError(f"tierstate_torch: its compiled extension does not load ({e}); rebuild it under this "
+                           f"torch ({_REINSTALL})") from e
     return _C
 
 
@@ -184,8 +218,11 @@ def load_extension():
     if installed is not None:
         return installed
     if not (_CSRC / "bindings.cpp").is_file():
+        if os.environ.get("TIERSTATE_TORCH_JIT") == "1":
+            raise RuntimeError("tierstate_torch: TIERSTATE_TORCH_JIT=1 builds just in time from a checkout's "
+                               "sources, and this installed package has none: unset it")
         raise RuntimeError("tierstate_torch: this installation has no compiled extension and no sources to build "
-                           "one: reinstall it (pip install --no-build-isolation tierstate-torch)")
+                           f"one: reinstall it ({_REINSTALL})")
     from torch.utils.cpp_extension import load
 
     cuda = with_cuda()

@@ -288,8 +288,9 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         C = _ext()
         name = type(self).__name__
         if self._emulated and not C.device_is_emulated():
-            raise RuntimeError(f"{name}: TIERSTATE_TORCH_EMULATED_DEVICE=1 needs the build without CUDA "
-                               "(TIERSTATE_TORCH_CUDA=0)")
+            raise RuntimeError(f"{name}: TIERSTATE_TORCH_EMULATED_DEVICE=1 needs a build with the emulated device: "
+                               "without CUDA (TIERSTATE_TORCH_CUDA=0), and for a package "
+                               "TIERSTATE_TORCH_EMULATED_DEVICE_BUILD=1 as well")
         params = self._params()
         if len({id(p) for p in params}) != len(params):
             raise ValueError(f"{name}: a parameter appears twice")
