@@ -40,6 +40,12 @@
 //                        check_byte_ratio what the extra bytes alone would cost, and
 //                        check_cost_limit what they cost the best loops (a separate read
 //                        pass runs at the read-only bandwidth);
+//   variant "dispatch"   AdamW's unchecked step (fp32, and bf16 params with an fp32 master) as
+//                        a program built for plain x86-64 runs it (host_step_dispatch.cpp):
+//                        with the kernels dispatched at run time (kernels/host/dispatch.hpp,
+//                        `level`) and with its own SSE2 kernels (`baseline_`), interleaved
+//                        with the optimizer rows' unchecked step of this build; `ratio` is
+//                        the dispatched step's speed over this build's;
 //   variant "compact"    AdamW's unchecked step with bf16 params and fp32 moments, and with
 //                        8-bit moments (codecs/dynamic8.hpp) and an fp32 master, a
 //                        compensation or stochastic rounding, and with bf16 moments and an
@@ -49,6 +55,8 @@
 //                        state_bytes_per_elem what its chunks keep per element.
 //
 //   host_step [--elements N] [--reps R] [--threads T] [--rule NAME] [--precision p/g/m/s]
+#include "host_step_dispatch.hpp"
+
 #include <tierstate/tierstate.hpp>
 
 #include <algorithm>
@@ -66,6 +74,7 @@
 #include <string_view>
 #include <system_error>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include <sys/mman.h>
@@ -892,7 +901,32 @@ void run_optimizer(options const& o, thread_pool& pool, arrays<P>& arr, double b
   }
   for (auto const& k : kinds) { loops.push_back([&, k] { run_loop<P, S>(pool, arr, k, true); }); }
   for (auto const& k : kinds) { loops.push_back([&, k] { run_loop<P, S>(pool, arr, k, false); }); }
+  // The default step (AdamW, fp32 or bf16 params with an fp32 master): the same unchecked step
+  // as a program built for plain x86-64 runs it, with the dispatched kernels and with its own.
+  constexpr bool portable = std::is_same_v<R, AdamW> && (std::is_same_v<P, Fp32> || std::is_same_v<P, Bf16Mixed>);
+  std::size_t const portable_at = loops.size();
+  if constexpr (portable) {
+    for (auto const k : {host_step_portable::kernels::dispatched, host_step_portable::kernels::baseline}) {
+      loops.push_back(host_step_portable::adamw_step(k, std::is_same_v<P, Bf16Mixed>, param.get<typename P::param_type>(),
+                                                     grad.get<typename P::grad_type>(), sizes.data(), sizes.size(),
+                                                     pool.size()));
+    }
+  }
   auto const s = interleaved_medians(o.reps, loops);
+  if constexpr (portable) {
+    // ratio: the dispatched step's speed over the -march build's (1: as fast); baseline_ratio
+    // the same for the portable build's own kernels, as a plain x86-64 build without dispatch
+    // runs them.
+    std::printf(
+      "{\"bench\":\"host_step\",\"variant\":\"dispatch\",\"rule\":\"%s\",\"precision\":\"%s\",\"arch\":\"%s\","
+      "\"level\":\"%s\",\"portable_arch\":\"%s\",\"elements\":%zu,\"tensors\":%zu,\"threads\":%zu,\"reps\":%d,"
+      "\"nonfinite_check\":false,\"seconds_per_step\":%.6g,\"native_seconds_per_step\":%.6g,"
+      "\"baseline_seconds_per_step\":%.6g,\"ratio\":%.4f,\"baseline_ratio\":%.4f}\n",
+      std::string(R::name).c_str(), P::name().c_str(), host::arch_name(), host_step_portable::dispatched_level().c_str(),
+      host_step_portable::baseline_arch().c_str(), n, sizes.size(), pool.size(), o.reps, s[portable_at], s[1],
+      s[portable_at + 1], s[1] / s[portable_at], s[1] / s[portable_at + 1]);
+    std::fflush(stdout);
+  }
 
   // The tensor phase's reads: the gradient twice and the param once more.
   std::size_t const phase_bytes =
