@@ -22,7 +22,7 @@ def _conan_center_recipe():
 
 class TierstateDevelopmentConan(_conan_center_recipe()):
     exports = "recipes/tierstate/all/conanfile.py"
-    exports_sources = "include/tierstate/*", "LICENSE", "VERSION"
+    exports_sources = "include/tierstate/*", "include/cmake/tierstate-kernels.cmake", "LICENSE", "VERSION"
 
     def set_version(self):
         # VERSION is the one place the version is written (tests/check_version.py).

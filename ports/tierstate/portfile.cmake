@@ -30,6 +30,9 @@ write_basic_package_version_file(
     COMPATIBILITY SameMinorVersion
     ARCH_INDEPENDENT
 )
+# tierstate_add_host_kernels(), which tierstateConfig.cmake includes: the host kernels
+# dispatched at run time (README "Portable builds").
+file(INSTALL "${SOURCE_PATH}/include/cmake/tierstate-kernels.cmake" DESTINATION "${CURRENT_PACKAGES_DIR}/share/${PORT}")
 vcpkg_cmake_config_fixup()
 
 file(INSTALL "${CMAKE_CURRENT_LIST_DIR}/usage" DESTINATION "${CURRENT_PACKAGES_DIR}/share/${PORT}")

@@ -47,6 +47,12 @@ lib=$(dirname "$(find "$prefix" -name 'libtierstate_c.so' | head -1)")
   -DEXPECTED_VERSION="\"$version\"" $(PKG_CONFIG_LIBDIR=$pc pkg-config --cflags --libs tierstate-c)
 LD_LIBRARY_PATH=$lib "$work/consumer_c"
 
+echo "== CMake tierstate_add_host_kernels (the host kernels dispatched at run time)"
+CXX=$cxx cmake -S "$src/tests/install/cmake_dispatch" -B "$work/cmake_dispatch" -DCMAKE_PREFIX_PATH="$prefix" \
+  -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$work/cmake_dispatch" >/dev/null
+"$work/cmake_dispatch/dispatch_consumer" | tail -n 1
+
 echo "== CMake find_package"
 CXX=$cxx cmake -S "$src/tests/install/cmake" -B "$work/cmake" -DCMAKE_PREFIX_PATH="$prefix" \
   -DEXPECTED_VERSION="$version" -DCMAKE_BUILD_TYPE=Release >/dev/null
@@ -63,10 +69,12 @@ LD_LIBRARY_PATH=$lib "$work/cmake_c/consumer_c"
 echo "== Meson subproject"
 mkdir -p "$work/sub/subprojects"
 cp "$src/tests/install/meson/meson.build" "$src/tests/install/consumer.cpp" "$work/sub/"
+cp -r "$src/tests/dispatch" "$work/sub/dispatch"
 sed -i "s|'../consumer.cpp'|'consumer.cpp'|" "$work/sub/meson.build"
 ln -s "$(cd "$src" && pwd)" "$work/sub/subprojects/tierstate"
 CXX=$cxx meson setup "$work/sub/build" "$work/sub" --werror -Dwarning_level=2 -Dtierstate:tests=false \
   -Dtierstate:benchmarks=false -Dtierstate:examples=false -Dtierstate:cuda=disabled >/dev/null
 meson compile -C "$work/sub/build" >/dev/null
 "$work/sub/build/consumer"
-echo "all four consumers built and ran"
+"$work/sub/build/dispatch_consumer" | tail -n 1
+echo "all the consumers built and ran"

@@ -165,7 +165,7 @@ cmake -S "$src/tests/packaging/consumer" -B "$consumer" \
 cmake --build "$consumer" -j "$jobs"
 # NvmeFile's scratch file goes in the work dir (O_DIRECT where the filesystem has it).
 # shellcheck disable=SC1091  # (written by conan install above)
-(source "$consumer/conan/conanrun.sh" && "$consumer/consumer" "$work")
+(source "$consumer/conan/conanrun.sh" && "$consumer/consumer" "$work" && "$consumer/dispatch_consumer" | tail -n 1)
 
 part "the packages' files, and the two recipes' CMakeDeps output compared"
 expected=$work/expected-files
@@ -193,11 +193,18 @@ for which in development center; do
     problems=$((problems + 1))
   fi
   [[ -f $folder/include/tierstate/tierstate.hpp ]] || { echo "FAIL: no include/tierstate/tierstate.hpp"; problems=$((problems + 1)); }
-  unexpected=$(cd "$folder" && find . -mindepth 1 -maxdepth 1 ! -name include ! -name licenses \
+  unexpected=$(cd "$folder" && find . -mindepth 1 -maxdepth 1 ! -name include ! -name licenses ! -name lib \
     ! -name conaninfo.txt ! -name conanmanifest.txt)
-  unexpected+=$(cd "$folder" && find . \( -name '*.cmake' -o -name '*.cmake.in' -o -name '*.pc' \) -printf '\n%p')
+  unexpected+=$(cd "$folder" && find . \( -name '*.cmake' -o -name '*.cmake.in' -o -name '*.pc' \) \
+    ! -path ./lib/cmake/tierstate-kernels.cmake -printf '\n%p')
+  unexpected+=$(cd "$folder" && find ./lib -type f ! -path ./lib/cmake/tierstate-kernels.cmake -printf '\n%p')
+  if ! cmp -s "$src/include/cmake/tierstate-kernels.cmake" "$folder/lib/cmake/tierstate-kernels.cmake"; then
+    echo "FAIL: lib/cmake/tierstate-kernels.cmake (tierstate_add_host_kernels' build module) is missing or differs"
+    problems=$((problems + 1))
+  fi
   if [[ -n $unexpected ]]; then
-    echo "FAIL: the package has files it should not (a header-only package: headers and licence):"
+    echo "FAIL: the package has files it should not (a header-only package: headers, licence, and"
+    echo "tierstate_add_host_kernels' build module):"
     echo "$unexpected"
     problems=$((problems + 1))
   fi

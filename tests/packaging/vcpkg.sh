@@ -96,6 +96,7 @@ cmake -S "$src/tests/packaging/consumer" -B "$work/consumer" -G Ninja -DCMAKE_BU
   { cat "$work/consumer.log"; exit 1; }
 cmake --build "$work/consumer" >> "$work/consumer.log" 2>&1 || { cat "$work/consumer.log"; exit 1; }
 "$work/consumer/consumer" "$work" | tee "$work/consumer.out"
+"$work/consumer/dispatch_consumer" | tail -n 1
 # It must have compiled against vcpkg's xsimd (14), not the system's (Debian's 8.1).
 xsimd=$(basename "$(ls "$VCPKG_ROOT"/installed/vcpkg/info/xsimd_*_x64-linux-release.list)" | cut -d_ -f2)
 grep -q "with xsimd ${xsimd%.*}:" "$work/consumer.out" || { echo "the consumer did not use vcpkg's xsimd $xsimd"; exit 1; }

@@ -73,6 +73,9 @@ class TierstateConan(ConanFile):
             copy(self, os.path.join("tierstate", pattern),
                  os.path.join(self.source_folder, "include"),
                  os.path.join(self.package_folder, "include"))
+        # tierstate_add_host_kernels() (README "Portable builds"), a CMake build module
+        copy(self, "tierstate-kernels.cmake", os.path.join(self.source_folder, "include", "cmake"),
+             os.path.join(self.package_folder, "lib", "cmake"))
 
     def package_info(self):
         self.cpp_info.bindirs = []
@@ -80,6 +83,7 @@ class TierstateConan(ConanFile):
         self.cpp_info.set_property("cmake_file_name", "tierstate")
         self.cpp_info.set_property("cmake_target_name", "tierstate::tierstate")
         self.cpp_info.set_property("pkg_config_name", "tierstate")
+        self.cpp_info.set_property("cmake_build_modules", [os.path.join("lib", "cmake", "tierstate-kernels.cmake")])
         self.cpp_info.requires = ["xsimd::xsimd", "liburing::liburing", "xxhash::libxxhash"]
         if self.settings.os == "Linux":
             self.cpp_info.system_libs = ["pthread"]
