@@ -1,78 +1,43 @@
 // SPDX-License-Identifier: Apache-2.0
-// libtierstate_c's entry points (tierstate/c.h). This unit is compiled for baseline x86-64
-// and holds no kernel: tierstate_create picks the kernel unit for this CPU once (the widest
-// of x86-64-v4, v3 and v2 that it has, or TIERSTATE_ARCH's), and every later call on an
-// optimizer runs in the unit that made it (c_api.hpp).
+// libtierstate_c's entry points (tierstate/c.h). The host kernels' level is chosen once, at
+// the first call that needs it (the widest of x86-64-v4-bf16, v4, v3 and v2 that the CPU has,
+// or TIERSTATE_ARCH's: kernels/host/dispatch.hpp); the optimizers are c_api_unit.cpp's.
 #define TIERSTATE_C_BUILDING 1
 #include "c_api.hpp"
 
 #include <tierstate/core/config.hpp>
 #include <tierstate/rules/adam.hpp>  // (AdamW's defaults: a struct, no kernel)
+#if defined(TIERSTATE_C_DISPATCH)
+#include <tierstate/kernels/host/dispatch.hpp>
+#endif
 
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <string_view>
-
-#if defined(TIERSTATE_C_DISPATCH)
-#include <xsimd/config/xsimd_cpuid.hpp>
-#endif
 
 namespace {
 
 thread_local std::string last_error;
 
-struct level {
-  char const* name;
-  tierstate_c::factory create;
-  bool supported;
-  char const* needs;  // what the CPU lacks when it is not supported
-};
-
 struct choice {
-  tierstate_c::factory create = nullptr;
-  char const* name            = nullptr;
-  std::string refusal;  // why TIERSTATE_ARCH cannot be had, when create is null
+  char const* name = nullptr;
+  std::string refusal;  // why TIERSTATE_ARCH cannot be had, when name is null
 };
 
 choice choose()
 {
 #if defined(TIERSTATE_C_DISPATCH)
-  auto const cpu = xsimd::available_architectures();
-  // The x86-64 levels as tierstate's kernels use them. x86-64-v3's BMI2, F16C, LZCNT and
-  // MOVBE, and v4's AVX512VL, are not checked: every CPU with AVX2 and FMA has the first
-  // four, and every one with AVX512BW and DQ has VL.
-  level const levels[] = {
-    {"x86-64-v4", tierstate_c::create_x86_64_v4,
-     cpu.avx512f && cpu.avx512cd && cpu.avx512dq && cpu.avx512bw, "AVX512F, CD, DQ and BW"},
-    {"x86-64-v3", tierstate_c::create_x86_64_v3, cpu.avx2 && cpu.fma3_avx2, "AVX2 and FMA"},
-    {"x86-64-v2", tierstate_c::create_x86_64_v2, cpu.sse4_2 && cpu.ssse3, "SSSE3 and SSE4.2"},
-  };
+  try {
+    return {tierstate::dispatched_host_level().name, {}};
+  } catch (std::exception const& e) {
+    std::string why = e.what();
+    return {nullptr, why.rfind("tierstate", 0) == 0 ? why : "tierstate: " + why};
+  }
 #else
-  level const levels[] = {{"build", tierstate_c::create_build, true, ""}};  // the build's -march
+  return {"build", {}};  // the build's -march
 #endif
-  char const* forced = std::getenv("TIERSTATE_ARCH");
-  std::string names;
-  for (level const& l : levels) {
-    names += names.empty() ? "" : ", ";
-    names += l.name;
-    if (forced != nullptr && *forced != '\0') {
-      if (std::string_view(forced) != l.name) { continue; }
-      if (!l.supported) {
-        return {nullptr, nullptr,
-                std::string("tierstate: TIERSTATE_ARCH=") + forced + " asks for kernels this CPU cannot run (it lacks " +
-                  l.needs + "); unset it to use the widest this CPU has"};
-      }
-      return {l.create, l.name, {}};
-    }
-    if (l.supported) { return {l.create, l.name, {}}; }
-  }
-  if (forced != nullptr && *forced != '\0') {
-    return {nullptr, nullptr,
-            std::string("tierstate: TIERSTATE_ARCH=") + forced + " is not one of this library's kernels (" + names +
-              "); unset it to use the widest this CPU has"};
-  }
-  return {nullptr, nullptr, "tierstate: this CPU has none of this library's kernels (" + names + ")"};
 }
 
 choice const& chosen()
@@ -119,8 +84,8 @@ tierstate_status tierstate_create(tierstate_options const* options, tierstate_op
     return tierstate_c::fail(TIERSTATE_INVALID_ARGUMENT, "tierstate_create: options or out is NULL");
   }
   choice const& c = chosen();
-  if (c.create == nullptr) { return tierstate_c::fail(TIERSTATE_INVALID_ARGUMENT, c.refusal.c_str()); }
-  return c.create(*options, out);
+  if (c.name == nullptr) { return tierstate_c::fail(TIERSTATE_INVALID_ARGUMENT, c.refusal.c_str()); }
+  return tierstate_c::create(*options, out);
 }
 
 void tierstate_destroy(tierstate_optimizer* opt) { delete opt; }

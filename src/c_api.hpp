@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// What libtierstate_c's units share. The library is one dispatching unit (c_api.cpp,
-// compiled for baseline x86-64) and one kernel unit per CPU level (c_api_unit.cpp, compiled
-// once per level with its -march). tierstate's C++ names differ per level (its ABI
-// namespace, core/config.hpp), so the units' copies never mix; only what is declared here
-// crosses between them, and it holds C types only: no tierstate type, no exception.
+// What libtierstate_c's two files share: c_api.cpp, the entry points, and c_api_unit.cpp, the
+// optimizers behind them, which throw nothing across: every failure becomes a status and a
+// message. The host kernels are dispatched at run time (kernels/host/dispatch.hpp): both files
+// are compiled once (for baseline x86-64 there), and the kernels once per x86-64 level
+// (c_kernels.cpp, src/meson.build).
 #pragma once
 
 #include <tierstate/c.h>
@@ -11,8 +11,8 @@
 #include <cstddef>
 #include <cstdint>
 
-// The handle C code holds, made by a kernel unit: its calls are that unit's code. Each
-// returns a status and has reported a failure through tierstate_c::fail already.
+// The handle C code holds, made by c_api_unit.cpp. Each call returns a status and has
+// reported a failure through tierstate_c::fail already.
 struct tierstate_optimizer {
   tierstate_optimizer()                                      = default;
   tierstate_optimizer(tierstate_optimizer const&)            = delete;
@@ -34,13 +34,7 @@ namespace tierstate_c {
 /// Records `message` as this thread's last error (tierstate_last_error) and returns `s`.
 tierstate_status fail(tierstate_status s, char const* message) noexcept;
 
-/// A kernel unit's constructor: validates `o`, and makes the optimizer or fails.
-using factory = tierstate_status (*)(tierstate_options const& o, tierstate_optimizer** out) noexcept;
-
-// One per kernel unit (meson.build defines TIERSTATE_C_UNIT for each).
-tierstate_status create_x86_64_v2(tierstate_options const& o, tierstate_optimizer** out) noexcept;
-tierstate_status create_x86_64_v3(tierstate_options const& o, tierstate_optimizer** out) noexcept;
-tierstate_status create_x86_64_v4(tierstate_options const& o, tierstate_optimizer** out) noexcept;
-tierstate_status create_build(tierstate_options const& o, tierstate_optimizer** out) noexcept;
+/// Validates `o`, and makes the optimizer or fails.
+tierstate_status create(tierstate_options const& o, tierstate_optimizer** out) noexcept;
 
 }  // namespace tierstate_c

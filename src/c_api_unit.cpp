@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
-// A kernel unit of libtierstate_c (c_api.hpp): the optimizers, compiled for one CPU level.
-// meson.build compiles this file once per level, with that level's -march and
-// TIERSTATE_C_UNIT naming its factory. Everything tierstate throws is caught here, where its
-// types are this unit's own, and reported as a status and a message.
+// libtierstate_c's optimizers (c_api.hpp), whose host kernels are dispatched at run time among
+// c_kernels.cpp's per-level units (TIERSTATE_C_DISPATCH; elsewhere, this build's own).
+// Everything tierstate throws is caught here and reported as a status and a message.
 #include "c_api.hpp"
+#include "c_kernels.hpp"
 
 #include <tierstate/tierstate.hpp>
 
@@ -15,13 +15,16 @@
 #include <type_traits>
 #include <vector>
 
-#ifndef TIERSTATE_C_UNIT
-#error "TIERSTATE_C_UNIT names this unit's factory (src/meson.build)"
-#endif
 
 namespace {
 
 using namespace tierstate;
+
+#if defined(TIERSTATE_C_DISPATCH)
+using compute = OnHostDispatched<tierstate_c::kernels>;
+#else
+using compute = OnHost<>;
+#endif
 
 // Runs f; what it throws becomes a status and this thread's message. The C++ calls refuse
 // bad input before they change anything, so a refused call leaves the optimizer as it was;
@@ -94,7 +97,7 @@ AdamW::hyperparameters to_cpp(tierstate_adamw const& h)
 
 template <class Precision, class Tier, class Transfer>
 class adamw final : public tierstate_optimizer {
-  using optimizer = OffloadedOptimizer<AdamW, Precision, Tier, Transfer>;
+  using optimizer = OffloadedOptimizer<AdamW, Precision, Tier, Transfer, compute>;
   using param     = typename optimizer::param_type;
   using grad      = typename optimizer::grad_type;
 
@@ -183,7 +186,7 @@ class adamw final : public tierstate_optimizer {
 template <class Precision, class Tier, class Transfer>
 tierstate_optimizer* make(tierstate_options const& o)
 {
-  typename OffloadedOptimizer<AdamW, Precision, Tier, Transfer>::options opts;
+  typename OffloadedOptimizer<AdamW, Precision, Tier, Transfer, compute>::options opts;
   if (o.chunk_elements != 0) { opts.chunk_elements = o.chunk_elements; }
   opts.threads       = o.threads;
   opts.max_grad_norm = o.max_grad_norm;
@@ -208,7 +211,7 @@ tierstate_optimizer* make(tierstate_options const& o, long long tier)
 
 }  // namespace
 
-tierstate_status tierstate_c::TIERSTATE_C_UNIT(tierstate_options const& o, tierstate_optimizer** out) noexcept
+tierstate_status tierstate_c::create(tierstate_options const& o, tierstate_optimizer** out) noexcept
 {
   return guarded("tierstate_create", [&] {
     if (o.struct_size != sizeof(tierstate_options)) {

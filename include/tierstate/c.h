@@ -131,7 +131,8 @@ TIERSTATE_C_EXPORT tierstate_status tierstate_copy_moment(tierstate_optimizer* o
                                                            float* to, size_t elements);
 
 /* The kernels this library runs on this CPU, chosen at the first call that needs them: the
- * widest of "x86-64-v4" (AVX-512), "x86-64-v3" (AVX2, FMA) and "x86-64-v2" the CPU has, or
+ * widest of "x86-64-v4-bf16" (AVX-512 with BF16, VBMI and IFMA), "x86-64-v4" (AVX-512),
+ * "x86-64-v3" (AVX2, FMA) and "x86-64-v2" the CPU has, or
  * the one the environment variable TIERSTATE_ARCH names; "build" where the library was built
  * for one target only. NULL, with tierstate_last_error() saying why, when TIERSTATE_ARCH
  * names kernels that this library lacks or this CPU cannot run (tierstate_create then fails
