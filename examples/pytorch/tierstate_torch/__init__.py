@@ -8,5 +8,15 @@ _check_torch()  # an installed extension built for another torch is refused here
 
 from .optim import SGD, Adafactor, Adam, AdamW, Lion  # noqa: E402
 
-__all__ = ["Adam", "AdamW", "SGD", "Lion", "Adafactor"]
+
+def host_kernels() -> str:
+    """The level of the host kernels the optimizers run: in a package build, the x86-64 level
+    chosen at load from what this CPU has ("x86-64-v2", "x86-64-v3", "x86-64-v4" or
+    "x86-64-v4-bf16"; TIERSTATE_ARCH=<level> forces one, and a level this CPU lacks is refused
+    with ValueError); in a just-in-time build, "native <its SIMD architecture>"."""
+    from ._common import _ext
+    return _ext().host_kernels()
+
+
+__all__ = ["Adam", "AdamW", "SGD", "Lion", "Adafactor", "host_kernels"]
 __version__ = "0.1.0"  # VERSION's (tests/check_version.py)

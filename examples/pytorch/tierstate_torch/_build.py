@@ -21,12 +21,20 @@ Two builds:
   tests; a package build only with TIERSTATE_TORCH_EMULATED_DEVICE_BUILD=1.
 
 Environment:
-    TIERSTATE_INCLUDE        tierstate's include directory (default: this checkout's, else
-                             what `pkg-config --cflags tierstate` says)
+    TIERSTATE_INCLUDE        tierstate's include directory (default: a source distribution's
+                             own, this checkout's, else what `pkg-config --cflags tierstate`
+                             says)
     TIERSTATE_THRUST_INCLUDE the folder holding thrust/ (default: $CUDA_HOME/include/cccl,
                              /usr/local/cuda/include/cccl, else the system's)
-    TIERSTATE_TORCH_CFLAGS   the host optimization flags (default: -O3 -march=native: the
-                             host kernels use the widest SIMD this CPU has)
+    TIERSTATE_TORCH_CFLAGS   the host optimization flags (default: -O3 -march=native for a
+                             just-in-time build, whose host kernels then use the widest SIMD
+                             this CPU has; -O2 -march=x86-64 for a package build, whose host
+                             kernels are dispatched at run time)
+    TIERSTATE_TORCH_DISPATCH=0|1  a package build's host kernels: compiled for each x86-64
+                             level (x86-64-v2, v3, v4, v4-bf16) and the widest this CPU has
+                             chosen at import (the default on x86-64: the wheel runs on any
+                             x86-64 at full speed; TIERSTATE_ARCH=<level> forces one), or
+                             (0) for TIERSTATE_TORCH_CFLAGS' -march only
     TIERSTATE_TORCH_VERBOSE=1  print the compiler's command lines
     TIERSTATE_TORCH_DEPS_CFLAGS / TIERSTATE_TORCH_LDFLAGS
                              the flags for liburing and xxHash (default: pkg-config's), for
@@ -67,6 +75,9 @@ def _include_flags() -> list[str]:
     given = os.environ.get("TIERSTATE_INCLUDE")
     if given:
         return [f"-I{given}"]
+    bundled = _CSRC.parent / "_include"  # (a source distribution's: setup.py's sdist)
+    if (bundled / "tierstate" / "optimizer.hpp").is_file():
+        return [f"-I{bundled}"]
     checkout = _CSRC.parents[3] / "include"
     if (checkout / "tierstate" / "optimizer.hpp").is_file():
         return [f"-I{checkout}"]
@@ -118,15 +129,50 @@ def _import_prebuilt(path: str):
     return module
 
 
-def extension_spec(cuda: bool, emulated: bool, static_liburing: bool = False) -> dict:
+# The x86-64 levels of a dispatched build's host kernels (kernels/host/dispatch.hpp), narrowest
+# first (the order they are linked in): name, and the flags of host_kernels.cpp's unit.
+KERNEL_LEVELS = [
+    ("x86-64-v2", ["-march=x86-64-v2", "-DTIERSTATE_HOST_KERNEL_LEVEL=2"]),
+    ("x86-64-v3", ["-march=x86-64-v3", "-DTIERSTATE_HOST_KERNEL_LEVEL=3"]),
+    ("x86-64-v4", ["-march=x86-64-v4", "-DTIERSTATE_HOST_KERNEL_LEVEL=4", "-Wno-uninitialized", "-Wno-maybe-uninitialized"]),
+    ("x86-64-v4-bf16", ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vbmi", "-mavx512ifma",
+                        "-DTIERSTATE_HOST_KERNEL_LEVEL=5", "-Wno-uninitialized", "-Wno-maybe-uninitialized"]),
+]
+
+
+def dispatch_default() -> bool:
+    """Whether a package build dispatches its host kernels (the default on x86-64:
+    TIERSTATE_TORCH_DISPATCH=0 builds them for TIERSTATE_TORCH_CFLAGS' -march instead)."""
+    import platform
+    forced = os.environ.get("TIERSTATE_TORCH_DISPATCH")
+    if forced in ("0", "1"):
+        if forced == "1" and platform.machine() not in ("x86_64", "AMD64"):
+            raise RuntimeError("tierstate_torch: TIERSTATE_TORCH_DISPATCH=1 is for x86-64 (its levels); this is "
+                               f"{platform.machine()}")
+        return forced == "1"
+    return platform.machine() in ("x86_64", "AMD64")
+
+
+def extension_spec(cuda: bool, emulated: bool, static_liburing: bool = False, dispatch: bool = False) -> dict:
     """The extension's sources (absolute paths) and flags, for the just-in-time
     build and for setup.py's: with CUDA's device units, or on the CPU with the emulated
-    device's units or without them."""
+    device's units or without them; with the host kernels dispatched at run time (the
+    compositions built for plain x86-64, `kernel_units` the flags of host_kernels.cpp's unit
+    per level) or built for the -march of TIERSTATE_TORCH_CFLAGS (default native)."""
     common = ["-std=c++20", "-DNDEBUG"] + _include_flags() + _deps_cflags()
-    host = shlex.split(os.environ.get("TIERSTATE_TORCH_CFLAGS", "-O3 -march=native"))
+    # (a dispatched build: the compositions at -O2, a quarter less compile time than -O3, and
+    # their kernels at -O3 in the units)
+    default_host = "-O2 -march=x86-64" if dispatch else "-O3 -march=native"
+    host = shlex.split(os.environ.get("TIERSTATE_TORCH_CFLAGS", default_host))
     sources = [_CSRC / "bindings.cpp", _CSRC / "rules.cpp"] + [_CSRC / f"shards_{r}.cpp" for r in _UNITS]
     sources += [_CSRC / f"shards_{r}_compact.cpp" for r in _COMPACT_RULES]
     cflags = common + host + ["-Wno-deprecated-declarations"]
+    kernel_units: list[tuple[str, list[str]]] = []
+    if dispatch:
+        cflags.append("-DTIERSTATE_TORCH_DISPATCH")
+        kernel_units = [(name, common + ["-O3", "-fPIC", "-g0"] + flags) for name, flags in KERNEL_LEVELS]
+    if cuda or emulated:
+        cflags.append("-DTIERSTATE_TORCH_DEVICE_PARAMS")  # (shard_impl.hpp)
     cuda_cflags: list[str] = []
     if cuda:
         cflags.append("-DTIERSTATE_ENABLE_CUDA")
@@ -153,7 +199,8 @@ def extension_spec(cuda: bool, emulated: bool, static_liburing: bool = False) ->
         # (--exclude-libs: its functions stay inside the extension, not exported from it)
         ldflags = [f for f in ldflags if f != "-luring"] + ["-Wl,-Bstatic", "-luring", "-Wl,-Bdynamic",
                                                              "-Wl,--exclude-libs,liburing.a"]
-    return {"sources": sources, "cflags": cflags, "cuda_cflags": cuda_cflags, "ldflags": ldflags}
+    return {"sources": sources, "cflags": cflags, "cuda_cflags": cuda_cflags, "ldflags": ldflags,
+            "kernel_source": _CSRC / "host_kernels.cpp", "kernel_units": kernel_units}
 
 
 _REINSTALL = ("pip install --no-build-isolation --no-deps --force-reinstall --no-cache-dir "
@@ -207,6 +254,7 @@ def _load_installed():
     except ImportError as e:
         raise RuntimeError(f"tierstate_torch: its compiled extension does not load ({e}); rebuild it under this "
                            f"torch ({_REINSTALL})") from e
+    _C.host_kernels()  # chooses the host kernels' level now: a TIERSTATE_ARCH this CPU cannot have is refused here
     return _C
 
 

@@ -287,7 +287,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
             return
         C = _ext()
         name = type(self).__name__
-        if self._emulated and not C.device_is_emulated():
+        if self._emulated and not (C.device_is_emulated() and C.has_device_params()):
             raise RuntimeError(f"{name}: TIERSTATE_TORCH_EMULATED_DEVICE=1 needs a build with the emulated device: "
                                "without CUDA (TIERSTATE_TORCH_CUDA=0), and for a package "
                                "TIERSTATE_TORCH_EMULATED_DEVICE_BUILD=1 as well")

@@ -399,4 +399,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     .def("state_lost", &tt::py_shard::state_lost);
   m.def("device_is_emulated", &tt::device_is_emulated,
         "Whether device memory is host memory here (a build without CUDA)");
+  m.def("has_device_params", &tt::has_device_params,
+        "Whether the build has the compositions of params on a device (CUDA, or the emulated device)");
+  m.def("host_kernels", &tt::host_kernel_level,
+        "The host kernels' level: the dispatched x86-64 level of a package build (TIERSTATE_ARCH forces one), or "
+        "'native <arch>' for a build with its own -march");
 }

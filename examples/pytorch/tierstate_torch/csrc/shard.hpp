@@ -129,6 +129,13 @@ rule_info rule_table(std::string const& rule);
 /// Whether this build's device is tierstate's emulated one (built without CUDA): device
 /// memory is then host memory, and "device" params are CPU tensors.
 bool device_is_emulated() noexcept;
+/// Whether the build has the compositions of params on a device (the CUDA build, or a CPU
+/// build with the emulated device).
+bool has_device_params() noexcept;
+/// The host kernels' level: a package build's dispatched one ("x86-64-v4", ...; a
+/// TIERSTATE_ARCH that names none, or one this CPU lacks, is refused: std::invalid_argument),
+/// or "native <xsimd architecture>" for a build with its own -march.
+std::string host_kernel_level();
 
 // One per rule and compute, each in its own translation unit: shards_<rule>.cpp (OnHost:
 // host params, or device params through CudaOverlapped; and the rule's table) and

@@ -7,6 +7,9 @@
 #include "shard.hpp"
 
 #include <tierstate/tierstate.hpp>
+#if defined(TIERSTATE_TORCH_DISPATCH)
+#include "host_kernels.hpp"
+#endif
 
 #include <stdexcept>
 #include <type_traits>
@@ -53,7 +56,15 @@ namespace detail {
   return o;
 }
 
-template <class Rule, class Precision, class Tier, class Transfer, class Compute = tierstate::OnHost<>>
+/// The OnHost compositions' compute: a package build's kernels are dispatched at run time
+/// among x86-64 levels (host_kernels.hpp); a just-in-time build's are its own -march's.
+#if defined(TIERSTATE_TORCH_DISPATCH)
+using host_compute = tierstate::OnHostDispatched<kernels::all>;
+#else
+using host_compute = tierstate::OnHost<>;
+#endif
+
+template <class Rule, class Precision, class Tier, class Transfer, class Compute = host_compute>
 class shard_impl final : public shard {
   using optimizer = tierstate::OffloadedOptimizer<Rule, Precision, Tier, Transfer, Compute>;
   static constexpr bool device_params = optimizer::takes_device_params;
@@ -202,8 +213,15 @@ struct on_host {
   {
     using namespace tierstate;
     if (c.device_params) {
+      // (A CPU build compiles them only with the emulated device: without it, no param is on
+      // a device.)
+#if defined(TIERSTATE_TORCH_DEVICE_PARAMS)
       if (c.tier == "pinned") { return std::make_unique<shard_impl<Rule, Precision, PinnedHost, CudaOverlapped<2>>>(c); }
       if (c.tier == "nvme") { return std::make_unique<shard_impl<Rule, Precision, NvmeFile, CudaOverlapped<2>>>(c); }
+#else
+      throw std::invalid_argument("tierstate_torch: device params need the CUDA build (TIERSTATE_TORCH_CUDA=1) or, "
+                                  "for tests, the emulated device's (TIERSTATE_TORCH_EMULATED_DEVICE_BUILD=1)");
+#endif
     } else {
       if (c.tier == "pinned") { return std::make_unique<shard_impl<Rule, Precision, PinnedHost, Synchronous>>(c); }
       if (c.tier == "nvme") { return std::make_unique<shard_impl<Rule, Precision, NvmeFile, Pipelined<2>>>(c); }
