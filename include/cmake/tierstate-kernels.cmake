@@ -5,7 +5,8 @@
 # compiled once per x86-64 level (x86-64-v2, v3, v4 and v4-bf16; elsewhere once, with the
 # project's flags) into a static library of its own, linked into <target> after the target's
 # own objects, narrowest first. <target> itself is built with the project's flags (for a
-# binary that runs on every x86-64: -march=x86-64, or none).
+# binary that runs on every x86-64: -march=x86-64, or none). The units are linked with
+# target_link_libraries' keyword signature (PRIVATE), which the target's other calls must use.
 #   find_package(tierstate REQUIRED)
 #   add_executable(trainer trainer.cpp)
 #   target_link_libraries(trainer PRIVATE tierstate::tierstate)
@@ -17,6 +18,14 @@ function(tierstate_add_host_kernels target)
   endif()
   if(NOT ARGN)
     message(FATAL_ERROR "tierstate_add_host_kernels(${target}): name the sources that define its kernel units")
+  endif()
+  if(NOT CMAKE_CXX_COMPILER_ID MATCHES "GNU|Clang")
+    message(FATAL_ERROR "tierstate_add_host_kernels: the kernel units take GCC's and Clang's -march flags; "
+      "${CMAKE_CXX_COMPILER_ID} is neither")
+  endif()
+  if(TARGET ${target}_tierstate_kernels_build OR TARGET ${target}_tierstate_kernels_x86_64_v2)
+    message(FATAL_ERROR "tierstate_add_host_kernels(${target}) was called before: give all of its kernel sources "
+      "in one call")
   endif()
   if(CMAKE_SYSTEM_PROCESSOR MATCHES "^(x86_64|AMD64|amd64)$")
     set(levels x86_64_v2 x86_64_v3 x86_64_v4 x86_64_v4_bf16)

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
-// Runtime dispatch of the host kernels: one build that runs on every x86-64 CPU, at the
-// speed of a build for the CPU it runs on.
+// Runtime dispatch of the host kernels: one build that runs on every x86-64 CPU from
+// x86-64-v2 on, at the speed of a build for the CPU it runs on.
 //
 // A program built for plain x86-64 (a wheel, a distribution's package) runs SSE2 kernels
 // without FMA, several times slower than a -march=native build. OnHostDispatched<Kernels>
@@ -38,6 +38,7 @@
 
 #include <tierstate/core/config.hpp>
 #include <tierstate/core/error.hpp>
+#include <tierstate/kernels/host/detail/cpu_levels.hpp>
 #include <tierstate/kernels/host/on_host.hpp>
 #include <tierstate/kernels/host/update.hpp>
 
@@ -52,13 +53,16 @@
 #include <type_traits>
 #include <utility>
 
-#if defined(__x86_64__)
-#include <cpuid.h>
-#endif
 
 /// What crosses between the program and its kernel units, which are built with different
 /// flags and so have different ABI namespaces (core/config.hpp): plain types, and
 /// declarations with no body.
+#if defined(__GNUC__) || defined(__clang__)
+#define TIERSTATE_DISPATCH_HIDDEN __attribute__((visibility("hidden")))
+#else
+#define TIERSTATE_DISPATCH_HIDDEN
+#endif
+
 namespace tierstate::dispatch {
 
 /// One kernel: the rule's coefficients and the update_arrays, as bytes of the caller's types
@@ -69,8 +73,10 @@ using kernel_fn = void (*)(void const* coefficients, void const* arrays, std::si
 /// The kernels of the list whose key is Key, in its order, compiled for x86-64-vLevel, for
 /// x86-64-v4-bf16 (Level 5), or off x86-64 for the unit's flags (Level 0). Defined by
 /// TIERSTATE_HOST_KERNEL_UNIT.
+/// Hidden: each program or shared library links its own units (a missing one is a link
+/// error, not a failure at load), and none can run another's.
 template <std::uint64_t Key, int Level>
-[[nodiscard]] kernel_fn const* host_kernel_table() noexcept;
+[[nodiscard]] TIERSTATE_DISPATCH_HIDDEN kernel_fn const* host_kernel_table() noexcept;
 
 }  // namespace tierstate::dispatch
 
@@ -145,9 +151,11 @@ struct host_kernels {
   static_assert((host::dispatch_detail::handed_over_as_bytes<K> && ...),
                 "host_kernels: a rule's coefficients must be trivially copyable");
   static constexpr std::size_t size = sizeof...(K);
-  /// The list's key, the same in the program and in each unit: every kernel's, in order.
+  /// The list's key, the same in the program and in each unit: tierstate's version, and every
+  /// kernel's, in order.
   static constexpr std::uint64_t key = [] {
-    std::uint64_t h = host::dispatch_detail::hash_value(0xcbf29ce484222325ULL, sizeof...(K));
+    std::uint64_t h = host::dispatch_detail::hash_value(0xcbf29ce484222325ULL, TIERSTATE_VERSION);
+    h               = host::dispatch_detail::hash_value(h, sizeof...(K));
     ((h = host::dispatch_detail::hash_value(h, host::dispatch_detail::kernel_key<K>)), ...);
     return h;
   }();
@@ -180,44 +188,8 @@ struct level_choice {
   }
 };
 
-#if defined(__x86_64__)
-/// Whether the CPU has AVX512-BF16, VBMI and IFMA (CPUID leaf 7), which xsimd does not report.
-[[nodiscard]] inline bool has_bf16_vbmi() noexcept
-{
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (__get_cpuid_max(0, nullptr) < 7 || __get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) { return false; }
-  bool const vbmi = (c >> 1 & 1) != 0, ifma = (b >> 21 & 1) != 0;
-  if (a < 1 || __get_cpuid_count(7, 1, &a, &b, &c, &d) == 0) { return false; }
-  return vbmi && ifma && (a >> 5 & 1) != 0;  // (leaf 7.1 EAX bit 5: AVX512_BF16)
-}
-#endif
-
 [[nodiscard]] inline level_choice choose_level()
 {
-#if defined(__x86_64__)
-  auto const cpu = xsimd::available_architectures();
-  // The levels as the kernels use them: v3's BMI2, F16C, LZCNT and MOVBE and v4's VL come
-  // with every CPU that has AVX2 and FMA, or AVX512BW and DQ.
-  struct level {
-    host_level l;
-    bool supported;
-    char const* needs;
-  };
-  bool const v4 = cpu.avx512f && cpu.avx512cd && cpu.avx512dq && cpu.avx512bw;
-  level const levels[] = {
-    {{5, "x86-64-v4-bf16"}, v4 && has_bf16_vbmi(), "AVX512F, CD, DQ, BW, BF16, VBMI and IFMA"},
-    {{4, "x86-64-v4"}, v4, "AVX512F, CD, DQ and BW"},
-    {{3, "x86-64-v3"}, cpu.avx2 && cpu.fma3_avx2, "AVX2 and FMA"},
-    {{2, "x86-64-v2"}, cpu.sse4_2 && cpu.ssse3, "SSSE3 and SSE4.2"},
-  };
-#else
-  struct level {
-    host_level l;
-    bool supported;
-    char const* needs;
-  };
-  level const levels[] = {{{0, "build"}, true, ""}};
-#endif
   char const* forced = std::getenv("TIERSTATE_ARCH");
   bool const any     = forced != nullptr && *forced != '\0';
   auto refuse        = [&](std::string why) {
@@ -227,24 +199,25 @@ struct level_choice {
     return c;
   };
   std::string names;
-  for (level const& l : levels) {
+  std::string lowest;  // what the CPU lacks of the narrowest level
+  for (auto const& l : detail::cpu_levels()) {
     names += names.empty() ? "" : ", ";
-    names += l.l.name;
-    if (any && std::string_view(forced) != l.l.name) { continue; }
-    if (l.supported) {
+    names += l.name;
+    lowest = l.lacks;
+    if (any && std::string_view(forced) != l.name) { continue; }
+    if (l.lacks.empty()) {
       level_choice c;
-      c.chosen = l.l;
+      c.chosen = {l.level, l.name};
       return c;
     }
     if (any) {
-      return refuse(std::string("this CPU cannot run its kernels (it lacks ") + l.needs +
-                    "); unset it to use the widest this CPU has");
+      return refuse("this CPU cannot run its kernels (it lacks " + l.lacks + "); unset it to use the widest this CPU has");
     }
   }
   if (any) {
     return refuse("the host kernels are built for " + names + "; unset it to use the widest this CPU has");
   }
-  return refuse("this CPU runs none of the host kernels' levels (" + names + ")");
+  return refuse("this CPU runs none of the host kernels' levels (" + names + "): it lacks " + lowest);
 }
 
 [[nodiscard]] inline level_choice const& chosen_level()
