@@ -288,11 +288,16 @@ run_pytorch() {
   fi
   # The wheel's host kernels are dispatched (x86-64-v2 to v4-bf16): no function that the
   # compositions and the kernel units define alike may use AVX (tests/c/check_isa.py).
-  local temp so
-  temp=$(ls -d build-pytorch/tmp/pip-*/build/temp.*)
-  so=$(ls build-pytorch/tmp/pip-*/build/lib.*/tierstate_torch/_C*.so)
+  local temps sos temp so
+  temps=(build-pytorch/tmp/pip-*/build/temp.*)
+  sos=(build-pytorch/tmp/pip-*/build/lib.*/tierstate_torch/_C*.so)
+  if [ "${#temps[@]}" -ne 1 ] || [ ! -d "${temps[0]}" ] || [ "${#sos[@]}" -ne 1 ] || [ ! -f "${sos[0]}" ]; then
+    echo "stage pytorch: pip's build folder (build-pytorch/tmp) does not hold one build of the extension: ${temps[*]} ${sos[*]}"
+    failed=$((failed + 1)); return 1
+  fi
+  temp=${temps[0]} so=${sos[0]}
   rm -f build-pytorch/compositions.a
-  ar rcs build-pytorch/compositions.a "$temp"/tierstate_torch/csrc/*.o
+  ar rcs build-pytorch/compositions.a "$temp"/tierstate_torch/csrc/*.o || { failed=$((failed + 1)); return 1; }
   # shellcheck disable=SC2046
   if ! python3 tests/c/check_isa.py --may-share-none objdump nm "$so" build-pytorch/compositions.a \
       $(for level in x86-64-v2 x86-64-v3 x86-64-v4 x86-64-v4-bf16; do find "$temp/kernels/$level" -name '*.o'; done) \
@@ -306,7 +311,9 @@ run_pytorch() {
   local wheel
   wheel=$(ls build-pytorch/wheel/tierstate_torch-*.whl)
   echo "wheel: $(basename "$wheel"), $(du -k "$wheel" | cut -f1) KiB, built from the sdist in $((SECONDS - t0)) s (MAX_JOBS=2, -O1)"
-  if "$venv/bin/python" -m zipfile -l "$wheel" | grep -q -e '/csrc/' -e '/_include/'; then
+  local listing
+  listing=$("$venv/bin/python" -m zipfile -l "$wheel") || { failed=$((failed + 1)); return 1; }
+  if grep -e '/csrc/' -e '/_include/' <<<"$listing" >/dev/null; then
     echo "the wheel carries the C++ sources or headers, which are compiled into its extension"
     failed=$((failed + 1)); return 1
   fi

@@ -70,17 +70,28 @@ class BuildWithKernelUnits(BuildExtension):
     def build_extensions(self):
         units = config["kernel_units"]
         if units:
+            import subprocess
             from concurrent.futures import ThreadPoolExecutor
+
+            from torch.utils.cpp_extension import get_cxx_compiler
+
+            # The compiler ninja compiles the rest with: the kernels' keys are its type names
+            # (kernels/host/dispatch.hpp), and another compiler's would not link. Only the
+            # level's flags: the environment's CFLAGS could add instructions beyond the level.
+            cxx = get_cxx_compiler()
 
             def compile_unit(unit):
                 name, flags = unit
-                return self.compiler.compile([str(config["kernel_source"])],
-                                             output_dir=os.path.join(self.build_temp, "kernels", name),
-                                             extra_postargs=flags)
+                obj = Path(self.build_temp) / "kernels" / name / "host_kernels.o"
+                obj.parent.mkdir(parents=True, exist_ok=True)
+                command = [cxx, "-c", str(config["kernel_source"]), "-o", str(obj)] + flags
+                print(" ".join(command), flush=True)
+                subprocess.run(command, check=True)
+                return str(obj)
             # (in parallel, as ninja compiles the rest: MAX_JOBS at a time)
             jobs = int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
             with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-                objects = [o for unit_objects in pool.map(compile_unit, units) for o in unit_objects]
+                objects = list(pool.map(compile_unit, units))
             for ext in self.extensions:
                 ext.extra_objects = list(ext.extra_objects or []) + objects
         super().build_extensions()
@@ -102,7 +113,8 @@ class BuildPyWithInfo(build_py):
 
 class SdistWithHeaders(sdist):
     """A source distribution that builds on its own: tierstate's headers, which a checkout keeps
-    at ../../include, go into it as tierstate_torch/_include (_build.py looks there first)."""
+    at ../../include, go into it as tierstate_torch/_include (_build.py looks there first), and
+    the repository's LICENSE beside them."""
 
     def make_release_tree(self, base_dir, files):
         super().make_release_tree(base_dir, files)
@@ -111,6 +123,8 @@ class SdistWithHeaders(sdist):
         if not (headers / "optimizer.hpp").is_file():
             raise SystemExit(f"tierstate-torch's sdist takes tierstate's headers from {headers}, which has none")
         shutil.copytree(headers, Path(base_dir) / "tierstate_torch" / "_include" / "tierstate")
+        license = here / "LICENSE" if (here / "LICENSE").is_file() else here.parents[1] / "LICENSE"
+        shutil.copy(license, Path(base_dir) / "LICENSE")  # (the headers' licence, Apache-2.0)
 
 
 major, minor = torch_version.split("+")[0].split(".")[:2]
