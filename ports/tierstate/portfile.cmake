@@ -1,6 +1,13 @@
-# Header-only: the headers, a CMake package made from the project's own template, and the
-# license. The project builds with Meson; nothing here needs it, so the port does not run it.
-set(VCPKG_BUILD_TYPE release)
+# The headers, a CMake package made from the project's own template, and the license; with
+# the feature c-api, also libtierstate_c (tierstate/c.h), built by src/CMakeLists.txt (the
+# project builds with Meson, which a port cannot run here; that file builds the same library).
+if("c-api" IN_LIST FEATURES)
+    # A shared library only: its kernel units must be linked after its own code, narrowest
+    # first (src/meson.build says why), which a static archive would leave to its users' link.
+    vcpkg_check_linkage(ONLY_DYNAMIC_LIBRARY)
+else()
+    set(VCPKG_BUILD_TYPE release) # header-only
+endif()
 
 vcpkg_from_github(
     OUT_SOURCE_PATH SOURCE_PATH
@@ -11,19 +18,35 @@ vcpkg_from_github(
     HEAD_REF main
 )
 
-# The C API's header (tierstate/c.h) goes with its library, which this port does not build.
+if("c-api" IN_LIST FEATURES)
+    vcpkg_find_acquire_program(PKGCONFIG)  # xsimd, liburing and libxxhash are found with it
+    vcpkg_cmake_configure(SOURCE_PATH "${SOURCE_PATH}/src" OPTIONS "-DPKG_CONFIG_EXECUTABLE=${PKGCONFIG}")
+    vcpkg_cmake_install()  # lib/libtierstate_c.so*, include/tierstate/c.h, tierstate-c.pc
+    vcpkg_fixup_pkgconfig()
+    file(REMOVE_RECURSE "${CURRENT_PACKAGES_DIR}/debug/include")
+endif()
+# The C API's header (tierstate/c.h) goes with its library: only with the feature c-api.
 file(INSTALL "${SOURCE_PATH}/include/tierstate" DESTINATION "${CURRENT_PACKAGES_DIR}/include" PATTERN "c.h" EXCLUDE)
 
 # The same tierstateConfig.cmake that `meson install` writes: tierstate::tierstate, with
 # xsimd, liburing and libxxhash found through pkg-config.
+# It defines tierstate::tierstate_c where the library is there (lib/, and debug/lib/ for a
+# Debug build). Written for each configuration built, as a CMake install would.
 include(CMakePackageConfigHelpers)
 set(INCLUDEDIR include)
 set(LIBDIR lib)
-configure_package_config_file(
-    "${SOURCE_PATH}/include/cmake/tierstate-config.cmake.in"
-    "${CURRENT_PACKAGES_DIR}/share/${PORT}/tierstateConfig.cmake"
-    INSTALL_DESTINATION "share/${PORT}"
-)
+set(config_roots "${CURRENT_PACKAGES_DIR}")
+if(NOT DEFINED VCPKG_BUILD_TYPE)
+    list(APPEND config_roots "${CURRENT_PACKAGES_DIR}/debug")
+endif()
+foreach(config_root IN LISTS config_roots)
+    configure_package_config_file(
+        "${SOURCE_PATH}/include/cmake/tierstate-config.cmake.in"
+        "${config_root}/share/${PORT}/tierstateConfig.cmake"
+        INSTALL_DESTINATION "share/${PORT}"
+        INSTALL_PREFIX "${config_root}"
+    )
+endforeach()
 write_basic_package_version_file(
     "${CURRENT_PACKAGES_DIR}/share/${PORT}/tierstateConfigVersion.cmake"
     VERSION "${VERSION}"

@@ -7,7 +7,11 @@
 #      commit under test (made here with git archive; only its SHA512 is rewritten), with the
 #      registry's xsimd 14 and liburing;
 #   4. a CMake consumer (find_package + tierstate::tierstate, -Wall -Wextra -Werror) trains
-#      with PinnedHost and NvmeFile and checks the result.
+#      with PinnedHost and NvmeFile and checks the result;
+#   5. with the feature c-api: libtierstate_c installed, exporting c.h's functions and nothing
+#      else, its kernel units checked by check_isa.py, and C consumers (CMake's
+#      tierstate::tierstate_c and pkg-config's tierstate-c) built with -Werror and run at
+#      each x86-64 level the CPU has.
 #   vcpkg.sh SOURCE_DIR [WORK_DIR]
 # Exits 77 (skip), saying why, only where the offline vcpkg or a tool is missing.
 set -euo pipefail
@@ -100,4 +104,57 @@ cmake --build "$work/consumer" >> "$work/consumer.log" 2>&1 || { cat "$work/cons
 # It must have compiled against vcpkg's xsimd (14), not the system's (Debian's 8.1).
 xsimd=$(basename "$(ls "$VCPKG_ROOT"/installed/vcpkg/info/xsimd_*_x64-linux-release.list)" | cut -d_ -f2)
 grep -q "with xsimd ${xsimd%.*}:" "$work/consumer.out" || { echo "the consumer did not use vcpkg's xsimd $xsimd"; exit 1; }
+part "feature c-api: libtierstate_c"
+vcpkg install "tierstate[c-api]" --recurse --overlay-ports="$overlay" --overlay-ports="$TIERSTATE_VCPKG_SYSTEM_PORTS" \
+  > "$work/install-c.log" 2>&1 || { tail -40 "$work/install-c.log"; exit 1; }
+for f in include/tierstate/c.h lib/libtierstate_c.so lib/libtierstate_c.so.${version%.*} \
+         lib/libtierstate_c.so.$version lib/pkgconfig/tierstate-c.pc share/tierstate/tierstateConfig.cmake; do
+  grep -qx "x64-linux-release/$f" "$list" || { echo "the port with c-api did not install $f"; exit 1; }
+done
+library=$installed/lib/libtierstate_c.so
+nm -D --defined-only "$library" | awk '{ print $3 }' | sort > "$work/exported"
+sed -nE 's/^TIERSTATE_C_EXPORT .*[ *](tierstate_[a-z0-9_]+)\(.*/\1/p' "$src/include/tierstate/c.h" | sort > "$work/declared"
+diff -u "$work/declared" "$work/exported" ||
+  { echo "libtierstate_c exports other than c.h's functions (above: - declared only, + exported only)"; exit 1; }
+echo "libtierstate_c exports c.h's $(wc -l < "$work/declared") functions and nothing else"
+# The build's own objects and kernel units, as check_isa.py reads them (tests/meson.build's c_api_isa).
+built=$VCPKG_ROOT/buildtrees/tierstate/x64-linux-release-rel
+rm -f "$work/tierstate_c_own.a"
+ar rc "$work/tierstate_c_own.a" "$built"/CMakeFiles/tierstate_c.dir/*.o
+python3 "$src/tests/c/check_isa.py" --may-share-none "$(command -v objdump)" "$(command -v nm)" "$library" \
+  "$work/tierstate_c_own.a" "$built"/libtierstate_c_tierstate_kernels_x86_64_v{2,3,4,4_bf16}.a
+cmake -S "$src/tests/install/cmake_c" -B "$work/consumer-c" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DEXPECTED_VERSION="$version" -DCMAKE_TOOLCHAIN_FILE="$VCPKG_ROOT/scripts/buildsystems/vcpkg.cmake" \
+  -DVCPKG_TARGET_TRIPLET=x64-linux-release -DVCPKG_MANIFEST_MODE=OFF > "$work/consumer-c.log" 2>&1 &&
+  cmake --build "$work/consumer-c" >> "$work/consumer-c.log" 2>&1 || { cat "$work/consumer-c.log"; exit 1; }
+# shellcheck disable=SC2046
+cc -std=c11 -Wall -Wextra -Werror -pedantic "$src/tests/install/consumer.c" -o "$work/consumer-c-pc" \
+  -DEXPECTED_VERSION="\"$version\"" $(PKG_CONFIG_LIBDIR=$installed/lib/pkgconfig pkg-config --cflags --libs tierstate-c)
+for level in "" x86-64-v2 x86-64-v3 x86-64-v4 x86-64-v4-bf16; do
+  for consumer in "$work/consumer-c/consumer_c" "$work/consumer-c-pc"; do
+    if out=$(TIERSTATE_ARCH=$level LD_LIBRARY_PATH=$installed/lib "$consumer" 2>&1); then
+      echo "TIERSTATE_ARCH=${level:-(unset)} $(basename "$consumer"): $out"
+    elif [[ $out == *"this CPU cannot run"* ]]; then
+      echo "TIERSTATE_ARCH=$level: this CPU lacks it ($out)"
+    else
+      echo "$consumer with TIERSTATE_ARCH=$level failed: $out"; exit 1
+    fi
+  done
+done
+part "feature c-api for x64-linux (vcpkg's default triplet: Release and Debug)"
+vcpkg install "tierstate[c-api]:x64-linux" --overlay-ports="$overlay" --overlay-ports="$TIERSTATE_VCPKG_SYSTEM_PORTS" \
+  > "$work/install-c-debug.log" 2>&1 || { tail -40 "$work/install-c-debug.log"; exit 1; }
+list_x64=$VCPKG_ROOT/installed/vcpkg/info/tierstate_${version}_x64-linux.list
+for f in lib/libtierstate_c.so debug/lib/libtierstate_c.so debug/lib/pkgconfig/tierstate-c.pc; do
+  grep -qx "x64-linux/$f" "$list_x64" || { echo "the port with c-api for x64-linux did not install $f"; exit 1; }
+done
+if grep -E "^x64-linux/debug/(include|share)/" "$list_x64"; then echo "debug/include or debug/share installed"; exit 1; fi
+cmake -S "$src/tests/install/cmake_c" -B "$work/consumer-c-debug" -G Ninja -DCMAKE_BUILD_TYPE=Debug \
+  -DEXPECTED_VERSION="$version" -DCMAKE_TOOLCHAIN_FILE="$VCPKG_ROOT/scripts/buildsystems/vcpkg.cmake" \
+  -DVCPKG_TARGET_TRIPLET=x64-linux -DVCPKG_MANIFEST_MODE=OFF > "$work/consumer-c-debug.log" 2>&1 &&
+  cmake --build "$work/consumer-c-debug" -v >> "$work/consumer-c-debug.log" 2>&1 ||
+  { cat "$work/consumer-c-debug.log"; exit 1; }
+grep -q "x64-linux/debug/lib/libtierstate_c.so" "$work/consumer-c-debug.log" ||
+  { echo "the Debug consumer did not link debug/lib/libtierstate_c.so"; exit 1; }
+echo "Debug consumer (linked x64-linux/debug/lib/libtierstate_c.so): $("$work/consumer-c-debug/consumer_c")"
 echo "vcpkg: passed in $((SECONDS - t0)) s"
