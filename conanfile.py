@@ -6,7 +6,7 @@ import importlib.util
 import os
 
 from conan.tools.files import load
-from conan.tools.layout import basic_layout
+from conan.tools.cmake import cmake_layout
 
 required_conan_version = ">=2.1"
 
@@ -22,7 +22,8 @@ def _conan_center_recipe():
 
 class TierstateDevelopmentConan(_conan_center_recipe()):
     exports = "recipes/tierstate/all/conanfile.py"
-    exports_sources = "include/tierstate/*", "include/cmake/tierstate-kernels.cmake", "LICENSE", "VERSION"
+    exports_sources = ("include/tierstate/*", "include/cmake/tierstate-kernels.cmake", "src/*", "LICENSE",
+                       "VERSION")
 
     def set_version(self):
         # VERSION is the one place the version is written (tests/check_version.py).
@@ -30,7 +31,7 @@ class TierstateDevelopmentConan(_conan_center_recipe()):
 
     def layout(self):
         # The sources are this checkout, so no src/ subfolder (`conan export-pkg .` works).
-        basic_layout(self)
+        cmake_layout(self)
 
     def source(self):
         pass  # exports_sources brought them

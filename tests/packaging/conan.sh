@@ -7,7 +7,9 @@
 #      GitHub would serve for this checkout, with its own test_package;
 #   3. tests/packaging/consumer built through CMakeDeps the way a user would, and run;
 #   4. the packages' files checked (headers and licence only), and the two recipes' CMakeDeps
-#      output compared.
+#      output compared;
+#   5. the Conan Center recipe with the option c_api (libtierstate_c, built by src/CMakeLists.txt):
+#      its test_package's C program run, its files and exports checked.
 # Conan Center cannot be reached here, so xsimd, liburing and xxhash are the system's, through
 # the test-only */system recipes in tests/conan and the profile's [replace_requires].
 #
@@ -94,6 +96,8 @@ liburing/*: liburing/system
 xxhash/*: xxhash/system
 [conf]
 tools.build:jobs=$jobs
+# The system's pkg-config for src/CMakeLists.txt (the recipe would take pkgconf from Conan Center)
+tools.gnu:pkg_config=pkg-config
 EOF
 profiles=(-pr:h ci -pr:b ci)
 # The newest tierstate/VERSION package as REVISION:PACKAGE_ID (the one just created).
@@ -242,6 +246,33 @@ for wanted in "set(tierstate_FIND_DEPENDENCY_NAMES xsimd liburing xxHash)" \
   fi
 done
 [[ $problems -eq 0 ]] || exit 1
+
+part "the Conan Center recipe with the option c_api (libtierstate_c), with its test_package"
+"$conan" create "$center" --version "$version" "${profiles[@]}" --build=missing -o "tierstate/*:c_api=True" \
+  -c "tools.cmake.cmake_layout:test_folder=$work/test-package-c-api" \
+  -c "tools.cmake.cmaketoolchain:user_presets=" 2>&1 | tee "$work/c-api.log"
+grep -q "^libtierstate_c $version (.* kernels): one AdamW step.*: ok" "$work/c-api.log" ||
+  { echo "FAIL: the test_package's C program did not run (no 'libtierstate_c $version' line above)"; exit 1; }
+c_package=$("$conan" list "tierstate/$version#latest:*" --format=json | "$venv/bin/python" -c '
+import json, sys
+for ref in json.load(sys.stdin)["Local Cache"].values():
+    for rrev, info in ref.get("revisions", {}).items():
+        for pid, package in info.get("packages", {}).items():
+            if package.get("info", {}).get("options", {}).get("c_api") == "True":
+                print(rrev + ":" + pid)')
+[[ -n $c_package ]] || { echo "FAIL: no tierstate package with c_api=True"; exit 1; }
+folder=$("$conan" cache path "tierstate/$version#$c_package")
+for f in include/tierstate/c.h include/tierstate/tierstate.hpp lib/libtierstate_c.so \
+         "lib/libtierstate_c.so.${version%.*}" "lib/libtierstate_c.so.$version" lib/cmake/tierstate-kernels.cmake \
+         licenses/LICENSE; do
+  [[ -e $folder/$f ]] || { echo "FAIL: the c_api package has no $f"; exit 1; }
+done
+[[ ! -e $folder/lib/pkgconfig ]] || { echo "FAIL: the c_api package has lib/pkgconfig (PkgConfigDeps writes it)"; exit 1; }
+nm -D --defined-only "$folder/lib/libtierstate_c.so" | awk '{ print $3 }' | sort > "$work/exported"
+sed -nE 's/^TIERSTATE_C_EXPORT .*[ *](tierstate_[a-z0-9_]+)\(.*/\1/p' "$src/include/tierstate/c.h" | sort > "$work/declared"
+diff -u "$work/declared" "$work/exported" ||
+  { echo "FAIL: libtierstate_c exports other than c.h's functions (above)"; exit 1; }
+echo "c_api package $c_package: libtierstate_c exports c.h's $(wc -l < "$work/declared") functions and nothing else"
 
 part ""
 echo "== times"

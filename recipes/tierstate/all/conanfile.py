@@ -3,8 +3,9 @@ import os
 from conan import ConanFile
 from conan.errors import ConanInvalidConfiguration
 from conan.tools.build import check_min_cppstd
-from conan.tools.files import copy, get
-from conan.tools.layout import basic_layout
+from conan.tools.cmake import CMake, CMakeToolchain, cmake_layout
+from conan.tools.files import copy, get, rmdir
+from conan.tools.gnu import PkgConfigDeps
 from conan.tools.scm import Version
 
 required_conan_version = ">=2.1"
@@ -18,8 +19,12 @@ class TierstateConan(ConanFile):
     url = "https://github.com/conan-io/conan-center-index"
     homepage = "https://github.com/tierstate/tierstate"
     topics = ("optimizer", "offloading", "deep-learning", "io-uring", "simd", "header-only")
+    # Header-only, unless c_api: then also libtierstate_c (tierstate/c.h), a shared library (its
+    # kernel units must be linked after its own code, narrowest first: src/meson.build).
     package_type = "header-library"
     settings = "os", "arch", "compiler", "build_type"
+    options = {"c_api": [True, False]}
+    default_options = {"c_api": False}
     no_copy_source = True
 
     @property
@@ -34,8 +39,12 @@ class TierstateConan(ConanFile):
             "clang": "14",
         }
 
+    def configure(self):
+        if self.options.c_api:
+            self.package_type = "shared-library"
+
     def layout(self):
-        basic_layout(self, src_folder="src")
+        cmake_layout(self, src_folder="src")
 
     def requirements(self):
         # The public headers include xsimd's, liburing's and xxhash's, so a consumer needs
@@ -45,8 +54,17 @@ class TierstateConan(ConanFile):
         # xxhash is used header-only (XXH_INLINE_ALL): nothing of it is linked.
         self.requires("xxhash/0.8.3", transitive_headers=True, transitive_libs=False)
 
+    def build_requirements(self):
+        # src/CMakeLists.txt finds xsimd, liburing and libxxhash with pkg-config.
+        if self.options.c_api and not self.conf.get("tools.gnu:pkg_config", check_type=str):
+            self.tool_requires("pkgconf/[>=2.2 <3]")
+
     def package_id(self):
-        self.info.clear()
+        if not self.info.options.c_api:
+            self.info.clear()
+        else:
+            # A C library: its C++ is inside (only c.h's functions are exported).
+            del self.info.settings.compiler.cppstd
 
     def validate(self):
         if self.settings.os != "Linux":
@@ -62,8 +80,16 @@ class TierstateConan(ConanFile):
     def source(self):
         get(self, **self.conan_data["sources"][self.version], strip_root=True)
 
+    def generate(self):
+        if self.options.c_api:
+            CMakeToolchain(self).generate()
+            PkgConfigDeps(self).generate()
+
     def build(self):
-        pass
+        if self.options.c_api:
+            cmake = CMake(self)
+            cmake.configure(build_script_folder="src")  # libtierstate_c's CMake build
+            cmake.build()
 
     def package(self):
         copy(self, "LICENSE", self.source_folder, os.path.join(self.package_folder, "licenses"))
@@ -76,14 +102,32 @@ class TierstateConan(ConanFile):
         # tierstate_add_host_kernels() (README "Portable builds"), a CMake build module
         copy(self, "tierstate-kernels.cmake", os.path.join(self.source_folder, "include", "cmake"),
              os.path.join(self.package_folder, "lib", "cmake"))
+        if self.options.c_api:
+            CMake(self).install()  # lib/libtierstate_c.so*, include/tierstate/c.h
+            rmdir(self, os.path.join(self.package_folder, "lib", "pkgconfig"))
 
     def package_info(self):
-        self.cpp_info.bindirs = []
-        self.cpp_info.libdirs = []
         self.cpp_info.set_property("cmake_file_name", "tierstate")
-        self.cpp_info.set_property("cmake_target_name", "tierstate::tierstate")
-        self.cpp_info.set_property("pkg_config_name", "tierstate")
         self.cpp_info.set_property("cmake_build_modules", [os.path.join("lib", "cmake", "tierstate-kernels.cmake")])
-        self.cpp_info.requires = ["xsimd::xsimd", "liburing::liburing", "xxhash::libxxhash"]
+        if not self.options.c_api:
+            self._headers_info(self.cpp_info)
+            self.cpp_info.set_property("cmake_target_name", "tierstate::tierstate")
+            return
+        # Components, as tierstate's own CMake package has them: the headers and the C library,
+        # which needs none of the headers' dependencies.
+        self.cpp_info.set_property("cmake_target_name", "tierstate::tierstate_all")
+        self._headers_info(self.cpp_info.components["headers"])
+        self.cpp_info.components["headers"].set_property("cmake_target_name", "tierstate::tierstate")
+        c_api = self.cpp_info.components["c_api"]
+        c_api.set_property("cmake_target_name", "tierstate::tierstate_c")
+        c_api.set_property("pkg_config_name", "tierstate-c")
+        c_api.libs = ["tierstate_c"]
+        c_api.bindirs = []
+
+    def _headers_info(self, info):
+        info.bindirs = []
+        info.libdirs = []
+        info.set_property("pkg_config_name", "tierstate")
+        info.requires = ["xsimd::xsimd", "liburing::liburing", "xxhash::libxxhash"]
         if self.settings.os == "Linux":
-            self.cpp_info.system_libs = ["pthread"]
+            info.system_libs = ["pthread"]

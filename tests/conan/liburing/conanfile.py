@@ -35,5 +35,9 @@ class LiburingSystemConan(ConanFile):
         self.cpp_info.bindirs = []
         self.cpp_info.libdirs = []
         self.cpp_info.includedirs = []
-        PkgConfig(self, "liburing").fill_cpp_info(self.cpp_info, is_system=True)
+        pkg_config = PkgConfig(self, "liburing")
+        pkg_config.fill_cpp_info(self.cpp_info, is_system=True)
+        # The system's version in the .pc file PkgConfigDeps writes (else "system", which
+        # fails a version check such as libtierstate_c's build makes)
+        self.cpp_info.set_property("system_package_version", str(pkg_config.version))
         self.cpp_info.set_property("pkg_config_name", "liburing")

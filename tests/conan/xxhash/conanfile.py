@@ -34,5 +34,10 @@ class XxhashSystemConan(ConanFile):
         self.cpp_info.set_property("pkg_config_name", "libxxhash")
         component = self.cpp_info.components["libxxhash"]
         component.bindirs = []
-        PkgConfig(self, "libxxhash").fill_cpp_info(component, is_system=True)
+        pkg_config = PkgConfig(self, "libxxhash")
+        pkg_config.fill_cpp_info(component, is_system=True)
+        # The system's version in the .pc file PkgConfigDeps writes (else "system", which
+        # fails a version check such as libtierstate_c's build makes)
+        component.set_property("system_package_version", str(pkg_config.version))
+        self.cpp_info.set_property("system_package_version", str(pkg_config.version))
         component.set_property("cmake_target_name", "xxHash::xxhash")

@@ -25,3 +25,5 @@ class TestPackageConan(ConanFile):
         if can_run(self):
             bin_path = os.path.join(self.cpp.build.bindir, "test_package")
             self.run(bin_path, env="conanrun")
+            if self.dependencies[self.tested_reference_str].options.c_api:
+                self.run(os.path.join(self.cpp.build.bindir, "test_package_c"), env="conanrun")
