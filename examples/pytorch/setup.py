@@ -67,6 +67,13 @@ class BuildWithKernelUnits(BuildExtension):
     extension's sources) and links them after the extension's own objects, narrowest first
     (kernels/host/dispatch.hpp says why the order matters)."""
 
+    def finalize_options(self):
+        super().finalize_options()
+        # setuptools skips an extension whose .so is newer than its .cpp files, which misses a
+        # change to tierstate's headers; torch's BuildExtension forces the build with ninja
+        # (which then recompiles only what changed) but not without it: forced either way.
+        self.force = True
+
     def build_extensions(self):
         units = config["kernel_units"]
         if units:
