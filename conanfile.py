@@ -7,6 +7,7 @@ import os
 
 from conan.tools.files import load
 from conan.tools.cmake import cmake_layout
+from conan.tools.layout import basic_layout
 
 required_conan_version = ">=2.1"
 
@@ -31,7 +32,10 @@ class TierstateDevelopmentConan(_conan_center_recipe()):
 
     def layout(self):
         # The sources are this checkout, so no src/ subfolder (`conan export-pkg .` works).
-        cmake_layout(self)
+        if self.options.c_api:
+            cmake_layout(self)
+        else:
+            basic_layout(self)
 
     def source(self):
         pass  # exports_sources brought them

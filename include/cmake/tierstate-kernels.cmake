@@ -49,7 +49,9 @@ function(tierstate_add_host_kernels target)
     # code does not compile at -O0.
     target_compile_options(${unit} PRIVATE -O3 ${flags_${level}})
     target_link_libraries(${unit} PRIVATE tierstate::tierstate)
-    set_target_properties(${unit} PROPERTIES POSITION_INDEPENDENT_CODE ON)
+    # Hidden, as Meson builds them: a shared library's units stay its own.
+    set_target_properties(${unit} PROPERTIES POSITION_INDEPENDENT_CODE ON CXX_VISIBILITY_PRESET hidden
+      VISIBILITY_INLINES_HIDDEN ON)
     target_link_libraries(${target} PRIVATE ${unit})
   endforeach()
 endfunction()

@@ -2,8 +2,9 @@
 # the feature c-api, also libtierstate_c (tierstate/c.h), built by src/CMakeLists.txt (the
 # project builds with Meson, which a port cannot run here; that file builds the same library).
 if("c-api" IN_LIST FEATURES)
-    # A shared library only: its kernel units must be linked after its own code, narrowest
-    # first (src/meson.build says why), which a static archive would leave to its users' link.
+    # A shared library only, as Meson builds it: its kernel units are linked after its own
+    # code, narrowest first (src/meson.build says why), an order that a static archive would
+    # leave to each program's link.
     vcpkg_check_linkage(ONLY_DYNAMIC_LIBRARY)
 else()
     set(VCPKG_BUILD_TYPE release) # header-only
@@ -31,7 +32,8 @@ file(INSTALL "${SOURCE_PATH}/include/tierstate" DESTINATION "${CURRENT_PACKAGES_
 # The same tierstateConfig.cmake that `meson install` writes: tierstate::tierstate, with
 # xsimd, liburing and libxxhash found through pkg-config.
 # It defines tierstate::tierstate_c where the library is there (lib/, and debug/lib/ for a
-# Debug build). Written for each configuration built, as a CMake install would.
+# Debug build). Written for each configuration built (vcpkg_cmake_config_fixup wants a
+# debug/share/tierstate where there is a debug build; it keeps the release one).
 include(CMakePackageConfigHelpers)
 set(INCLUDEDIR include)
 set(LIBDIR lib)
@@ -47,11 +49,16 @@ foreach(config_root IN LISTS config_roots)
         INSTALL_PREFIX "${config_root}"
     )
 endforeach()
+if("c-api" IN_LIST FEATURES)
+    set(arch_independent "")  # libtierstate_c is built for this triplet
+else()
+    set(arch_independent ARCH_INDEPENDENT)
+endif()
 write_basic_package_version_file(
     "${CURRENT_PACKAGES_DIR}/share/${PORT}/tierstateConfigVersion.cmake"
     VERSION "${VERSION}"
     COMPATIBILITY SameMinorVersion
-    ARCH_INDEPENDENT
+    ${arch_independent}
 )
 # tierstate_add_host_kernels(), which tierstateConfig.cmake includes: the host kernels
 # dispatched at run time (README "Portable builds").

@@ -18,8 +18,9 @@ int main(void)
   const void* grads[] = {g};
   for (int i = 0; i < 3 && s == TIERSTATE_OK; ++i) { s = tierstate_step(opt, grads, 1, 1.0, NULL); }
   int const ok = s == TIERSTATE_OK && w[0] < 1.0f && tierstate_step_count(opt) == 3;
-  printf("C consumer of tierstate %s: %s%s\n", tierstate_version(), ok ? "ok" : "wrong result ",
-         s == TIERSTATE_OK ? "" : tierstate_last_error());
+  const char* arch = tierstate_arch();
+  printf("C consumer of tierstate %s (%s kernels): %s%s\n", tierstate_version(), arch ? arch : "no",
+         ok ? "ok" : "wrong result ", s == TIERSTATE_OK ? "" : tierstate_last_error());
   tierstate_destroy(opt);
 #if defined(EXPECTED_VERSION)
   if (strcmp(tierstate_version(), EXPECTED_VERSION) != 0) { return 1; }

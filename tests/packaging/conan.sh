@@ -59,6 +59,8 @@ part() {
 }
 
 version=$(cat "$src/VERSION")
+# libtierstate_c's soname version: major.minor until 1.0, then the major (src/meson.build)
+if [[ ${version%%.*} == 0 ]]; then soversion=${version%.*}; else soversion=${version%%.*}; fi
 jobs=2
 
 part "Conan in a virtual environment"
@@ -263,7 +265,7 @@ for ref in json.load(sys.stdin)["Local Cache"].values():
 [[ -n $c_package ]] || { echo "FAIL: no tierstate package with c_api=True"; exit 1; }
 folder=$("$conan" cache path "tierstate/$version#$c_package")
 for f in include/tierstate/c.h include/tierstate/tierstate.hpp lib/libtierstate_c.so \
-         "lib/libtierstate_c.so.${version%.*}" "lib/libtierstate_c.so.$version" lib/cmake/tierstate-kernels.cmake \
+         "lib/libtierstate_c.so.$soversion" "lib/libtierstate_c.so.$version" lib/cmake/tierstate-kernels.cmake \
          licenses/LICENSE; do
   [[ -e $folder/$f ]] || { echo "FAIL: the c_api package has no $f"; exit 1; }
 done

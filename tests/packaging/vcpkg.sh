@@ -27,6 +27,8 @@ done
 if [ $# -ge 2 ]; then work=$2; mkdir -p "$work"; else work=$(mktemp -d); trap 'rm -rf "$work"' EXIT; fi
 work=$(cd "$work" && pwd)
 version=$(cat "$src/VERSION")
+# libtierstate_c's soname version: major.minor until 1.0, then the major (src/meson.build)
+if [[ ${version%%.*} == 0 ]]; then soversion=${version%.*}; else soversion=${version%%.*}; fi
 t0=$SECONDS
 part() { echo "== $1 (at ${SECONDS}s)"; }
 
@@ -107,7 +109,7 @@ grep -q "with xsimd ${xsimd%.*}:" "$work/consumer.out" || { echo "the consumer d
 part "feature c-api: libtierstate_c"
 vcpkg install "tierstate[c-api]" --recurse --overlay-ports="$overlay" --overlay-ports="$TIERSTATE_VCPKG_SYSTEM_PORTS" \
   > "$work/install-c.log" 2>&1 || { tail -40 "$work/install-c.log"; exit 1; }
-for f in include/tierstate/c.h lib/libtierstate_c.so lib/libtierstate_c.so.${version%.*} \
+for f in include/tierstate/c.h lib/libtierstate_c.so lib/libtierstate_c.so.$soversion \
          lib/libtierstate_c.so.$version lib/pkgconfig/tierstate-c.pc share/tierstate/tierstateConfig.cmake; do
   grep -qx "x64-linux-release/$f" "$list" || { echo "the port with c-api did not install $f"; exit 1; }
 done
@@ -134,6 +136,7 @@ for level in "" x86-64-v2 x86-64-v3 x86-64-v4 x86-64-v4-bf16; do
   for consumer in "$work/consumer-c/consumer_c" "$work/consumer-c-pc"; do
     if out=$(TIERSTATE_ARCH=$level LD_LIBRARY_PATH=$installed/lib "$consumer" 2>&1); then
       echo "TIERSTATE_ARCH=${level:-(unset)} $(basename "$consumer"): $out"
+      [[ -z $level || $out == *"($level kernels)"* ]] || { echo "it did not run the $level kernels"; exit 1; }
     elif [[ $out == *"this CPU cannot run"* ]]; then
       echo "TIERSTATE_ARCH=$level: this CPU lacks it ($out)"
     else

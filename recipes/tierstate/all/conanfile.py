@@ -6,6 +6,7 @@ from conan.tools.build import check_min_cppstd
 from conan.tools.cmake import CMake, CMakeToolchain, cmake_layout
 from conan.tools.files import copy, get, rmdir
 from conan.tools.gnu import PkgConfigDeps
+from conan.tools.layout import basic_layout
 from conan.tools.scm import Version
 
 required_conan_version = ">=2.1"
@@ -44,7 +45,10 @@ class TierstateConan(ConanFile):
             self.package_type = "shared-library"
 
     def layout(self):
-        cmake_layout(self, src_folder="src")
+        if self.options.c_api:
+            cmake_layout(self, src_folder="src")
+        else:
+            basic_layout(self, src_folder="src")
 
     def requirements(self):
         # The public headers include xsimd's, liburing's and xxhash's, so a consumer needs
@@ -123,6 +127,7 @@ class TierstateConan(ConanFile):
         c_api.set_property("pkg_config_name", "tierstate-c")
         c_api.libs = ["tierstate_c"]
         c_api.bindirs = []
+        c_api.requires = ["liburing::liburing"]  # (linked into it: a shared liburing must be found)
 
     def _headers_info(self, info):
         info.bindirs = []
