@@ -828,6 +828,58 @@ class Parity(unittest.TestCase):
         self.assertEqual(master.dtype, torch.float32)
         self.assertTrue(torch.equal(master.to(torch.bfloat16), w.detach()))
 
+    def test_nonfinite_gradient_skips_every_shard(self):
+        """Several shards (8-bit state and the small tensors min_8bit_size leaves in fp32; fp32
+        and bf16 params) with the default on_nonfinite="skip_step": an inf or a NaN in any
+        gradient, whatever its dtype, and whichever shard it is in, skips the whole step (no
+        param, state or step count changes); a contiguous CPU gradient is checked by the
+        extension's own pass (_C.any_nonfinite), a non-contiguous one by torch."""
+        ext = tierstate_torch._common._ext()
+        self.assertFalse(ext.any_nonfinite([torch.ones(70000), torch.ones(5, dtype=torch.bfloat16)]))
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for bad in (float("inf"), float("-inf"), float("nan")):
+                x = torch.zeros(200003, dtype=dtype)
+                x[199999] = bad
+                self.assertTrue(ext.any_nonfinite([torch.zeros(3), x]), f"{dtype} {bad}")
+        with self.assertRaisesRegex(RuntimeError, "contiguous CPU tensors only"):
+            ext.any_nonfinite([torch.zeros(4, 4).t()])
+        with self.assertRaisesRegex(RuntimeError, "float32, bfloat16 or float16 tensors only"):
+            ext.any_nonfinite([torch.zeros(4, dtype=torch.float64)])
+        torch.manual_seed(5)
+        init = [torch.randn(5000), torch.randn(300), torch.randn(4100).to(torch.bfloat16), torch.randn(20, 30)]
+        for where in range(len(init)):
+            for bad in (float("inf"), float("nan")):
+                with self.subTest(tensor=where, bad=bad):
+                    qs = [x.clone().requires_grad_() for x in init]
+                    opt = tierstate_torch.AdamW(qs, lr=1e-2, state_dtype="int8", min_8bit_size=1000)
+                    self.assertGreaterEqual(len(opt.composition()), 3)
+                    for q in qs:
+                        q.grad = torch.randn_like(q)
+                    opt.step()
+                    before = [q.detach().clone() for q in qs]
+                    state = opt.state_dict()
+                    for q in qs:
+                        q.grad = torch.randn_like(q)
+                    if where == 3:  # a non-contiguous gradient: torch's check
+                        qs[3].grad = torch.randn(30, 20).t()
+                        qs[3].grad[-1, -1] = bad
+                    else:
+                        qs[where].grad.view(-1)[-1] = bad
+                    opt.step()
+                    self.assertTrue(opt.last_step.get("skipped"), opt.last_step)
+                    self.assertEqual(opt.step_count(), 1)
+                    for a, b in zip(qs, before):
+                        self.assertTrue(torch.equal(a.detach(), b))
+                    after = opt.state_dict()
+                    for k, v in state["state"].items():
+                        for name, t in v.items():
+                            if torch.is_tensor(t):
+                                self.assertTrue(torch.equal(t, after["state"][k][name]), (k, name))
+                    for q in qs:  # finite again: it steps
+                        q.grad = torch.randn_like(q)
+                    opt.step()
+                    self.assertEqual(opt.step_count(), 2)
+
     def test_int8_state_is_blockwise_8bit_adamw(self):
         """state_dtype=torch.int8 against torch.optim.AdamW whose moments are replaced after each
         step by what their 8-bit blocks decode to (tests/golden/make_golden_dynamic8.py: the maps

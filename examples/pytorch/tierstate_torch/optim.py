@@ -482,7 +482,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         if len(self._shards) > 1 and self._options["on_nonfinite"] == "skip_step":
             # One shard must not step while another skips.
             grads = [p.grad for p in params if p.grad is not None]
-            if grads and not all(bool(torch.isfinite(g).all()) for g in grads):
+            if grads and self._any_nonfinite(grads):
                 self.last_step = {"skipped": True, "found_nonfinite": True, "step": self.step_count()}
                 return loss
         results = []
@@ -493,6 +493,17 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         self._note_versions()
         self.last_step = self._combine(results)
         return loss
+
+    @staticmethod
+    def _any_nonfinite(grads: list[torch.Tensor]) -> bool:
+        """Whether a gradient holds an inf or a NaN: CPU ones read once by tierstate's check,
+        the others by torch."""
+        host = [g for g in grads if g.device.type == "cpu" and g.is_contiguous() and
+                g.dtype in (torch.float32, torch.bfloat16, torch.float16)]
+        if host and _ext().any_nonfinite(host):
+            return True
+        chosen = {id(g) for g in host}
+        return not all(bool(torch.isfinite(g).all()) for g in grads if id(g) not in chosen)
 
     def _finish_streaming(self, loss, scale: float, found_inf: bool, unscaled: bool):
         """Ends the streaming step the hooks began. Whatever is refused here, the step is

@@ -7,7 +7,12 @@
 // autograd's threads may hand over gradients (grad_ready) meanwhile.
 #include "shard.hpp"
 
+#include <tierstate/kernels/host/finite.hpp>
+
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
+
+#include <atomic>
 
 #include <cstring>
 #include <mutex>
@@ -323,6 +328,42 @@ class py_shard {
   std::vector<at::Tensor> live_;
 };
 
+/// Whether any of these contiguous CPU tensors (fp32, bf16, fp16) holds an infinity or a
+/// NaN: tierstate's check (kernels/host/finite.hpp), one read of each, on torch's threads.
+/// (torch.isfinite(g).all() writes a bool tensor as large as g first, then reads it: on a
+/// 2-core machine it cost a step of 8-bit state more than the step itself.)
+bool any_nonfinite(std::vector<torch::Tensor> const& tensors)
+{
+  for (auto const& t : tensors) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "any_nonfinite: contiguous CPU tensors only, not a ",
+                t.is_contiguous() ? "" : "non-contiguous ", "tensor on ", t.device());
+    TORCH_CHECK(t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16 ||
+                  t.scalar_type() == torch::kHalf,
+                "any_nonfinite: float32, bfloat16 or float16 tensors only, not ", t.scalar_type());
+  }
+  py::gil_scoped_release release;
+  for (auto const& t : tensors) {
+    std::atomic<bool> found{false};
+    auto const scan = [&](auto const* p) {
+      at::parallel_for(0, t.numel(), std::int64_t{1} << 16, [&](std::int64_t b, std::int64_t e) {
+        if (!found.load(std::memory_order_relaxed) &&
+            tierstate::host::any_nonfinite(p + b, static_cast<std::size_t>(e - b))) {
+          found.store(true, std::memory_order_relaxed);
+        }
+      });
+    };
+    if (t.scalar_type() == torch::kFloat) {
+      scan(t.data_ptr<float>());
+    } else if (t.scalar_type() == torch::kBFloat16) {
+      scan(static_cast<tierstate::bf16 const*>(t.data_ptr()));
+    } else {
+      scan(static_cast<tierstate::fp16 const*>(t.data_ptr()));
+    }
+    if (found.load()) { return true; }
+  }
+  return false;
+}
+
 }  // namespace
 
 }  // namespace tierstate_torch
@@ -401,6 +442,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
         "Whether device memory is host memory here (a build without CUDA)");
   m.def("has_device_params", &tt::has_device_params,
         "Whether the build has the compositions of params on a device (CUDA, or the emulated device)");
+  m.def("any_nonfinite", &tt::any_nonfinite, py::arg("tensors"),
+        "Whether any of these contiguous CPU tensors (float32, bfloat16, float16) holds an inf or a NaN");
   m.def("host_kernels", &tt::host_kernel_level,
         "The host kernels' level: the dispatched x86-64 level of a package build (TIERSTATE_ARCH forces one), or "
         "'native <arch>' for a build with its own -march");
