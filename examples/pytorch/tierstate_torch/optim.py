@@ -497,7 +497,8 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
     @staticmethod
     def _any_nonfinite(grads: list[torch.Tensor]) -> bool:
         """Whether a gradient holds an inf or a NaN: CPU ones read once by tierstate's check,
-        the others by torch."""
+        the others by torch (a sparse one is left to its shard, which refuses it by name)."""
+        grads = [g for g in grads if g.layout == torch.strided]
         host = [g for g in grads if g.device.type == "cpu" and g.is_contiguous() and
                 g.dtype in (torch.float32, torch.bfloat16, torch.float16)]
         if host and _ext().any_nonfinite(host):

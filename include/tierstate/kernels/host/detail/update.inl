@@ -278,9 +278,11 @@ void update_blocks(typename R::coefficients const& k, update_arrays<P, Slots> co
       using C = typename P::template state_codec<j>;
       if constexpr (block_codec<C>) {
         auto const* base = static_cast<std::byte const*>(a.state[j]);
-        // The blocks some pages ahead, as prefetch_streams does for element-coded streams.
-        for (std::size_t b = 0; b < C::block_bytes * (m + C::block - 1) / C::block; b += 64) {
-          prefetch_page_ahead(tierstate::detail::codec_address<C>(base, i) + b);
+        // The blocks some pages ahead, as prefetch_streams does for element-coded streams
+        // (prefetch_page_ahead adds the distance as an integer: no pointer past the array).
+        auto const* blocks = tierstate::detail::codec_address<C>(base, i);
+        for (std::size_t b = 0; b < C::block_bytes * ((m + C::block - 1) / C::block); b += 64) {
+          prefetch_page_ahead(reinterpret_cast<void const*>(reinterpret_cast<std::uintptr_t>(blocks) + b));
         }
         for (std::size_t q = 0; q < m; q += C::block) {
           decode_block<C, Arch>(tierstate::detail::codec_address<C>(base, i + q), scratch[j] + q, std::min(C::block, m - q));
