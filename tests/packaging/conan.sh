@@ -59,8 +59,9 @@ part() {
 }
 
 version=$(cat "$src/VERSION")
-# libtierstate_c's soname version: major.minor until 1.0, then the major (src/meson.build)
-if [[ ${version%%.*} == 0 ]]; then soversion=${version%.*}; else soversion=${version%%.*}; fi
+# shellcheck source=tests/packaging/c_library.sh
+source "$src/tests/packaging/c_library.sh"
+soversion=$(c_soversion "$version")
 jobs=2
 
 part "Conan in a virtual environment"
@@ -270,11 +271,7 @@ for f in include/tierstate/c.h include/tierstate/tierstate.hpp lib/libtierstate_
   [[ -e $folder/$f ]] || { echo "FAIL: the c_api package has no $f"; exit 1; }
 done
 [[ ! -e $folder/lib/pkgconfig ]] || { echo "FAIL: the c_api package has lib/pkgconfig (PkgConfigDeps writes it)"; exit 1; }
-nm -D --defined-only "$folder/lib/libtierstate_c.so" | awk '{ print $3 }' | sort > "$work/exported"
-sed -nE 's/^TIERSTATE_C_EXPORT .*[ *](tierstate_[a-z0-9_]+)\(.*/\1/p' "$src/include/tierstate/c.h" | sort > "$work/declared"
-diff -u "$work/declared" "$work/exported" ||
-  { echo "FAIL: libtierstate_c exports other than c.h's functions (above)"; exit 1; }
-echo "c_api package $c_package: libtierstate_c exports c.h's $(wc -l < "$work/declared") functions and nothing else"
+check_c_exports "$folder/lib/libtierstate_c.so" "$src/include/tierstate/c.h" "$work"
 
 part ""
 echo "== times"

@@ -27,8 +27,9 @@ done
 if [ $# -ge 2 ]; then work=$2; mkdir -p "$work"; else work=$(mktemp -d); trap 'rm -rf "$work"' EXIT; fi
 work=$(cd "$work" && pwd)
 version=$(cat "$src/VERSION")
-# libtierstate_c's soname version: major.minor until 1.0, then the major (src/meson.build)
-if [[ ${version%%.*} == 0 ]]; then soversion=${version%.*}; else soversion=${version%%.*}; fi
+# shellcheck source=tests/packaging/c_library.sh
+source "$src/tests/packaging/c_library.sh"
+soversion=$(c_soversion "$version")
 t0=$SECONDS
 part() { echo "== $1 (at ${SECONDS}s)"; }
 
@@ -114,11 +115,7 @@ for f in include/tierstate/c.h lib/libtierstate_c.so lib/libtierstate_c.so.$sove
   grep -qx "x64-linux-release/$f" "$list" || { echo "the port with c-api did not install $f"; exit 1; }
 done
 library=$installed/lib/libtierstate_c.so
-nm -D --defined-only "$library" | awk '{ print $3 }' | sort > "$work/exported"
-sed -nE 's/^TIERSTATE_C_EXPORT .*[ *](tierstate_[a-z0-9_]+)\(.*/\1/p' "$src/include/tierstate/c.h" | sort > "$work/declared"
-diff -u "$work/declared" "$work/exported" ||
-  { echo "libtierstate_c exports other than c.h's functions (above: - declared only, + exported only)"; exit 1; }
-echo "libtierstate_c exports c.h's $(wc -l < "$work/declared") functions and nothing else"
+check_c_exports "$library" "$src/include/tierstate/c.h" "$work"
 # The build's own objects and kernel units, as check_isa.py reads them (tests/meson.build's c_api_isa).
 built=$VCPKG_ROOT/buildtrees/tierstate/x64-linux-release-rel
 rm -f "$work/tierstate_c_own.a"
