@@ -16,6 +16,9 @@
 //   compute_seconds   median per step of the time the rule ran on the staging buffers
 //   wait_seconds      median per step of the time the step waited for the tier's reads and
 //                     writes (what the pipeline did not hide)
+//   check_seconds     median per step of the gradients' inf/NaN check, before the pipeline:
+//                     with compute and wait, the whole step (a fixed cost per element, which
+//                     a compact row's fewer state bytes do not shrink)
 //   io_seconds        the step's bytes at limit_gb_s: how long the I/O alone needs
 //   compute_bound     compute_seconds > io_seconds: the disk waits for the compute, and the
 //                     I/O references are not this row's bound (also a warning on stderr)
@@ -561,7 +564,7 @@ void run_config(options const& o, std::string const& dir, std::vector<bf16>& par
   std::string const fio_engine_command = fio_command(target, engine, runs.front().second);
 
   // Steps and fio runs interleaved, so both see the same disk weather; medians of each.
-  std::vector<double> seconds, compute, wait;
+  std::vector<double> seconds, compute, wait, check;
   std::array<std::vector<double>, pattern_count> at_engine, at_best;
   std::uint64_t bytes = 0;
   for (int s = 0; s < o.steps; ++s) {
@@ -570,6 +573,7 @@ void run_config(options const& o, std::string const& dir, std::vector<bf16>& par
     seconds.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
     compute.push_back(r.stats.compute_seconds);
     wait.push_back(r.stats.wait_seconds);
+    check.push_back(r.stats.check_seconds);
     bytes = r.stats.tier_bytes_read + r.stats.tier_bytes_written;
     if (s % 2 == 1) { continue; }  // fio after steps 1, 3, 5, ...: a median of 3 for 5 steps
     for (auto const& [setting, which] : runs) {
@@ -652,6 +656,7 @@ void run_config(options const& o, std::string const& dir, std::vector<bf16>& par
     .number("io_gb_s", io_gb_s)
     .number("compute_seconds", compute_s, "%.4f")
     .number("wait_seconds", median(wait), "%.4f")
+    .number("check_seconds", median(check), "%.4f")
     .number("io_seconds", io_seconds, "%.4f")
     .field("compute_bound", compute_bound ? (*compute_bound ? "true" : "false") : "null")
     .number("limit_gb_s", limit)
