@@ -155,6 +155,14 @@ class OffloadedOptimizer {
   /// is one row. Refused (logic_error) where rows x columns overflows.
   tensor_id add_tensor(std::string name, param_type* param, tensor_shape shape,
                        location where = location::host);
+  /// Registers tensor `id` of `source` under its name and size: params that rest outside
+  /// memory the optimizer points into, in a tier, streamed to the model layer by layer
+  /// (offloaded_params, state/offloaded_params.hpp). The master is made from source.read();
+  /// each step's update reads the params it needs (with no master) and writes every param it
+  /// changes through the source, never into the model's memory. `source` must outlive the
+  /// optimizer. For host compositions (OnHost compute, params on the host), without
+  /// delayed_update and with a rule without a tensor phase: others are refused (logic_error).
+  tensor_id add_tensor(param_source<param_type>& source, std::size_t id);
 
   /// A parameter group: moves the named tensors (from group 0) into a new group with its
   /// own hyper-parameters, as torch.optim's param_groups do.
@@ -298,6 +306,8 @@ class OffloadedOptimizer {
   /// unset when `fill_master` is false (load overwrites every chunk).
   void materialize(bool fill_master = true);
   std::size_t find_tensor(std::string_view name, char const* caller) const;
+  tensor_id register_tensor(std::string name, param_type* param, tensor_shape shape, location where,
+                            param_source<param_type>* source, std::size_t source_tensor);
   // The routes (transfer/routes/) move a step's chunks through the optimizer's parts.
   template <class> friend class routes::host_in_place;
   template <class> friend class routes::host_staged;

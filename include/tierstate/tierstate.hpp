@@ -34,6 +34,7 @@
 #include <tierstate/rules/lion.hpp>
 #include <tierstate/rules/rule.hpp>
 #include <tierstate/rules/sgd.hpp>
+#include <tierstate/state/offloaded_params.hpp>
 #include <tierstate/tiers/device.hpp>
 #include <tierstate/tiers/nvme_file.hpp>
 #include <tierstate/tiers/pinned_host.hpp>

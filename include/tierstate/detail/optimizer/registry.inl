@@ -53,6 +53,37 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tens
     param_type* param, tensor_shape shape, location where) -> tensor_id
 {
   detail::gate_entry const gate(gate_, "add_tensor");
+  return register_tensor(std::move(name), param, shape, where, nullptr, 0);
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tensor(param_source<param_type>& source,
+    std::size_t id) -> tensor_id
+{
+  detail::gate_entry const gate(gate_, "add_tensor");
+  std::string name = source.tensor_name(id);  // (refuses an id the source does not have)
+  auto const who   = "add_tensor('" + name + "', offloaded)";
+  if constexpr (placement::device_params) {
+    throw logic_error(who + ": offloaded params are streamed to host compute only so far; this composition "
+                            "takes params on the device (CudaOverlapped or OnDevice)");
+  }
+  if (opts_.delayed_update) {
+    throw logic_error(who + ": the delayed update keeps its own copy of every param; it does not take "
+                            "offloaded params (set delayed_update = false)");
+  }
+  if constexpr (has_tensor_phase<rule_type>) {
+    throw logic_error(who + ": rule " + std::string(rule_type::name) +
+                      " reads whole tensors in its tensor phase, which offloaded params do not offer yet");
+  }
+  std::size_t const count = source.tensor_size(id);
+  return register_tensor(std::move(name), nullptr, tensor_shape::of_vector(count), location::host, &source, id);
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::register_tensor(std::string name,
+    param_type* param, tensor_shape shape, location where, param_source<param_type>* source,
+    std::size_t source_tensor) -> tensor_id
+{
   auto const who = "add_tensor('" + name + "')";
   auto const shape_text = [&] {
     return (shape.batches != 1 ? std::to_string(shape.batches) + " x " : std::string()) + std::to_string(shape.rows) +
@@ -77,7 +108,7 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tens
                             "so the set of tensors is fixed");
   }
   if (name.empty()) { throw logic_error("add_tensor: the tensor name is empty"); }
-  if (param == nullptr && count > 0) {
+  if (param == nullptr && source == nullptr && count > 0) {
     throw logic_error(who + ": param is a null pointer for " + std::to_string(count) + " elements");
   }
   if constexpr (!placement::device_params) {
@@ -105,7 +136,7 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tens
   std::size_t const id = tensors_.size();
   auto const [it, inserted] = index_.emplace(name, id);
   try {
-    tensors_.push_back({std::move(name), param, count, 0, where, shape});
+    tensors_.push_back({std::move(name), param, count, 0, where, shape, 0, source, source_tensor});
   } catch (...) {
     index_.erase(it);  // a refused call leaves the registry as it was
     throw;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <tierstate/core/error.hpp>
+#include <tierstate/core/param_source.hpp>
 #include <tierstate/core/tensor.hpp>
 
 #include <atomic>
@@ -76,6 +77,10 @@ struct tensor_entry {
   location where    = location::host;
   tensor_shape shape{};  ///< {1, count} unless registered with a shape
   std::int64_t step = 0;  ///< the steps that updated it (torch.optim's state["step"])
+  /// Params that rest elsewhere (offloaded_params): `param` is null, and they are read and
+  /// written as tensor `source_tensor` of `source`.
+  param_source<Param>* source = nullptr;
+  std::size_t source_tensor   = 0;
 };
 
 /// The part of a tensor that falls in one chunk.

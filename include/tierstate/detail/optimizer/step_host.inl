@@ -26,6 +26,12 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
       auto const& tensor     = tensors_[pc.tensor];
       arrays_t a;
       a.param  = update_params_on_device(pc.tensor) ? param_stage + lo : update_params(pc.tensor) + tofs;
+      std::vector<param_type> offloaded;  // params that rest in a param_source: read, updated, written back
+      if (tensor.source != nullptr) {
+        offloaded.resize(hi - lo);
+        if constexpr (!Precision::has_master) { tensor.source->read(tensor.source_tensor, tofs, offloaded); }
+        a.param = offloaded.data();
+      }
       a.grad   = grads[pc.tensor].where == location::device ? grad_stage + lo : grads[pc.tensor].data + tofs;
       store_.arrays_at(chunk, lo, a);
       if constexpr (has_tensor_phase<rule_type>) {
@@ -38,6 +44,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
         a.rounding_key  = codecs::rounding_key(opts_.rounding_seed, rounding_step_, pc.tensor);
       }
       Compute::template update_range<rule_type, Precision>(coefficients[pc.tensor], a, 0, hi - lo);
+      if (tensor.source != nullptr) { tensor.source->write(tensor.source_tensor, tofs, offloaded); }
     }
   }
 }

@@ -117,7 +117,11 @@ void state_store<Precision, Rule, StateTier, Placement>::fill_master(std::span<t
       for (auto const& pc : pieces(k)) {
         auto const& t         = tensors[pc.tensor];
         param_type const* src = t.param + pc.tensor_begin;
-        if (t.where == location::device) {
+        if (t.source != nullptr) {  // offloaded params
+          params.resize(pc.count);
+          t.source->read(t.source_tensor, pc.tensor_begin, params);
+          src = params.data();
+        } else if (t.where == location::device) {
           params.resize(pc.count);
           device::copy(params.data(), src, pc.count * sizeof(param_type));
           src = params.data();
@@ -260,16 +264,18 @@ void state_store<Precision, Rule, StateTier, Placement>::params_from_master(
 {
   if constexpr (Precision::has_master) {
     auto const* master = reinterpret_cast<float const*>(chunk + layout_->slot_offset(0));
-    std::vector<param_type> staged;  // for params on the device
+    std::vector<param_type> staged;  // for params on the device, or offloaded
     for (auto const& pc : pieces(k)) {
       auto const& t   = tensors[pc.tensor];
       param_type* dst = t.param + pc.tensor_begin;
-      if (t.where == location::device) {
+      if (t.where == location::device || t.source != nullptr) {
         staged.resize(pc.count);
         dst = staged.data();
       }
       for (std::size_t i = 0; i < pc.count; ++i) { dst[i] = convert<param_type>(master[pc.chunk_begin + i]); }
-      if (t.where == location::device) {
+      if (t.source != nullptr) {
+        t.source->write(t.source_tensor, pc.tensor_begin, staged);
+      } else if (t.where == location::device) {
         device::copy(t.param + pc.tensor_begin, staged.data(), pc.count * sizeof(param_type));
       }
     }

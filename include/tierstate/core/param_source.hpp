@@ -1,0 +1,29 @@
+// SPDX-License-Identifier: Apache-2.0
+// param_source: what the optimizer asks of params that rest somewhere it cannot point into
+// (state/offloaded_params.hpp: a tier, streamed to the model layer by layer). A tensor
+// registered with one (OffloadedOptimizer::add_tensor(source, id)) has no param pointer: the
+// state's master is made from read(), and each step's update reads (when the precision keeps
+// no master) and writes the params it changes through read() and write(), piece by piece.
+#pragma once
+
+#include <tierstate/core/config.hpp>
+
+#include <cstddef>
+#include <span>
+#include <string>
+
+namespace tierstate::inline TIERSTATE_ABI {
+
+template <class Param>
+class param_source {
+ public:
+  virtual ~param_source() = default;
+  /// Elements [offset, offset + to.size()) of tensor `t` into `to`. Thread-safe.
+  virtual void read(std::size_t t, std::size_t offset, std::span<Param> to) = 0;
+  /// Replaces elements [offset, offset + from.size()) of tensor `t`. Thread-safe.
+  virtual void write(std::size_t t, std::size_t offset, std::span<Param const> from) = 0;
+  [[nodiscard]] virtual std::size_t tensor_size(std::size_t t) const = 0;
+  [[nodiscard]] virtual std::string const& tensor_name(std::size_t t) const = 0;
+};
+
+}  // namespace tierstate

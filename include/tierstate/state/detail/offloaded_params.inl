@@ -1,0 +1,483 @@
+// SPDX-License-Identifier: Apache-2.0
+// offloaded_params' members (state/offloaded_params.hpp).
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+namespace tierstate::inline TIERSTATE_ABI {
+
+namespace detail {
+inline std::string layer_text(std::size_t l, std::string const& name)
+{
+  std::string text = "layer ";
+  text.append(std::to_string(l)).append(" '").append(name).append("'");
+  return text;
+}
+}  // namespace detail
+
+template <class Param, tier Tier>
+offloaded_params<Param, Tier>::offloaded_params(options const& o) : opts_(o)
+{
+  if (o.window < 1 || o.window > 64) {
+    throw invalid_option("offloaded_params.window", std::to_string(o.window),
+                         "the layers read ahead of the one in use must be 1 to 64");
+  }
+  if constexpr (preflight_tier<Tier>) { Tier::preflight(o.tier); }
+  resource_ = o.buffers != nullptr ? o.buffers : std::pmr::new_delete_resource();
+}
+
+template <class Param, tier Tier>
+offloaded_params<Param, Tier>::~offloaded_params()
+{
+  {
+    std::lock_guard lk(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (io_.joinable()) { io_.join(); }
+  for (auto& b : buffers_) { resource_->deallocate(b.data, buffer_bytes_, tier_alignment); }
+}
+
+template <class Param, tier Tier>
+auto offloaded_params<Param, Tier>::add_layer(std::string name) -> layer_id
+{
+  std::lock_guard lk(mu_);
+  TIERSTATE_EXPECTS(!made_, "offloaded_params::add_layer('" + name + "'): the tier is made already; register "
+                            "every layer and tensor before the first acquire, read, write or materialize");
+  layers_.push_back({});
+  layers_.back().name = std::move(name);
+  return layers_.size() - 1;
+}
+
+template <class Param, tier Tier>
+auto offloaded_params<Param, Tier>::add_tensor(layer_id layer, std::string name, std::size_t count) -> tensor_id
+{
+  std::lock_guard lk(mu_);
+  TIERSTATE_EXPECTS(!made_, "offloaded_params::add_tensor('" + name + "'): the tier is made already; register "
+                            "every layer and tensor before the first acquire, read, write or materialize");
+  TIERSTATE_EXPECTS(layer < layers_.size(), "offloaded_params::add_tensor('" + name + "'): layer " +
+                                              std::to_string(layer) + " was not added (there are " +
+                                              std::to_string(layers_.size()) + ")");
+  TIERSTATE_EXPECTS(count > 0, "offloaded_params::add_tensor('" + name + "'): a tensor needs at least one element");
+  TIERSTATE_EXPECTS(!index_.contains(name), "offloaded_params::add_tensor('" + name + "'): the name is taken");
+  tensor_entry t;
+  t.name     = name;
+  t.layer    = layer;
+  t.count    = count;
+  t.resident = count < opts_.persistence_threshold;
+  tensors_.push_back(std::move(t));
+  index_.emplace(std::move(name), tensors_.size() - 1);
+  layers_[layer].tensors.push_back(tensors_.size() - 1);
+  return tensors_.size() - 1;
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::materialize()
+{
+  std::lock_guard lk(mu_);
+  if (!made_) { make_locked(); }
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::make_locked()
+{
+  auto const round_up = [](std::size_t n, std::size_t a) { return (n + a - 1) / a * a; };
+  // Each layer's tensors packed, 64-byte aligned, the layer 4 KiB-aligned: one read a layer.
+  std::size_t tier_bytes = 0, buffer_bytes = 0, resident_count = 0;
+  for (auto& l : layers_) {
+    l.offset       = tier_bytes;
+    std::size_t at = 0;
+    for (auto const t : l.tensors) {
+      auto& e = tensors_[t];
+      if (e.resident) {
+        e.offset = resident_count;
+        resident_count += round_up(e.count, tensor_alignment);  // (elements: every start stays aligned)
+        continue;
+      }
+      at       = round_up(at, tensor_alignment);
+      e.offset = l.offset + at;
+      at += e.count * sizeof(Param);
+    }
+    l.bytes = round_up(at, tier_alignment);
+    tier_bytes += l.bytes;
+    buffer_bytes = std::max(buffer_bytes, l.bytes);
+  }
+  std::unique_ptr<Tier> tier;
+  if (tier_bytes > 0) { tier = std::make_unique<Tier>(tier_bytes, opts_.tier); }
+  std::vector<buffer> buffers(buffer_bytes > 0 ? opts_.window + 1 : 0);
+  std::vector<Param> resident;
+  try {
+    for (auto& b : buffers) { b.data = static_cast<std::byte*>(resource_->allocate(buffer_bytes, tier_alignment)); }
+    resident.assign(2 * resident_count, Param{});  // the values, then what held views show
+  } catch (...) {
+    for (auto& b : buffers) {
+      if (b.data != nullptr) { resource_->deallocate(b.data, buffer_bytes, tier_alignment); }
+    }
+    throw;
+  }
+  tier_           = std::move(tier);
+  buffers_        = std::move(buffers);
+  resident_       = std::move(resident);
+  tier_bytes_     = tier_bytes;
+  buffer_bytes_   = buffer_bytes;
+  resident_count_ = resident_count;
+  made_           = true;
+  // The first iteration: forward, then backward.
+  for (layer_id l = 0; l < layers_.size(); ++l) { expected_.push_back(l); }
+  for (layer_id l = layers_.size(); l-- > 0;) { expected_.push_back(l); }
+  if (!buffers_.empty()) { io_ = std::thread([this] { io_loop(); }); }
+  read_ahead();
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::io_loop()
+{
+  std::unique_lock lk(mu_);
+  for (;;) {
+    auto startable = jobs_.end();
+    cv_.wait(lk, [&] {
+      startable = std::find_if(jobs_.begin(), jobs_.end(), [&](read_job const& j) { return layers_[j.layer].writers == 0; });
+      return stopping_ || startable != jobs_.end();
+    });
+    if (stopping_) { return; }
+    read_job const job = *startable;
+    jobs_.erase(startable);
+    auto& l = layers_[job.layer];
+    auto& b = buffers_[job.buffer];
+    b.version = l.version;  // no write is in progress: the read sees every write so far
+    std::byte* const data = b.data;
+    std::size_t const offset = l.offset, bytes = l.bytes;
+    lk.unlock();
+    std::exception_ptr failure;
+    try {
+      std::lock_guard tk(tier_mu_);
+      tier_->read(offset, {data, bytes});
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    lk.lock();
+    ++stats_.reads;
+    stats_.bytes_read += bytes;
+    if (failure) {
+      l.failure = failure;
+      drop(job.buffer);
+    } else if (l.version != b.version) {
+      ++stats_.discarded;  // a write began meanwhile: read it again
+      drop(job.buffer);
+    } else {
+      b.state = buffer_state::ready;
+    }
+    read_ahead();
+    cv_.notify_all();
+  }
+}
+
+template <class Param, tier Tier>
+auto offloaded_params<Param, Tier>::upcoming() const -> std::vector<layer_id>
+{
+  std::vector<layer_id> next;
+  for (std::size_t p = cursor_; p < expected_.size() && next.size() < opts_.window; ++p) {
+    layer_id const l = expected_[p];
+    if (layers_[l].bytes > 0 && std::find(next.begin(), next.end(), l) == next.end()) { next.push_back(l); }
+  }
+  return next;
+}
+
+template <class Param, tier Tier>
+int offloaded_params<Param, Tier>::take_buffer(std::vector<layer_id> const& keep, bool force)
+{
+  for (std::size_t b = 0; b < buffers_.size(); ++b) {
+    if (buffers_[b].state == buffer_state::free) { return static_cast<int>(b); }
+  }
+  for (int pass = 0; pass < (force ? 2 : 1); ++pass) {
+    for (std::size_t b = 0; b < buffers_.size(); ++b) {
+      auto const& buf = buffers_[b];
+      if (buf.state != buffer_state::ready || layers_[buf.layer].wanted) { continue; }
+      if (pass == 0 && std::find(keep.begin(), keep.end(), buf.layer) != keep.end()) { continue; }
+      ++stats_.evicted;
+      drop(static_cast<int>(b));
+      return static_cast<int>(b);
+    }
+  }
+  return -1;
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::start_read(layer_id l, int b, bool front)
+{
+  buffers_[b].state   = buffer_state::reading;
+  buffers_[b].layer   = l;
+  buffers_[b].version = layers_[l].version;
+  layers_[l].buffer   = b;
+  read_job const job{l, b};
+  if (front) {
+    jobs_.push_front(job);
+  } else {
+    jobs_.push_back(job);
+  }
+  cv_.notify_all();
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::read_ahead()
+{
+  if (buffers_.empty() || stopping_) { return; }
+  auto const next = upcoming();
+  for (auto const l : next) {
+    if (layers_[l].buffer >= 0 || layers_[l].failure) { continue; }  // there, coming, or for acquire to throw
+    int const b = take_buffer(next, false);
+    if (b < 0) { return; }
+    start_read(l, b, false);
+  }
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::drop(int b)
+{
+  layers_[buffers_[b].layer].buffer = -1;
+  buffers_[b].state                 = buffer_state::free;
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::fill_views(layer_entry& l, std::byte const* data)
+{
+  l.views.clear();
+  for (auto const t : l.tensors) {
+    auto const& e = tensors_[t];
+    Param const* p = reinterpret_cast<Param const*>(data + (e.offset - l.offset));
+    if (e.resident) {  // a copy of its own: a write does not change a view while it is held
+      Param* held = resident_.data() + resident_count_ + e.offset;
+      std::copy_n(resident_.data() + e.offset, e.count, held);
+      p = held;
+    }
+    l.views.emplace_back(p, e.count);
+  }
+}
+
+template <class Param, tier Tier>
+auto offloaded_params<Param, Tier>::acquire(layer_id layer) -> layer_view
+{
+  std::unique_lock lk(mu_);
+  TIERSTATE_EXPECTS(layer < layers_.size(), "offloaded_params::acquire: layer " + std::to_string(layer) +
+                                              " was not added (there are " + std::to_string(layers_.size()) + ")");
+  auto& l = layers_[layer];
+  TIERSTATE_EXPECTS(!l.acquired, "offloaded_params::acquire(" + detail::layer_text(layer, l.name) +
+                                   "): it is acquired already; release it first");
+  if (!made_) { make_locked(); }
+  bool const every_buffer_held =
+    std::all_of(buffers_.begin(), buffers_.end(), [](buffer const& b) { return b.state == buffer_state::acquired; });
+  TIERSTATE_EXPECTS(l.bytes == 0 || l.buffer >= 0 || !every_buffer_held,
+                    "offloaded_params::acquire(" + detail::layer_text(layer, l.name) + "): all " +
+                      std::to_string(buffers_.size()) +
+                      " buffers (window + 1) hold acquired layers; release one first, or make the window larger");
+
+  recorded_.push_back(layer);
+  if (cursor_ < expected_.size() && expected_[cursor_] == layer) {
+    ++cursor_;
+  } else {
+    ++stats_.out_of_order;
+    auto const at = std::find(expected_.begin() + static_cast<std::ptrdiff_t>(cursor_), expected_.end(), layer);
+    if (at != expected_.end()) { cursor_ = static_cast<std::size_t>(at - expected_.begin()) + 1; }
+  }
+  if (l.bytes == 0) {  // every tensor resident
+    l.acquired = true;
+    fill_views(l, nullptr);
+    read_ahead();
+    layer_view v;
+    v.layer_   = layer;
+    v.tensors_ = l.views;
+    return v;
+  }
+
+  ++stats_.acquires;
+  auto const t0  = std::chrono::steady_clock::now();
+  bool on_demand = false, waited = false;
+  l.failure      = nullptr;  // a read ahead's: this acquire reads again
+  l.wanted       = true;     // (its buffer is not taken while this waits)
+  for (;;) {
+    if (l.failure) {
+      l.wanted                         = false;
+      std::exception_ptr const failure = std::exchange(l.failure, nullptr);
+      stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      read_ahead();
+      std::rethrow_exception(failure);
+    }
+    if (l.buffer >= 0) {
+      if (buffers_[l.buffer].state == buffer_state::ready) { break; }
+      waited = true;
+      cv_.wait(lk);
+      continue;
+    }
+    int const b = take_buffer(upcoming(), true);
+    if (b < 0) {  // every buffer is being read into or held: wait for a read to end
+      waited = true;
+      cv_.wait(lk);
+      continue;
+    }
+    start_read(layer, b, true);
+    on_demand = true;
+  }
+  auto& b = buffers_[l.buffer];
+  b.state    = buffer_state::acquired;
+  l.wanted   = false;
+  l.acquired = true;
+  if (on_demand) {
+    ++stats_.on_demand;
+  } else if (waited) {
+    ++stats_.waited;
+  } else {
+    ++stats_.ready;
+  }
+  stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  fill_views(l, b.data);
+  read_ahead();
+  layer_view v;
+  v.layer_   = layer;
+  v.tensors_ = l.views;
+  return v;
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::release(layer_id layer)
+{
+  std::lock_guard lk(mu_);
+  TIERSTATE_EXPECTS(layer < layers_.size(), "offloaded_params::release: layer " + std::to_string(layer) +
+                                              " was not added (there are " + std::to_string(layers_.size()) + ")");
+  auto& l = layers_[layer];
+  TIERSTATE_EXPECTS(l.acquired, "offloaded_params::release(" + detail::layer_text(layer, l.name) +
+                                  "): it is not acquired");
+  l.acquired = false;
+  if (l.buffer >= 0) {
+    auto& b = buffers_[l.buffer];
+    if (b.version != l.version) {
+      drop(l.buffer);  // written while acquired: its bytes are old
+    } else {
+      b.state = buffer_state::ready;  // kept until the buffer is needed
+    }
+  }
+  read_ahead();
+  cv_.notify_all();
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::end_iteration()
+{
+  std::lock_guard lk(mu_);
+  for (layer_id l = 0; l < layers_.size(); ++l) {
+    TIERSTATE_EXPECTS(!layers_[l].acquired, "offloaded_params::end_iteration: " +
+                                              detail::layer_text(l, layers_[l].name) +
+                                              " is still acquired; release every layer first");
+  }
+  if (!recorded_.empty()) { expected_ = std::move(recorded_); }
+  recorded_.clear();
+  cursor_ = 0;
+  read_ahead();
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::read(tensor_id t, std::size_t offset, std::span<Param> to)
+{
+  check_range(t, offset, to.size(), "read");
+  std::unique_lock lk(mu_);
+  if (!made_) { make_locked(); }
+  auto const& e = tensors_[t];
+  if (e.resident) {
+    std::copy_n(resident_.data() + e.offset + offset, to.size(), to.data());
+    return;
+  }
+  lk.unlock();
+  std::lock_guard tk(tier_mu_);
+  tier_->read(e.offset + offset * sizeof(Param), std::as_writable_bytes(to));
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::write(tensor_id t, std::size_t offset, std::span<Param const> from)
+{
+  check_range(t, offset, from.size(), "write");
+  std::unique_lock lk(mu_);
+  if (!made_) { make_locked(); }
+  auto const& e = tensors_[t];
+  auto& l       = layers_[e.layer];
+  if (e.resident) {  // (a view held shows its own copy, made at acquire)
+    std::copy_n(from.data(), from.size(), resident_.data() + e.offset + offset);
+    return;
+  }
+  ++l.writers;
+  ++l.version;  // a read in flight is thrown away; a buffer holding the layer is old
+  if (l.buffer >= 0 && buffers_[l.buffer].state == buffer_state::ready) { drop(l.buffer); }
+  lk.unlock();
+  std::exception_ptr failure;
+  try {
+    std::lock_guard tk(tier_mu_);
+    tier_->write(e.offset + offset * sizeof(Param), std::as_bytes(from));
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  lk.lock();
+  --l.writers;
+  if (!failure) { stats_.bytes_written += from.size_bytes(); }
+  read_ahead();
+  cv_.notify_all();
+  if (failure) { std::rethrow_exception(failure); }
+}
+
+template <class Param, tier Tier>
+auto offloaded_params<Param, Tier>::find_tensor(std::string_view name) const -> std::optional<tensor_id>
+{
+  std::lock_guard lk(mu_);
+  auto const it = index_.find(std::string(name));
+  return it == index_.end() ? std::nullopt : std::optional(it->second);
+}
+
+template <class Param, tier Tier>
+auto offloaded_params<Param, Tier>::expected_order() const -> std::vector<layer_id>
+{
+  std::lock_guard lk(mu_);
+  return expected_;
+}
+
+template <class Param, tier Tier>
+offload_stats offloaded_params<Param, Tier>::stats() const
+{
+  std::lock_guard lk(mu_);
+  return stats_;
+}
+
+template <class Param, tier Tier>
+Tier& offloaded_params<Param, Tier>::param_tier()
+{
+  std::lock_guard lk(mu_);
+  if (!made_) { make_locked(); }
+  TIERSTATE_EXPECTS(tier_ != nullptr, "offloaded_params::param_tier: every tensor is resident: there is no tier");
+  return *tier_;
+}
+
+template <class Param, tier Tier>
+auto offloaded_params<Param, Tier>::layer_at(layer_id l, char const* call) const -> layer_entry const&
+{
+  TIERSTATE_EXPECTS(l < layers_.size(), std::string("offloaded_params::") + call + ": layer " + std::to_string(l) +
+                                          " was not added (there are " + std::to_string(layers_.size()) + ")");
+  return layers_[l];
+}
+
+template <class Param, tier Tier>
+auto offloaded_params<Param, Tier>::tensor_at(tensor_id t, char const* call) const -> tensor_entry const&
+{
+  TIERSTATE_EXPECTS(t < tensors_.size(), std::string("offloaded_params::") + call + ": tensor " + std::to_string(t) +
+                                           " was not added (there are " + std::to_string(tensors_.size()) + ")");
+  return tensors_[t];
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::check_range(tensor_id t, std::size_t offset, std::size_t n, char const* call) const
+{
+  auto const& e = tensor_at(t, call);
+  TIERSTATE_EXPECTS(offset <= e.count && n <= e.count - offset,
+                    std::string("offloaded_params::") + call + "('" + e.name + "'): elements [" +
+                      std::to_string(offset) + ", " + std::to_string(offset + n) + ") are outside its " +
+                      std::to_string(e.count));
+}
+
+}  // namespace tierstate

@@ -1,0 +1,689 @@
+// SPDX-License-Identifier: Apache-2.0
+// offloaded_params (state/offloaded_params.hpp): weights that rest in a tier and come into a
+// bounded window of buffers layer by layer. Every view is checked against the values last
+// written, over iterations in the expected order, out of it, with gradient accumulation,
+// writes racing read-ahead, I/O failures and misuse; the buffers' memory against its bound.
+#include "memory_tier.hpp"
+#include "nvme_support.hpp"
+
+#include <tierstate/io/fault.hpp>
+#include <tierstate/optimizer.hpp>
+#include <tierstate/state/offloaded_params.hpp>
+#include <tierstate/tiers/nvme_file.hpp>
+#include <tierstate/tiers/pinned_host.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <cerrno>
+#include <cmath>
+#include <chrono>
+#include <memory_resource>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+using namespace tierstate;
+
+namespace {
+
+/// A tier whose reads take `delay` and fail while `*fail_reads` is set.
+class slow_tier {
+ public:
+  struct options {
+    std::chrono::milliseconds delay{0};
+    std::atomic<bool>* fail_reads = nullptr;
+    std::atomic<int>* reads       = nullptr;
+    std::atomic<int>* started     = nullptr;  ///< reads begun
+  };
+  static constexpr std::string_view name = "slow_tier";
+  slow_tier(std::size_t bytes, options const& o) : bytes_(bytes), o_(o) {}
+  [[nodiscard]] std::size_t size() const { return bytes_.size(); }
+  void read(std::size_t offset, std::span<std::byte> to) const
+  {
+    if (o_.started != nullptr) { ++*o_.started; }
+    std::this_thread::sleep_for(o_.delay);
+    if (o_.reads != nullptr) { ++*o_.reads; }
+    if (o_.fail_reads != nullptr && o_.fail_reads->load()) { throw std::runtime_error("slow_tier: read failed"); }
+    std::memcpy(to.data(), bytes_.data() + offset, to.size());
+  }
+  void write(std::size_t offset, std::span<std::byte const> from)
+  {
+    std::memcpy(bytes_.data() + offset, from.data(), from.size());
+  }
+
+ private:
+  std::vector<std::byte> bytes_;
+  options o_;
+};
+
+/// Counts the bytes the window's buffers take.
+class counting_resource : public std::pmr::memory_resource {
+ public:
+  std::size_t live = 0, peak = 0, allocations = 0;
+
+ private:
+  void* do_allocate(std::size_t bytes, std::size_t align) override
+  {
+    void* p = std::pmr::new_delete_resource()->allocate(bytes, align);
+    live += bytes;
+    peak = std::max(peak, live);
+    ++allocations;
+    return p;
+  }
+  void do_deallocate(void* p, std::size_t bytes, std::size_t align) override
+  {
+    live -= bytes;
+    std::pmr::new_delete_resource()->deallocate(p, bytes, align);
+  }
+  [[nodiscard]] bool do_is_equal(memory_resource const& o) const noexcept override { return this == &o; }
+};
+
+// Awkward sizes: a layer of one element, tensors across 4 KiB boundaries, a large layer,
+// small tensors that stay resident under a threshold of 64.
+std::vector<std::vector<std::size_t>> const model_sizes = {{4097, 7, 63}, {1}, {2048, 2049, 5}, {30011}, {64, 3, 999}, {13}};
+
+float value_of(std::size_t t, std::size_t i, int version) { return static_cast<float>((t * 131 + i * 7) % 1000) * 0.25f + version; }
+
+template <class W>
+struct model {
+  W w;
+  std::vector<typename W::layer_id> layers;
+  std::vector<std::vector<typename W::tensor_id>> tensors;  // [layer][i]
+
+  explicit model(typename W::options const& o) : w(o)
+  {
+    for (std::size_t l = 0; l < model_sizes.size(); ++l) {
+      layers.push_back(w.add_layer(std::string("layer").append(std::to_string(l))));
+      tensors.emplace_back();
+      for (std::size_t i = 0; i < model_sizes[l].size(); ++i) {
+        tensors[l].push_back(w.add_tensor(layers[l], std::string("l").append(std::to_string(l)).append(".t").append(std::to_string(i)),
+                                          model_sizes[l][i]));
+      }
+    }
+  }
+  void write_all(int version)
+  {
+    for (auto const& layer : tensors) {
+      for (auto const t : layer) {
+        std::vector<float> v(w.tensor_size(t));
+        for (std::size_t i = 0; i < v.size(); ++i) { v[i] = value_of(t, i, version); }
+        w.write(t, 0, v);
+      }
+    }
+  }
+  /// Acquires layer l, checks every value against `version`, releases it.
+  void use(std::size_t l, int version)
+  {
+    auto const v = w.acquire(layers[l]);
+    REQUIRE(v.layer() == layers[l]);
+    REQUIRE(v.size() == tensors[l].size());
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      auto const s = v.tensor(i);
+      REQUIRE(s.size() == model_sizes[l][i]);
+      bool same = true;
+      for (std::size_t e = 0; e < s.size(); ++e) { same = same && s[e] == value_of(tensors[l][i], e, version); }
+      REQUIRE(same);
+    }
+    w.release(layers[l]);
+  }
+  void iteration(int version, int passes = 1)
+  {
+    for (int p = 0; p < passes; ++p) {
+      for (std::size_t l = 0; l < layers.size(); ++l) { use(l, version); }
+      for (std::size_t l = layers.size(); l-- > 0;) { use(l, version); }
+    }
+  }
+};
+
+template <class Tier>
+typename offloaded_params<float, Tier>::options options_for(unsigned window, std::size_t threshold,
+                                                            typename Tier::options tier = {})
+{
+  typename offloaded_params<float, Tier>::options o;
+  o.window                = window;
+  o.persistence_threshold = threshold;
+  o.tier                  = tier;
+  return o;
+}
+
+template <class Tier>
+void train_and_check(typename Tier::options const& tier)
+{
+  for (unsigned const window : {1u, 3u}) {
+    for (std::size_t const threshold : {std::size_t{0}, std::size_t{64}}) {
+      CAPTURE(window, threshold);
+      model<offloaded_params<float, Tier>> m(options_for<Tier>(window, threshold, tier));
+      m.write_all(0);
+      // First iteration: forward then backward, as expected before any was recorded.
+      m.iteration(0);
+      auto s = m.w.stats();
+      CHECK(s.out_of_order == 0);
+      CHECK(s.on_demand == 0);
+      m.write_all(1);  // the optimizer's update: every buffer holding a layer is old now
+      m.w.end_iteration();
+      for (int it = 1; it < 4; ++it) {
+        m.iteration(it);
+        m.write_all(it + 1);
+        m.w.end_iteration();
+      }
+      s = m.w.stats();
+      CHECK(s.out_of_order == 0);
+      CHECK(s.on_demand == 0);
+      CHECK(s.ready + s.waited == s.acquires);
+      // Backward takes forward's last layer (and, with a window, more) from its buffer.
+      CHECK(s.reads < s.acquires);
+      for (std::size_t t = 0; t < m.w.tensor_count(); ++t) {
+        std::vector<float> back(m.w.tensor_size(t));
+        m.w.read(t, 0, back);
+        for (std::size_t i = 0; i < back.size(); ++i) { REQUIRE(back[i] == value_of(t, i, 4)); }
+        CHECK(m.w.resident(t) == (threshold > 0 && m.w.tensor_size(t) < threshold));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("offloaded params: every view holds the last values written, in host tiers and on NVMe", "[offload]")
+{
+  SECTION("PinnedHost") { train_and_check<PinnedHost>({}); }
+  SECTION("a user's tier (not addressable)") { train_and_check<test::memory_tier>({}); }
+  SECTION("NvmeFile")
+  {
+    test::scratch_dir dir;
+    NvmeFile::options o;
+    o.directory = dir.path;
+    train_and_check<NvmeFile>(o);
+    CHECK(dir.entries().empty());  // the tier's file goes with it
+  }
+}
+
+TEST_CASE("offloaded params: the layout packs each layer into one aligned range; buffers are window + 1 of the largest",
+          "[offload]")
+{
+  counting_resource counted;
+  auto o    = options_for<PinnedHost>(2, 64);
+  o.buffers = &counted;
+  {
+    model<offloaded_params<float, PinnedHost>> m(o);
+    CHECK(counted.allocations == 0);  // nothing before the tier is made
+    m.write_all(0);
+    // The largest layer without its resident tensors: 30011 floats -> 120044 bytes -> 30 pages.
+    std::size_t largest = 0, total = 0;
+    for (auto const& sizes : model_sizes) {
+      std::size_t bytes = 0;
+      for (auto const n : sizes) {
+        if (n >= 64) { bytes += (n * sizeof(float) + 63) / 64 * 64; }
+      }
+      bytes = (bytes + 4095) / 4096 * 4096;
+      largest = std::max(largest, bytes);
+      total += bytes;
+    }
+    CHECK(m.w.buffer_bytes() == largest);
+    CHECK(m.w.buffer_count() == 3);
+    CHECK(m.w.tier_bytes() == total);
+    CHECK(m.w.resident_bytes() >= (7 + 63 + 1 + 5 + 3 + 13) * sizeof(float));
+    for (int it = 0; it < 3; ++it) {
+      m.iteration(it == 0 ? 0 : it - 1);
+      if (it > 0) { m.write_all(it); }
+      m.w.end_iteration();
+      // The bound: (window + 1) x the largest layer, allocated once.
+      CHECK(counted.peak <= (o.window + 1) * largest);
+      CHECK(counted.allocations == o.window + 1);
+    }
+  }
+  CHECK(counted.live == 0);
+}
+
+TEST_CASE("offloaded params: gradient accumulation's passes and an order that changes are followed exactly",
+          "[offload]")
+{
+  model<offloaded_params<float, test::memory_tier>> m(options_for<test::memory_tier>(2, 0));
+  m.write_all(0);
+  m.iteration(0, 2);  // two forward/backward passes: the second is out of the first guess
+  auto const first = m.w.stats().out_of_order;
+  CHECK(first > 0);
+  m.w.end_iteration();
+  CHECK(m.w.expected_order().size() == 4 * model_sizes.size());
+  m.iteration(0, 2);
+  m.w.end_iteration();
+  m.iteration(0, 2);
+  CHECK(m.w.stats().out_of_order == first);  // from the second iteration on, none
+  m.w.end_iteration();
+
+  // Another order (a model that skips layer 1 and runs 4 before 3): the first iteration
+  // misses, is read on demand and still right; the next follows it.
+  std::vector<std::size_t> const order = {0, 2, 4, 3, 5, 5, 3, 4, 2, 0};
+  auto const before                    = m.w.stats();
+  for (auto const l : order) { m.use(l, 0); }
+  auto const mid = m.w.stats();
+  CHECK(mid.out_of_order > before.out_of_order);
+  m.w.end_iteration();
+  CHECK(m.w.expected_order() == std::vector<std::size_t>(order.begin(), order.end()));
+  for (auto const l : order) { m.use(l, 0); }
+  auto const after = m.w.stats();
+  CHECK(after.out_of_order == mid.out_of_order);
+  CHECK(after.on_demand == mid.on_demand);
+  m.w.end_iteration();
+}
+
+TEST_CASE("offloaded params: a write while a layer is read ahead, or held, is never missed", "[offload]")
+{
+  std::atomic<int> started{0};
+  slow_tier::options t;
+  t.delay   = std::chrono::milliseconds(30);
+  t.started = &started;
+  model<offloaded_params<float, slow_tier>> m(options_for<slow_tier>(1, 0, t));
+  m.write_all(0);
+  m.iteration(0);
+  m.write_all(1);  // drops the buffers kept from backward
+  int const before = started;
+  m.w.end_iteration();  // starts the 30 ms read of layer 0
+  auto const t0 = std::chrono::steady_clock::now();
+  while (started == before) {
+    REQUIRE(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));
+    std::this_thread::yield();
+  }
+  m.write_all(2);  // ... which these writes overtake
+  m.use(0, 2);
+  CHECK(m.w.stats().discarded >= 1);
+
+  // Written while acquired: the trainer's view stays as it was; the next acquire sees the new.
+  auto const v  = m.w.acquire(m.layers[2]);
+  float const a = v.tensor(0)[0];
+  std::vector<float> nine(m.w.tensor_size(m.tensors[2][0]), 9.0f);
+  m.w.write(m.tensors[2][0], 0, nine);
+  CHECK(v.tensor(0)[0] == a);
+  m.w.release(m.layers[2]);
+  auto const v2 = m.w.acquire(m.layers[2]);
+  CHECK(v2.tensor(0)[0] == 9.0f);
+  CHECK(v2.tensor(0)[m.w.tensor_size(m.tensors[2][0]) - 1] == 9.0f);
+  m.w.release(m.layers[2]);
+}
+
+TEST_CASE("offloaded params: a held view keeps its values while a resident tensor is written", "[offload]")
+{
+  model<offloaded_params<float, PinnedHost>> m(options_for<PinnedHost>(1, 64));
+  m.write_all(0);
+  auto const small = m.tensors[0][1];  // 7 elements: resident
+  REQUIRE(m.w.resident(small));
+  auto const v = m.w.acquire(m.layers[0]);
+  std::vector<float> five(7, 5.0f);
+  m.w.write(small, 0, five);  // from the holder's thread: no wait
+  std::thread([&] { m.w.write(small, 2, std::span<float const>(five).first(3)); }).join();
+  CHECK(v.tensor(1)[0] == value_of(small, 0, 0));
+  CHECK(v.tensor(1)[3] == value_of(small, 3, 0));
+  std::vector<float> now(7);
+  m.w.read(small, 0, now);
+  CHECK(now == five);
+  m.w.release(m.layers[0]);
+  auto const v2 = m.w.acquire(m.layers[0]);
+  CHECK(v2.tensor(1)[3] == 5.0f);
+  CHECK(v2.tensor(0)[3] == value_of(m.tensors[0][0], 3, 0));  // the layer's other tensors as they were
+  m.w.release(m.layers[0]);
+}
+
+TEST_CASE("offloaded params: a failed read is the acquire's error, and the next acquire reads again", "[offload]")
+{
+  SECTION("a user's tier")
+  {
+    std::atomic<bool> fail{false};
+    slow_tier::options t;
+    t.fail_reads = &fail;
+    model<offloaded_params<float, slow_tier>> m(options_for<slow_tier>(1, 0, t));
+    m.write_all(0);
+    m.iteration(0);
+    m.w.end_iteration();
+    fail = true;
+    CHECK_THROWS_WITH(m.w.acquire(m.layers[3]), Catch::Contains("slow_tier: read failed"));
+    fail = false;
+    m.use(3, 0);  // read again
+    m.iteration(0);
+  }
+  SECTION("NvmeFile: EIO from the disk")
+  {
+    test::scratch_dir dir;
+    NvmeFile::options t;
+    t.directory = dir.path;
+    auto plan   = std::make_shared<io::fault_plan>();
+    t.io.faults = plan;
+    model<offloaded_params<float, NvmeFile>> m(options_for<NvmeFile>(1, 0, t));
+    m.write_all(0);
+    m.iteration(0);
+    m.w.end_iteration();
+    plan->fail_from(io::op::read, 1, EIO);
+    try {
+      (void)m.w.acquire(m.layers[3]);
+      FAIL("acquire did not throw");
+    } catch (io_error const& e) {
+      CHECK(e.code().value() == EIO);
+      CHECK(std::string(e.what()).find(dir.path.string()) != std::string::npos);
+    }
+    plan->clear();
+    m.use(3, 0);
+    m.iteration(0);
+  }
+}
+
+TEST_CASE("offloaded params: misuse is refused by name and changes nothing", "[offload]")
+{
+  using W = offloaded_params<float, PinnedHost>;
+  CHECK_THROWS_AS(W(options_for<PinnedHost>(0, 0)), invalid_option);
+  CHECK_THROWS_AS(W(options_for<PinnedHost>(65, 0)), invalid_option);
+  model<W> m(options_for<PinnedHost>(1, 0));
+  CHECK_THROWS_AS(m.w.add_tensor(99, "x", 4), tierstate::logic_error);
+  CHECK_THROWS_AS(m.w.add_tensor(0, "l0.t0", 4), tierstate::logic_error);  // the name is taken
+  CHECK_THROWS_AS(m.w.add_tensor(0, "empty", 0), tierstate::logic_error);
+  m.write_all(0);
+  CHECK_THROWS_WITH(m.w.add_layer("late"), Catch::Contains("made already"));
+  CHECK_THROWS_AS(m.w.acquire(99), tierstate::logic_error);
+  CHECK_THROWS_WITH(m.w.release(m.layers[1]), Catch::Contains("layer 1 'layer1'") && Catch::Contains("not acquired"));
+  std::vector<float> big(m.w.tensor_size(0) + 1);
+  CHECK_THROWS_WITH(m.w.write(0, 0, big), Catch::Contains("outside"));
+  CHECK_THROWS_AS(m.w.read(0, 1, std::span<float>(big).first(m.w.tensor_size(0))), tierstate::logic_error);
+
+  auto const a = m.w.acquire(m.layers[0]);
+  CHECK_THROWS_WITH(m.w.acquire(m.layers[0]), Catch::Contains("acquired already"));
+  (void)m.w.acquire(m.layers[1]);
+  // Window 1: two buffers, both held.
+  CHECK_THROWS_WITH(m.w.acquire(m.layers[2]), Catch::Contains("all 2 buffers"));
+  CHECK_THROWS_WITH(m.w.end_iteration(), Catch::Contains("still acquired"));
+  CHECK(a.tensor(0)[5] == value_of(m.tensors[0][0], 5, 0));
+  m.w.release(m.layers[0]);
+  m.w.release(m.layers[1]);
+  m.use(2, 0);  // the refusals left everything usable
+  m.w.end_iteration();
+  m.iteration(0);
+}
+
+// --- with the optimizer -------------------------------------------------------------------
+
+namespace {
+
+/// A model's gradient as a function of its params and the step: what a backward pass over
+/// the params in a layer's view gives, computed the same way with and without offload.
+template <class G, class P>
+void gradient_of(std::span<P const> params, std::size_t tensor, int step, int micro, std::span<G> out)
+{
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    float const p = static_cast<float>(params[i]);
+    out[i] = G(std::sin(p * 3.0f + static_cast<float>(i % 97) * 0.01f + static_cast<float>(tensor + step + micro)) * 0.1f);
+  }
+}
+
+std::string tensor_name(std::size_t t) { return std::string("t").append(std::to_string(t)); }
+
+template <class P>
+P initial_param(std::size_t t, std::size_t i)
+{
+  return P(static_cast<float>((t * 37 + i * 11) % 2000) * 1e-3f - 1.0f);
+}
+
+enum class step_kind { whole, streaming };
+
+/// Trains the awkward model `steps` steps with the params in host arrays, and again with them
+/// in offloaded_params<ParamTier> (the same layers), and compares every param's bits and the
+/// whole state.
+template <class Opt, class ParamTier>
+void check_parity(typename Opt::options const& opt_options, typename ParamTier::options const& param_tier,
+                  unsigned window, step_kind kind, unsigned micro_batches)
+{
+  using P = typename Opt::param_type;
+  using G = typename Opt::grad_type;
+  constexpr int steps = 6;
+  typename Opt::hyperparameters h;
+  h.lr           = 1e-2;
+  h.weight_decay = 0.1;
+
+  std::vector<std::size_t> sizes;
+  for (auto const& layer : model_sizes) { sizes.insert(sizes.end(), layer.begin(), layer.end()); }
+
+  // Plain: params in host arrays.
+  std::vector<std::vector<P>> plain(sizes.size());
+  Opt ref(h, opt_options);
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    plain[t].resize(sizes[t]);
+    for (std::size_t i = 0; i < sizes[t]; ++i) { plain[t][i] = initial_param<P>(t, i); }
+    ref.add_tensor(tensor_name(t), plain[t].data(), sizes[t]);
+  }
+
+  // Offloaded: the same tensors, grouped by layer.
+  typename offloaded_params<P, ParamTier>::options wo;
+  wo.window = window;
+  wo.tier   = param_tier;
+  offloaded_params<P, ParamTier> w(wo);
+  std::vector<std::vector<std::size_t>> by_layer;
+  for (std::size_t l = 0, t = 0; l < model_sizes.size(); ++l) {
+    auto const layer = w.add_layer(std::string("layer").append(std::to_string(l)));
+    by_layer.emplace_back();
+    for (std::size_t i = 0; i < model_sizes[l].size(); ++i, ++t) {
+      by_layer[l].push_back(w.add_tensor(layer, tensor_name(t), sizes[t]));
+    }
+  }
+  Opt off(h, opt_options);
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    std::vector<P> init(sizes[t]);
+    for (std::size_t i = 0; i < sizes[t]; ++i) { init[i] = initial_param<P>(t, i); }
+    w.write(t, 0, init);
+    REQUIRE(off.add_tensor(w, t) == t);
+  }
+
+  std::vector<std::vector<G>> grads_ref(sizes.size()), grads_off(sizes.size()), part(sizes.size());
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    grads_ref[t].resize(sizes[t]);
+    grads_off[t].resize(sizes[t]);
+    part[t].resize(sizes[t]);
+  }
+  auto const views_of = [&](std::vector<std::vector<G>> const& g) {
+    std::vector<grad_view<G>> v;
+    for (auto const& x : g) { v.push_back({x.data(), x.size()}); }
+    return v;
+  };
+  for (int s = 0; s < steps; ++s) {
+    // Reference: gradients (summed over micro-batches) from the host arrays.
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      std::fill(grads_ref[t].begin(), grads_ref[t].end(), G(0.0f));
+      for (unsigned m = 0; m < micro_batches; ++m) {
+        gradient_of<G, P>(plain[t], t, s, static_cast<int>(m), part[t]);
+        for (std::size_t i = 0; i < sizes[t]; ++i) {
+          grads_ref[t][i] = G(static_cast<float>(grads_ref[t][i]) + static_cast<float>(part[t][i]));
+        }
+      }
+    }
+    auto const rv = views_of(grads_ref);
+    REQUIRE(!ref.step(rv).skipped);
+
+    // Offloaded: forward and backward through the window, each micro-batch.
+    if (kind == step_kind::streaming) { off.begin_step(1.0, micro_batches); }
+    for (std::size_t t = 0; t < sizes.size(); ++t) { std::fill(grads_off[t].begin(), grads_off[t].end(), G(0.0f)); }
+    for (unsigned m = 0; m < micro_batches; ++m) {
+      for (std::size_t l = 0; l < model_sizes.size(); ++l) {
+        (void)w.acquire(l);  // forward: the params are there
+        w.release(l);
+      }
+      for (std::size_t l = model_sizes.size(); l-- > 0;) {
+        auto const v = w.acquire(l);
+        for (std::size_t i = 0; i < v.size(); ++i) {
+          std::size_t const t = by_layer[l][i];
+          gradient_of<G, P>(v.tensor(i), t, s, static_cast<int>(m), part[t]);
+          for (std::size_t e = 0; e < sizes[t]; ++e) {
+            grads_off[t][e] = G(static_cast<float>(grads_off[t][e]) + static_cast<float>(part[t][e]));
+          }
+          if (kind == step_kind::streaming) { off.grad_ready(t, {grads_off[t].data(), sizes[t]}); }
+        }
+        w.release(l);
+      }
+    }
+    if (kind == step_kind::streaming) {
+      REQUIRE(!off.finish_step().skipped);
+    } else {
+      auto const ov = views_of(grads_off);
+      REQUIRE(!off.step(ov).skipped);
+    }
+    w.end_iteration();
+  }
+
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    std::vector<P> back(sizes[t]);
+    w.read(t, 0, back);
+    REQUIRE(std::memcmp(back.data(), plain[t].data(), sizes[t] * sizeof(P)) == 0);
+    std::vector<slot> slots = {slot::exp_avg, slot::exp_avg_sq};
+    if constexpr (Opt::precision_type::has_master) { slots.push_back(slot::master); }
+    if constexpr (Opt::precision_type::has_compensation) { slots.push_back(slot::compensation); }
+    for (auto const sl : slots) {
+      std::vector<float> a(sizes[t]), b(sizes[t]);
+      ref.copy_state(tensor_name(t), sl, a);
+      off.copy_state(tensor_name(t), sl, b);
+      REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+    }
+  }
+  auto const st = w.stats();
+  CHECK(st.out_of_order == (micro_batches > 1 ? st.out_of_order : 0));
+  CHECK(st.bytes_written > 0);
+}
+
+}  // namespace
+
+TEST_CASE("offloaded params with the optimizer: the same bits as params in memory", "[offload][optimizer]")
+{
+  // Every window, whole and streaming steps, with and without gradient accumulation.
+  auto const each = [](auto&& run) {
+    for (unsigned const window : {1u, 3u}) {
+      for (auto const kind : {step_kind::whole, step_kind::streaming}) {
+        for (unsigned const micro : {1u, 2u}) {
+          CAPTURE(window, static_cast<int>(kind), micro);
+          run(window, kind, micro);
+        }
+      }
+    }
+  };
+  SECTION("fp32 params, their own master, in PinnedHost; state in PinnedHost")
+  {
+    using Opt = OffloadedOptimizer<AdamW, Fp32, PinnedHost>;
+    typename Opt::options o;
+    o.chunk_elements = 4096;
+    o.threads        = 2;
+    each([&](unsigned window, step_kind kind, unsigned micro) { check_parity<Opt, PinnedHost>(o, {}, window, kind, micro); });
+  }
+  SECTION("bf16 params with an fp32 master, on NVMe; state on NVMe, pipelined; no checks")
+  {
+    test::scratch_dir dir;
+    using Opt = OffloadedOptimizer<AdamW, Bf16Mixed, NvmeFile, Pipelined<2>>;
+    typename Opt::options o;
+    o.chunk_elements = 4096;
+    o.threads        = 2;
+    o.on_nonfinite   = nonfinite_policy::ignore;
+    o.tier.directory = dir.path;
+    NvmeFile::options pt;
+    pt.directory = dir.path;
+    each([&](unsigned window, step_kind kind, unsigned micro) { check_parity<Opt, NvmeFile>(o, pt, window, kind, micro); });
+    CHECK(dir.entries().empty());
+  }
+  SECTION("bf16 params, Kahan-compensated, in a user's tier; clipping")
+  {
+    using Opt = OffloadedOptimizer<AdamW, Precision<bf16, bf16, Compensated, float>, test::memory_tier>;
+    typename Opt::options o;
+    o.chunk_elements = 2048;
+    o.threads        = 1;
+    o.max_grad_norm  = 0.5;
+    each([&](unsigned window, step_kind kind, unsigned micro) {
+      check_parity<Opt, test::memory_tier>(o, {}, window, kind, micro);
+    });
+  }
+}
+
+TEST_CASE("offloaded params with the optimizer: compositions that cannot take them say so", "[offload][optimizer]")
+{
+  offloaded_params<bf16, PinnedHost> w;
+  auto const l = w.add_layer("l");
+  auto const t = w.add_tensor(l, "w", 100);
+  using Opt    = OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost>;
+  typename Opt::options o;
+  o.delayed_update = true;
+  Opt delayed({}, o);
+  CHECK_THROWS_WITH(delayed.add_tensor(w, t), Catch::Contains("delayed update"));
+  CHECK(delayed.tensor_count() == 0);
+  Opt fine;
+  CHECK(fine.add_tensor(w, t) == 0);
+  CHECK_THROWS_WITH(fine.add_tensor(w, t), Catch::Contains("already registered"));
+  CHECK_THROWS_AS(fine.add_tensor(w, 7), tierstate::logic_error);
+}
+
+TEST_CASE("offloaded params with the optimizer: a checkpoint with a master brings the weights back", "[offload][optimizer]")
+{
+  // Bf16Mixed: the params are the master rounded, so load() writes them into the tier from the
+  // checkpoint's master, whatever the tier held (here: a fresh one, all zero).
+  using Opt = OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost>;
+  test::scratch_dir dir;
+  auto const file = dir.path / "ckpt";
+  typename Opt::options o;
+  o.chunk_elements = 2048;
+  auto const make = [&](offloaded_params<bf16, NvmeFile>& w, Opt& opt, bool init) {
+    for (std::size_t l = 0, t = 0; l < model_sizes.size(); ++l) {
+      auto const layer = w.add_layer(std::string("layer").append(std::to_string(l)));
+      for (auto const n : model_sizes[l]) { w.add_tensor(layer, tensor_name(t++), n); }
+    }
+    for (std::size_t t = 0; t < w.tensor_count(); ++t) {
+      if (init) {
+        std::vector<bf16> v(w.tensor_size(t));
+        for (std::size_t i = 0; i < v.size(); ++i) { v[i] = initial_param<bf16>(t, i); }
+        w.write(t, 0, v);
+      }
+      opt.add_tensor(w, t);
+    }
+  };
+  auto const train = [&](offloaded_params<bf16, NvmeFile>& w, Opt& opt, int from, int to) {
+    for (int s = from; s < to; ++s) {
+      std::vector<std::vector<bf16>> g(w.tensor_count());
+      std::vector<grad_view<bf16>> views;
+      for (std::size_t l = model_sizes.size(), t = w.tensor_count(); l-- > 0;) {
+        auto const v = w.acquire(l);
+        t -= v.size();
+        for (std::size_t i = 0; i < v.size(); ++i) {
+          g[t + i].resize(v.tensor(i).size());
+          gradient_of<bf16, bf16>(v.tensor(i), t + i, s, 0, g[t + i]);
+        }
+        w.release(l);
+      }
+      for (auto const& x : g) { views.push_back({x.data(), x.size()}); }
+      REQUIRE(!opt.step(views).skipped);
+      w.end_iteration();
+    }
+  };
+  auto const weights = [](offloaded_params<bf16, NvmeFile>& w) {
+    std::vector<std::vector<bf16>> all(w.tensor_count());
+    for (std::size_t t = 0; t < all.size(); ++t) {
+      all[t].resize(w.tensor_size(t));
+      w.read(t, 0, all[t]);
+    }
+    return all;
+  };
+  auto const bits = [](std::vector<std::vector<bf16>> const& a) {
+    std::vector<std::uint16_t> out;
+    for (auto const& t : a) {
+      for (auto const x : t) { out.push_back(x.bits); }
+    }
+    return out;
+  };
+  offloaded_params<bf16, NvmeFile>::options wo;
+  wo.tier.directory = dir.path;
+  std::vector<std::uint16_t> saved, after;
+  {
+    offloaded_params<bf16, NvmeFile> w(wo);
+    Opt opt({}, o);
+    make(w, opt, true);
+    train(w, opt, 0, 3);
+    opt.save(file);
+    saved = bits(weights(w));
+    train(w, opt, 3, 6);
+    after = bits(weights(w));
+  }
+  offloaded_params<bf16, NvmeFile> w(wo);
+  Opt opt({}, o);
+  make(w, opt, false);
+  opt.load(file);
+  CHECK(bits(weights(w)) == saved);
+  train(w, opt, 3, 6);
+  CHECK(bits(weights(w)) == after);
+}
