@@ -17,6 +17,8 @@
 #include <atomic>
 #include <cerrno>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <chrono>
 #include <memory_resource>
 #include <stdexcept>
@@ -610,39 +612,43 @@ TEST_CASE("offloaded params with the optimizer: compositions that cannot take th
   CHECK_THROWS_AS(fine.add_tensor(w, 7), tierstate::logic_error);
 }
 
-TEST_CASE("offloaded params with the optimizer: a checkpoint with a master brings the weights back", "[offload][optimizer]")
+TEMPLATE_TEST_CASE("offloaded params with the optimizer: a checkpoint keeps the weights, a block at a time",
+                   "[offload][optimizer][checkpoint]", Fp32, Bf16Mixed, Bf16Compensated)
 {
-  // Bf16Mixed: the params are the master rounded, so load() writes them into the tier from the
-  // checkpoint's master, whatever the tier held (here: a fresh one, all zero).
-  using Opt = OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost>;
+  // The file's params region holds every offloaded tensor's params (for Bf16Mixed also the
+  // master's rounding): a fresh optimizer and tier (all zero) load them, and training goes on
+  // with the same bits.
+  using Opt = OffloadedOptimizer<AdamW, TestType, PinnedHost>;
+  using P   = typename Opt::param_type;
+  using W   = offloaded_params<P, NvmeFile>;
   test::scratch_dir dir;
   auto const file = dir.path / "ckpt";
   typename Opt::options o;
   o.chunk_elements = 2048;
-  auto const make = [&](offloaded_params<bf16, NvmeFile>& w, Opt& opt, bool init) {
+  auto const make = [&](W& w, Opt& opt, bool init) {
     for (std::size_t l = 0, t = 0; l < model_sizes.size(); ++l) {
       auto const layer = w.add_layer(std::string("layer").append(std::to_string(l)));
       for (auto const n : model_sizes[l]) { w.add_tensor(layer, tensor_name(t++), n); }
     }
     for (std::size_t t = 0; t < w.tensor_count(); ++t) {
       if (init) {
-        std::vector<bf16> v(w.tensor_size(t));
-        for (std::size_t i = 0; i < v.size(); ++i) { v[i] = initial_param<bf16>(t, i); }
+        std::vector<P> v(w.tensor_size(t));
+        for (std::size_t i = 0; i < v.size(); ++i) { v[i] = initial_param<P>(t, i); }
         w.write(t, 0, v);
       }
       opt.add_tensor(w, t);
     }
   };
-  auto const train = [&](offloaded_params<bf16, NvmeFile>& w, Opt& opt, int from, int to) {
+  auto const train = [&](W& w, Opt& opt, int from, int to) {
     for (int s = from; s < to; ++s) {
-      std::vector<std::vector<bf16>> g(w.tensor_count());
-      std::vector<grad_view<bf16>> views;
+      std::vector<std::vector<P>> g(w.tensor_count());
+      std::vector<grad_view<P>> views;
       for (std::size_t l = model_sizes.size(), t = w.tensor_count(); l-- > 0;) {
         auto const v = w.acquire(l);
         t -= v.size();
         for (std::size_t i = 0; i < v.size(); ++i) {
           g[t + i].resize(v.tensor(i).size());
-          gradient_of<bf16, bf16>(v.tensor(i), t + i, s, 0, g[t + i]);
+          gradient_of<P, P>(v.tensor(i), t + i, s, 0, g[t + i]);
         }
         w.release(l);
       }
@@ -651,39 +657,54 @@ TEST_CASE("offloaded params with the optimizer: a checkpoint with a master bring
       w.end_iteration();
     }
   };
-  auto const weights = [](offloaded_params<bf16, NvmeFile>& w) {
-    std::vector<std::vector<bf16>> all(w.tensor_count());
-    for (std::size_t t = 0; t < all.size(); ++t) {
-      all[t].resize(w.tensor_size(t));
-      w.read(t, 0, all[t]);
-    }
-    return all;
-  };
-  auto const bits = [](std::vector<std::vector<bf16>> const& a) {
-    std::vector<std::uint16_t> out;
-    for (auto const& t : a) {
-      for (auto const x : t) { out.push_back(x.bits); }
+  auto const bits = [](W& w) {
+    std::vector<unsigned char> out;
+    for (std::size_t t = 0; t < w.tensor_count(); ++t) {
+      std::vector<P> v(w.tensor_size(t));
+      w.read(t, 0, v);
+      auto const* b = reinterpret_cast<unsigned char const*>(v.data());
+      out.insert(out.end(), b, b + v.size() * sizeof(P));
     }
     return out;
   };
-  offloaded_params<bf16, NvmeFile>::options wo;
+  typename W::options wo;
   wo.tier.directory = dir.path;
-  std::vector<std::uint16_t> saved, after;
+  std::vector<unsigned char> saved, after;
   {
-    offloaded_params<bf16, NvmeFile> w(wo);
+    W w(wo);
     Opt opt({}, o);
     make(w, opt, true);
     train(w, opt, 0, 3);
     opt.save(file);
-    saved = bits(weights(w));
+    saved = bits(w);
     train(w, opt, 3, 6);
-    after = bits(weights(w));
+    after = bits(w);
   }
-  offloaded_params<bf16, NvmeFile> w(wo);
+  {
+    W w(wo);
+    Opt opt({}, o);
+    make(w, opt, false);
+    opt.load(file);
+    CHECK(bits(w) == saved);
+    train(w, opt, 3, 6);
+    CHECK(bits(w) == after);
+  }
+  // A flipped byte in the params region is found before anything changes.
+  {
+    auto const size = std::filesystem::file_size(file);
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    // The params region ends where the table (its last 4 KiB here: fewer than 500 blocks) begins.
+    f.seekg(static_cast<std::streamoff>(size - 4096 - 100));
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x5a);
+    f.seekp(static_cast<std::streamoff>(size - 4096 - 100));
+    f.write(&c, 1);
+  }
+  W w(wo);
   Opt opt({}, o);
-  make(w, opt, false);
-  opt.load(file);
-  CHECK(bits(weights(w)) == saved);
-  train(w, opt, 3, 6);
-  CHECK(bits(weights(w)) == after);
+  make(w, opt, true);
+  auto const before = bits(w);
+  CHECK_THROWS_WITH(opt.load(file), Catch::Contains("params block") && Catch::Contains("corrupt"));
+  CHECK(bits(w) == before);
 }

@@ -359,6 +359,17 @@ class OffloadedOptimizer {
   void read_checkpoint(std::uint64_t file_bytes, std::string const& file, bool verify, PinnedHost& first,
                        PinnedHost& region, PinnedHost& table, PinnedHost& scratch, Read&& read);
   [[nodiscard]] checkpoint::header make_header() const;  // (of the layout made, or of `lay`)
+  /// The params region of a checkpoint whose header is `h` (its tensors are this optimizer's):
+  /// section "parm"'s tensors' params, packed in order, in blocks of `block` bytes.
+  [[nodiscard]] std::uint64_t param_blocks(checkpoint::header const& h, std::size_t block) const noexcept;
+  /// Walks the params region's block `j` (of `block` bytes at `data`): `move(t, offset, params)`
+  /// for each run of a tensor's params that falls in it.
+  template <class Move>
+  void walk_param_block(checkpoint::header const& h, std::uint64_t j, std::size_t block, std::byte* data,
+                        Move&& move) const;
+  /// A tensor's params wherever they are (host, device, a param_source).
+  void read_params(std::size_t t, std::size_t offset, std::span<param_type> to) const;
+  void write_params(std::size_t t, std::size_t offset, std::span<param_type const> from);
   [[nodiscard]] checkpoint::header make_header(layout const& lay) const;
   void check_header(checkpoint::header const& h, layout const& lay, std::string const& path) const;
   /// The checkpoint's engine options (given, or the tier's: checkpoint_options::io), and the

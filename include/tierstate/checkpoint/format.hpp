@@ -14,9 +14,15 @@
 //                  32+P  u64 XXH3-64 of bytes [0, 32 + P)
 //                    then zeros to H
 //   [H, H + C*B)    chunk k at H + k*B: B = chunk bytes, C = chunk count
-//   [H + C*B, end)  the table, round_up(8 + 8 + 8*C + 8, 4096) bytes:
-//                     magic "TSCKTBL\n", u64 C, C x u64 XXH3-64 of each chunk,
-//                     u64 XXH3-64 of the table's bytes before it, then zeros
+//   [H + C*B, H + (C+R)*B)
+//                   the params region (only with section "parm"): the params of the tensors
+//                   "parm" names, in its order, back to back (element e of the region at
+//                   byte e * its element bytes), in R = ceil(bytes / B) blocks of B bytes, the
+//                   last one zero-padded
+//   [H + (C+R)*B, end)
+//                   the table, round_up(8 + 8 + 8*(C+R) + 8, 4096) bytes:
+//                     magic "TSCKTBL\n", u64 C + R, C x u64 XXH3-64 of each chunk, then R of
+//                     each params block, u64 XXH3-64 of the table's bytes before it, zeros
 //
 // The payload is a table of sections: u32 section count, then each section as a 4-byte tag,
 // a u32 of flags (bit 0: required, a reader that does not know the tag refuses the file;
@@ -36,6 +42,10 @@
 // and one optional section (files saved before it see each tensor as "tens" says):
 //   "dims"  u64 T, then per tensor u64 batches (its rows are "tens"'s over these), u8 1 for
 //           a vector (core/tensor.hpp's tensor_shape), else 0
+// and, where the optimizer has offloaded params (state/offloaded_params.hpp), one more
+// required section, which a reader older than it refuses by name:
+//   "parm"  u32 bytes of one param element (2 or 4); u64 N >= 1, then N u64 tensor indices
+//           (into "tens"), ascending: the tensors whose params the params region holds
 //
 // Version 1 (still read) had one fixed payload: str rule; str precision; i64 step; the four
 // u64 of "layt"; u32 slot count and per slot u32 id, u32 element bytes; u64 tensor count and

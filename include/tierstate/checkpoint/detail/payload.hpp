@@ -52,6 +52,10 @@ struct header {
   bool shapes_recorded = true;
   /// Whether their batches and vector flags were (a v2 file with section "dims").
   bool dims_recorded = true;
+  /// Section "parm": the tensors whose params the file holds (offloaded params), ascending,
+  /// and the bytes of one param element; none without it.
+  std::uint32_t param_bytes = 0;
+  std::vector<std::uint64_t> param_tensors;
 };
 
 namespace detail {
@@ -76,8 +80,8 @@ namespace detail {
 inline constexpr std::uint32_t required_section = 1;
 
 /// The sections this build knows; the first six are in every version-2 file.
-inline constexpr std::array<std::uint32_t, 8> known_sections = {tag("rule"), tag("prec"), tag("layt"), tag("step"),
-                                                                tag("tens"), tag("grps"), tag("tphs"), tag("dims")};
+inline constexpr std::array<std::uint32_t, 9> known_sections = {
+  tag("rule"), tag("prec"), tag("layt"), tag("step"), tag("tens"), tag("grps"), tag("tphs"), tag("dims"), tag("parm")};
 inline constexpr std::size_t always_there = 6;
 
 inline void put_section(writer& p, char const (&name)[5], writer const& body, bool required = true)
@@ -92,7 +96,7 @@ inline void put_section(writer& p, char const (&name)[5], writer const& body, bo
 inline writer encode_payload(header const& h)
 {
   writer p;
-  std::uint32_t const sections = h.tensor_states.empty() ? 7 : 8;
+  std::uint32_t const sections = 7 + (h.tensor_states.empty() ? 0 : 1) + (h.param_tensors.empty() ? 0 : 1);
   p.put(sections);
   writer b;
   b.put(std::string_view(h.rule));
@@ -150,6 +154,13 @@ inline writer encode_payload(header const& h)
       for (float const v : t.values) { b.put(v); }
     }
     put_section(p, "tphs", b);
+  }
+  if (!h.param_tensors.empty()) {
+    b = {};
+    b.put(h.param_bytes);
+    b.put(static_cast<std::uint64_t>(h.param_tensors.size()));
+    for (std::uint64_t const t : h.param_tensors) { b.put(t); }
+    put_section(p, "parm", b);
   }
   return p;
 }
@@ -305,6 +316,20 @@ inline void decode_payload(reader& r, header& h, std::string const& path)
         if (vector > 1) { throw checkpoint_error(path, "a tensor's vector flag is " + std::to_string(vector) + " (corrupt)"); }
         dims.emplace_back(batches, vector != 0);
       }
+    } else if (t == tag("parm")) {
+      h.param_bytes = s.get<std::uint32_t>("param element bytes");
+      auto const n  = s.count("param tensor count", 8);
+      if (n == 0 || (h.param_bytes != 2 && h.param_bytes != 4)) {
+        throw checkpoint_error(path, "section \"parm\" names " + std::to_string(n) + " tensors of " +
+                                       std::to_string(h.param_bytes) + "-byte params (corrupt)");
+      }
+      for (std::uint64_t j = 0; j < n; ++j) {
+        auto const tensor = s.get<std::uint64_t>("param tensor");
+        if (!h.param_tensors.empty() && tensor <= h.param_tensors.back()) {
+          throw checkpoint_error(path, "section \"parm\"'s tensors are not in ascending order (corrupt)");
+        }
+        h.param_tensors.push_back(tensor);
+      }
     } else {  // "tphs"
       auto const ntensors = s.count("tensor state count", 8);
       for (std::uint64_t j = 0; j < ntensors; ++j) { h.tensor_states.push_back({read_floats(s)}); }
@@ -318,6 +343,10 @@ inline void decode_payload(reader& r, header& h, std::string const& path)
     if (!seen[k]) { throw checkpoint_error(path, "has no section \"" + tag_text(known_sections[k]) + "\" (corrupt)"); }
   }
   h.dims_recorded = seen[7];
+  if (!h.param_tensors.empty() && h.param_tensors.back() >= h.tensors.size()) {
+    throw checkpoint_error(path, "section \"parm\" names tensor " + std::to_string(h.param_tensors.back()) +
+                                   " of " + std::to_string(h.tensors.size()) + " (corrupt)");
+  }
   if (h.dims_recorded) {  // "tens" counted every batch's rows
     if (dims.size() != h.tensors.size()) {
       throw checkpoint_error(path, "section \"dims\" has " + std::to_string(dims.size()) + " tensors and section \"tens\" " +

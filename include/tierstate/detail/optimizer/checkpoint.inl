@@ -170,18 +170,31 @@ template <class Write>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::write_checkpoint(PinnedHost& header,
     PinnedHost& table, Write&& write)
 {
-  header = detail::aligned_copy(checkpoint::encode(make_header()));
+  auto const h = make_header();
+  header       = detail::aligned_copy(checkpoint::encode(h));
   write(0, header.data(), header.size());
 
   std::uint64_t const H = header.size();
   std::size_t const B   = store_.layout().chunk_bytes();
-  std::vector<std::uint64_t> sums(store_.layout().chunk_count());
+  std::size_t const C   = store_.layout().chunk_count();
+  std::uint64_t const P = param_blocks(h, B);
+  std::vector<std::uint64_t> sums(C + P);
   step_stats ignored;
-  for (std::size_t k = 0; k < store_.layout().chunk_count(); ++k) {
+  for (std::size_t k = 0; k < C; ++k) {
     store_.with_chunk(k, false, ignored, [&](std::byte const* chunk) {
       sums[k] = checkpoint::checksum(chunk, B);
       write(H + k * B, chunk, B);
     });
+  }
+  // Offloaded params, a block at a time (never the whole model in memory).
+  PinnedHost block(P > 0 ? B : 0);
+  for (std::uint64_t j = 0; j < P; ++j) {
+    std::memset(block.data(), 0, B);
+    walk_param_block(h, j, B, block.data(), [&](std::size_t t, std::size_t offset, std::span<param_type> params) {
+      read_params(t, offset, params);
+    });
+    sums[C + j] = checkpoint::checksum(block.data(), B);
+    write(H + (C + j) * B, block.data(), B);
   }
   table = detail::aligned_copy(checkpoint::encode_table(sums));
   write(H + sums.size() * B, table.data(), table.size());
@@ -220,14 +233,20 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
   // The file's size, now that its layout is known to be ours.
   std::size_t const B   = lay.chunk_bytes();
   std::size_t const C   = lay.chunk_count();
-  std::uint64_t const T = checkpoint::table_bytes(C);
-  if (file_bytes != H + C * B + T) {
+  std::uint64_t const P = param_blocks(h, B);  // (the params region: offloaded params)
+  std::uint64_t const T = checkpoint::table_bytes(C + P);
+  if (file_bytes != H + (C + P) * B + T) {
     throw checkpoint_error(file, "is " + std::to_string(file_bytes) + " bytes; its header describes " +
-                                   std::to_string(H + C * B + T) + " (truncated or extended)");
+                                   std::to_string(H + (C + P) * B + T) + " (truncated or extended)");
   }
   table = PinnedHost(T);
-  read(H + C * B, table.data(), T);
-  std::vector<std::uint64_t> const sums = checkpoint::decode_table({table.data(), table.size()}, C, file, verify);
+  read(H + (C + P) * B, table.data(), T);
+  std::vector<std::uint64_t> const sums = checkpoint::decode_table({table.data(), table.size()}, C + P, file, verify);
+  auto corrupt_params = [&](std::uint64_t j) {
+    return checkpoint_error(file, "params block " + std::to_string(j) + " of " + std::to_string(P) + " (bytes [" +
+                                    std::to_string(H + (C + j) * B) + ", " + std::to_string(H + (C + j + 1) * B) +
+                                    ") of the file) does not match its checksum (corrupt)");
+  };
 
   auto corrupt_chunk = [&](std::size_t k) {
     return checkpoint_error(file, "chunk " + std::to_string(k) + " of " + std::to_string(C) + " (bytes [" +
@@ -240,6 +259,10 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
     for (std::size_t k = 0; k < C; ++k) {
       read(H + k * B, scratch.data(), B);
       if (checkpoint::checksum(scratch.data(), B) != sums[k]) { throw corrupt_chunk(k); }
+    }
+    for (std::uint64_t j = 0; j < P; ++j) {
+      read(H + (C + j) * B, scratch.data(), B);
+      if (checkpoint::checksum(scratch.data(), B) != sums[C + j]) { throw corrupt_params(j); }
     }
   }
   // The file is good: the state is made (its master is not filled from the params: every
@@ -255,6 +278,13 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
       if (verify && checkpoint::checksum(chunk, B) != sums[k]) { throw corrupt_chunk(k); }
       store_.tier().write(k * B, std::span<std::byte const>(chunk, B));
       store_.params_from_master(k, chunk, tensors_);
+    }
+    for (std::uint64_t j = 0; j < P; ++j) {  // the params the file keeps: after the master's
+      read(H + (C + j) * B, scratch.data(), B);
+      if (verify && checkpoint::checksum(scratch.data(), B) != sums[C + j]) { throw corrupt_params(j); }
+      walk_param_block(h, j, B, scratch.data(), [&](std::size_t t, std::size_t offset, std::span<param_type> params) {
+        write_params(t, offset, params);
+      });
     }
   } catch (std::exception const& e) {
     store_.mark_lost(e.what());
@@ -321,6 +351,40 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load_fro
                     }
                     read(offset, std::span<std::byte>(data, n));
                   });
+}
+
+}  // namespace tierstate
+
+namespace tierstate::inline TIERSTATE_ABI {
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+std::uint64_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::param_blocks(
+    checkpoint::header const& h, std::size_t block) const noexcept
+{
+  std::uint64_t bytes = 0;
+  for (auto const t : h.param_tensors) { bytes += tensors_[t].count * sizeof(param_type); }
+  return (bytes + block - 1) / block;
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+template <class Move>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::walk_param_block(checkpoint::header const& h,
+    std::uint64_t j, std::size_t block, std::byte* data, Move&& move) const
+{
+  // Element e of the region (the tensors' params back to back) is at byte e * sizeof(param).
+  std::uint64_t const per_block = block / sizeof(param_type);
+  std::uint64_t const lo = j * per_block, hi = lo + per_block;
+  std::uint64_t at = 0;  // the region's element where tensor t starts
+  for (auto const t : h.param_tensors) {
+    std::uint64_t const n = tensors_[t].count;
+    std::uint64_t const b = std::max(lo, at), e = std::min(hi, at + n);
+    if (b < e) {
+      auto* p = reinterpret_cast<param_type*>(data) + (b - lo);
+      move(static_cast<std::size_t>(t), static_cast<std::size_t>(b - at), std::span<param_type>(p, e - b));
+    }
+    at += n;
+    if (at >= hi) { break; }
+  }
 }
 
 }  // namespace tierstate

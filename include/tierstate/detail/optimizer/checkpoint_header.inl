@@ -35,6 +35,10 @@ checkpoint::header OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Comp
     h.tensors.push_back({e.name, lay.tensors()[t].offset, e.count, e.group, e.step, e.shape.rows, e.shape.columns,
                          e.shape.batches, e.shape.vector});
   }
+  for (std::size_t t = 0; t < tensors_.size(); ++t) {  // offloaded params: the file keeps them
+    if (tensors_[t].source != nullptr) { h.param_tensors.push_back(t); }
+  }
+  h.param_bytes      = h.param_tensors.empty() ? 0 : static_cast<std::uint32_t>(sizeof(param_type));
   h.values_per_group = static_cast<std::uint32_t>(rule_type::hyperparameter_table.size());
   for (auto const& g : groups_) {
     auto const v = hyperparameter_values<rule_type>(g);
@@ -91,6 +95,9 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_he
       };
       differ("slot " + std::to_string(i), describe(a, h.version >= 2), describe(b, true));
     }
+  }
+  if (!h.param_tensors.empty() && h.param_bytes != sizeof(param_type)) {
+    differ("params of", std::to_string(h.param_bytes) + " bytes", std::to_string(sizeof(param_type)) + "-byte params");
   }
   if (h.tensors.size() != mine.tensors.size()) {
     differ("tensor count", std::to_string(h.tensors.size()), std::to_string(mine.tensors.size()));
