@@ -708,3 +708,63 @@ TEMPLATE_TEST_CASE("offloaded params with the optimizer: a checkpoint keeps the 
   CHECK_THROWS_WITH(opt.load(file), Catch::Contains("params block") && Catch::Contains("corrupt"));
   CHECK(bits(w) == before);
 }
+
+TEST_CASE("offloaded params with the optimizer: a failed param write loses the state, and a checkpoint restores all",
+          "[offload][optimizer][checkpoint]")
+{
+  // The param tier's writes fail part-way through a step's update: the step throws, the
+  // optimizer refuses to go on (state_lost) instead of mixing new and old weights, and a
+  // checkpoint brings state and weights back to where they were.
+  using Opt = OffloadedOptimizer<AdamW, Fp32, PinnedHost>;
+  using W   = offloaded_params<float, test::memory_tier>;
+  test::scratch_dir dir;
+  int writes_left = 1 << 30;
+  W::options wo;
+  wo.tier.writes_left = &writes_left;
+  W w(wo);
+  std::vector<std::size_t> sizes;
+  for (std::size_t l = 0, t = 0; l < model_sizes.size(); ++l) {
+    auto const layer = w.add_layer(std::string("layer").append(std::to_string(l)));
+    for (auto const n : model_sizes[l]) {
+      w.add_tensor(layer, tensor_name(t++), n);
+      sizes.push_back(n);
+    }
+  }
+  typename Opt::options o;
+  o.chunk_elements = 2048;
+  o.threads        = 2;
+  Opt opt({}, o);
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    std::vector<float> v(sizes[t]);
+    for (std::size_t i = 0; i < v.size(); ++i) { v[i] = initial_param<float>(t, i); }
+    w.write(t, 0, v);
+    opt.add_tensor(w, t);
+  }
+  std::vector<std::vector<float>> g(sizes.size());
+  std::vector<grad_view<float>> views;
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    g[t].assign(sizes[t], 0.01f * static_cast<float>(t + 1));
+    views.push_back({g[t].data(), g[t].size()});
+  }
+  auto const weights = [&] {
+    std::vector<std::vector<float>> all(sizes.size());
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      all[t].resize(sizes[t]);
+      w.read(t, 0, all[t]);
+    }
+    return all;
+  };
+  REQUIRE(!opt.step(views).skipped);
+  opt.save(dir.path / "ckpt");
+  auto const saved = weights();
+  writes_left = 3;  // a few pieces of the next update land, then the tier fails
+  CHECK_THROWS_WITH(opt.step(views), Catch::Contains("memory_tier: write failed"));
+  CHECK(opt.state_lost());
+  CHECK_THROWS_AS(opt.step(views), state_lost);
+  writes_left = 1 << 30;
+  opt.load(dir.path / "ckpt");
+  CHECK(!opt.state_lost());
+  CHECK(weights() == saved);
+  REQUIRE(!opt.step(views).skipped);
+  CHECK(opt.step_count() == 2);
+}
