@@ -238,12 +238,15 @@ state_opt::options state_options(options const& o)
   return so;
 }
 
-void init_layer(layer_shape const& s, std::mt19937& rng, std::vector<bf16>& w, std::vector<bf16>& b)
+/// Residual branches start small (1/sqrt(depth) of a plain layer's scale), so that the
+/// activations do not grow with depth.
+void init_layer(layer_shape const& s, int depth, std::mt19937& rng, std::vector<bf16>& w, std::vector<bf16>& b)
 {
   std::normal_distribution<float> normal(0.0f, 1.0f / std::sqrt(static_cast<float>(s.in)));
+  float const scale = s.residual ? 1.0f / std::sqrt(static_cast<float>(depth)) : 1.0f;
   w.resize(static_cast<std::size_t>(s.in) * s.out);
   b.assign(static_cast<std::size_t>(s.out), bf16(0.0f));
-  for (auto& x : w) { x = bf16(normal(rng) * (s.residual ? 0.5f : 1.0f)); }
+  for (auto& x : w) { x = bf16(normal(rng) * scale); }
 }
 
 }  // namespace
@@ -254,7 +257,7 @@ int main(int argc, char** argv)
   if (o.path.empty()) { o.path = std::filesystem::temp_directory_path().string(); }
   auto const s = shapes(o);
   AdamW::hyperparameters h;
-  h.lr           = 3e-3;
+  h.lr           = 1e-3;
   h.weight_decay = 0.01;
   try {
     // The weights on NVMe, a window of layers in host memory; biases stay resident.
@@ -273,7 +276,7 @@ int main(int argc, char** argv)
       ids.push_back(weights.add_tensor(layer, name_of(l, ".b"), static_cast<std::size_t>(s[l].out)));
     }
     for (std::size_t l = 0; l < s.size(); ++l) {
-      init_layer(s[l], init, first_w[l], first_b[l]);
+      init_layer(s[l], o.depth, init, first_w[l], first_b[l]);
       weights.write(ids[2 * l], 0, first_w[l]);
       weights.write(ids[2 * l + 1], 0, first_b[l]);
       opt.add_tensor(weights, ids[2 * l]);
