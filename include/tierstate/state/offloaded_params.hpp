@@ -65,6 +65,7 @@
 #include <exception>
 #include <memory_resource>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <span>
 #include <string>
@@ -238,6 +239,9 @@ class offloaded_params final : public param_source<Param> {
   void read_ahead();
   void drop(int b);
   void fill_views(layer_entry& l, std::byte const* data);
+  /// Under tier_mu_: writes `from` at byte `at` of the tier, in whole aligned blocks where the
+  /// tier has an alignment.
+  void write_tier(std::size_t at, std::span<std::byte const> from);
 
   options opts_;
   std::vector<layer_entry> layers_;

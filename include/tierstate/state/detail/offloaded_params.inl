@@ -411,7 +411,7 @@ void offloaded_params<Param, Tier>::write(tensor_id t, std::size_t offset, std::
   std::exception_ptr failure;
   try {
     std::lock_guard tk(tier_mu_);
-    tier_->write(e.offset + offset * sizeof(Param), std::as_bytes(from));
+    write_tier(e.offset + offset * sizeof(Param), std::as_bytes(from));
   } catch (...) {
     failure = std::current_exception();
   }
@@ -421,6 +421,34 @@ void offloaded_params<Param, Tier>::write(tensor_id t, std::size_t offset, std::
   read_ahead();
   cv_.notify_all();
   if (failure) { std::rethrow_exception(failure); }
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::write_tier(std::size_t at, std::span<std::byte const> from)
+{
+  if constexpr (requires { Tier::alignment; }) {
+    // A tier with an alignment (NvmeFile: O_DIRECT) takes an unaligned write as a
+    // read-modify-write of every block it touches. Here only the first and last blocks are
+    // read, and the whole range is written at once from aligned memory.
+    constexpr std::size_t a = Tier::alignment;
+    std::size_t const lo = at / a * a, hi = (at + from.size() + a - 1) / a * a;
+    if (lo == at && hi == at + from.size() && reinterpret_cast<std::uintptr_t>(from.data()) % a == 0) {
+      tier_->write(at, from);
+      return;
+    }
+    std::size_t const n = hi - lo;
+    auto* buf = static_cast<std::byte*>(::operator new(n, std::align_val_t{a}));
+    struct freer {
+      std::byte* p;
+      ~freer() { ::operator delete(p, std::align_val_t{a}); }
+    } const owned{buf};
+    if (lo < at) { tier_->read(lo, {buf, a}); }
+    if (hi > at + from.size() && (hi - a >= lo + a || lo == at)) { tier_->read(hi - a, {buf + n - a, a}); }
+    std::memcpy(buf + (at - lo), from.data(), from.size());
+    tier_->write(lo, {buf, n});
+  } else {
+    tier_->write(at, from);
+  }
 }
 
 template <class Param, tier Tier>
