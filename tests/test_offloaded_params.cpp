@@ -33,7 +33,7 @@ namespace {
 class slow_tier {
  public:
   struct options {
-    std::chrono::milliseconds delay{0};
+    std::atomic<int>* delay_ms = nullptr;  ///< each read sleeps this long
     std::atomic<bool>* fail_reads = nullptr;
     std::atomic<int>* reads       = nullptr;
     std::atomic<int>* started     = nullptr;  ///< reads begun
@@ -44,7 +44,7 @@ class slow_tier {
   void read(std::size_t offset, std::span<std::byte> to) const
   {
     if (o_.started != nullptr) { ++*o_.started; }
-    std::this_thread::sleep_for(o_.delay);
+    if (o_.delay_ms != nullptr) { std::this_thread::sleep_for(std::chrono::milliseconds(o_.delay_ms->load())); }
     if (o_.reads != nullptr) { ++*o_.reads; }
     if (o_.fail_reads != nullptr && o_.fail_reads->load()) { throw std::runtime_error("slow_tier: read failed"); }
     std::memcpy(to.data(), bytes_.data() + offset, to.size());
@@ -272,22 +272,24 @@ TEST_CASE("offloaded params: gradient accumulation's passes and an order that ch
 
 TEST_CASE("offloaded params: a write while a layer is read ahead, or held, is never missed", "[offload]")
 {
-  std::atomic<int> started{0};
+  std::atomic<int> started{0}, delay_ms{0};
   slow_tier::options t;
-  t.delay   = std::chrono::milliseconds(30);
-  t.started = &started;
+  t.delay_ms = &delay_ms;
+  t.started  = &started;
   model<offloaded_params<float, slow_tier>> m(options_for<slow_tier>(1, 0, t));
   m.write_all(0);
   m.iteration(0);
   m.write_all(1);  // drops the buffers kept from backward
   int const before = started;
-  m.w.end_iteration();  // starts the 30 ms read of layer 0
+  delay_ms         = 500;  // (the writes below begin within it, however loaded the machine)
+  m.w.end_iteration();     // starts the read of layer 0
   auto const t0 = std::chrono::steady_clock::now();
   while (started == before) {
     REQUIRE(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20));
     std::this_thread::yield();
   }
   m.write_all(2);  // ... which these writes overtake
+  delay_ms = 0;
   m.use(0, 2);
   CHECK(m.w.stats().discarded >= 1);
 
@@ -429,7 +431,7 @@ enum class step_kind { whole, streaming };
 /// whole state.
 template <class Opt, class ParamTier>
 void check_parity(typename Opt::options const& opt_options, typename ParamTier::options const& param_tier,
-                  unsigned window, step_kind kind, unsigned micro_batches)
+                  unsigned window, step_kind kind, unsigned micro_batches, std::size_t threshold = 0)
 {
   using P = typename Opt::param_type;
   using G = typename Opt::grad_type;
@@ -452,8 +454,9 @@ void check_parity(typename Opt::options const& opt_options, typename ParamTier::
 
   // Offloaded: the same tensors, grouped by layer.
   typename offloaded_params<P, ParamTier>::options wo;
-  wo.window = window;
-  wo.tier   = param_tier;
+  wo.window                = window;
+  wo.tier                  = param_tier;
+  wo.persistence_threshold = threshold;  // (64: the small tensors stay in host memory)
   offloaded_params<P, ParamTier> w(wo);
   std::vector<std::vector<std::size_t>> by_layer;
   for (std::size_t l = 0, t = 0; l < model_sizes.size(); ++l) {
@@ -541,7 +544,8 @@ void check_parity(typename Opt::options const& opt_options, typename ParamTier::
     }
   }
   auto const st = w.stats();
-  CHECK(st.out_of_order == (micro_batches > 1 ? st.out_of_order : 0));
+  if (micro_batches == 1) { CHECK(st.out_of_order == 0); }  // (more passes: the first iteration's guess misses)
+  CHECK(st.on_demand <= st.out_of_order);
   CHECK(st.bytes_written > 0);
 }
 
@@ -582,7 +586,7 @@ TEST_CASE("offloaded params with the optimizer: the same bits as params in memor
     each([&](unsigned window, step_kind kind, unsigned micro) { check_parity<Opt, NvmeFile>(o, pt, window, kind, micro); });
     CHECK(dir.entries().empty());
   }
-  SECTION("bf16 params, Kahan-compensated, in a user's tier; clipping")
+  SECTION("bf16 params, Kahan-compensated, in a user's tier, small tensors resident; clipping")
   {
     using Opt = OffloadedOptimizer<AdamW, Precision<bf16, bf16, Compensated, float>, test::memory_tier>;
     typename Opt::options o;
@@ -590,7 +594,7 @@ TEST_CASE("offloaded params with the optimizer: the same bits as params in memor
     o.threads        = 1;
     o.max_grad_norm  = 0.5;
     each([&](unsigned window, step_kind kind, unsigned micro) {
-      check_parity<Opt, test::memory_tier>(o, {}, window, kind, micro);
+      check_parity<Opt, test::memory_tier>(o, {}, window, kind, micro, 64);
     });
   }
 }
@@ -610,6 +614,9 @@ TEST_CASE("offloaded params with the optimizer: compositions that cannot take th
   CHECK(fine.add_tensor(w, t) == 0);
   CHECK_THROWS_WITH(fine.add_tensor(w, t), Catch::Contains("already registered"));
   CHECK_THROWS_AS(fine.add_tensor(w, 7), tierstate::logic_error);
+  OffloadedOptimizer<Adafactor, Bf16Mixed, PinnedHost> factored;
+  CHECK_THROWS_WITH(factored.add_tensor(w, t), Catch::Contains("tensor phase"));
+  CHECK(factored.tensor_count() == 0);
 }
 
 TEMPLATE_TEST_CASE("offloaded params with the optimizer: a checkpoint keeps the weights, a block at a time",

@@ -40,12 +40,14 @@
 // write. A view shows the values of its acquire until release, however they are written
 // meanwhile (a resident tensor's view is a copy made at acquire).
 //
-// Failures: a read that fails (an io_error from the tier) is thrown by the acquire() of its
-// layer, which then holds nothing; the next acquire() reads it again. A write that fails
+// Failures: a read ahead that failed is done again by the acquire() of its layer (counted:
+// failed_reads, retried); a read that an acquire() waits for and that fails (an io_error from
+// the tier) is thrown by it, which then holds nothing; the next acquire() reads again. A write that fails
 // throws, and that layer's next acquire reads whatever the tier holds. Misuse (a layer
 // acquired twice, released without acquire, unknown ids, registering after the tier was
-// made, more layers acquired at once than there are buffers) throws tierstate::logic_error
-// naming the layer, and changes nothing.
+// made, more layers acquired at once than there are buffers: all of them acquired, or read
+// for an acquire that waits) throws tierstate::logic_error naming the layer, and changes
+// nothing.
 //
 // Thread safety: registration (add_layer, add_tensor) belongs to one thread, before anything
 // else; from then on every member may be called from any thread, acquire and release of one
@@ -97,6 +99,8 @@ struct offload_stats {
   std::uint64_t out_of_order  = 0;  ///< acquires that were not the next expected layer
   std::uint64_t reads         = 0;  ///< layers read from the tier
   std::uint64_t discarded     = 0;  ///< reads thrown away: the layer was written meanwhile
+  std::uint64_t failed_reads  = 0;  ///< reads the tier failed
+  std::uint64_t retried       = 0;  ///< acquires that read again a layer whose read ahead had failed
   std::uint64_t evicted       = 0;  ///< layers read ahead or kept, dropped for another
   std::uint64_t bytes_read    = 0;  ///< by the window's reads
   std::uint64_t bytes_written = 0;  ///< by write()

@@ -25,12 +25,13 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
       std::size_t const tofs = pc.tensor_begin + (lo - pc.chunk_begin);
       auto const& tensor     = tensors_[pc.tensor];
       arrays_t a;
-      a.param  = update_params_on_device(pc.tensor) ? param_stage + lo : update_params(pc.tensor) + tofs;
       std::vector<param_type> offloaded;  // params that rest in a param_source: read, updated, written back
       if (tensor.source != nullptr) {
         offloaded.resize(hi - lo);
         if constexpr (!Precision::has_master) { tensor.source->read(tensor.source_tensor, tofs, offloaded); }
         a.param = offloaded.data();
+      } else {
+        a.param = update_params_on_device(pc.tensor) ? param_stage + lo : update_params(pc.tensor) + tofs;
       }
       a.grad   = grads[pc.tensor].where == location::device ? grad_stage + lo : grads[pc.tensor].data + tofs;
       store_.arrays_at(chunk, lo, a);

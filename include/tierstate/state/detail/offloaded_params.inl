@@ -67,10 +67,13 @@ auto offloaded_params<Param, Tier>::add_tensor(layer_id layer, std::string name,
   t.layer    = layer;
   t.count    = count;
   t.resident = count < opts_.persistence_threshold;
+  tensor_id const id = tensors_.size();
+  tensors_.reserve(id + 1);  // (so that nothing below throws once the name is in)
+  layers_[layer].tensors.reserve(layers_[layer].tensors.size() + 1);
+  index_.emplace(std::move(name), id);
   tensors_.push_back(std::move(t));
-  index_.emplace(std::move(name), tensors_.size() - 1);
-  layers_[layer].tensors.push_back(tensors_.size() - 1);
-  return tensors_.size() - 1;
+  layers_[layer].tensors.push_back(id);
+  return id;
 }
 
 template <class Param, tier Tier>
@@ -108,9 +111,16 @@ void offloaded_params<Param, Tier>::make_locked()
   if (tier_bytes > 0) { tier = std::make_unique<Tier>(tier_bytes, opts_.tier); }
   std::vector<buffer> buffers(buffer_bytes > 0 ? opts_.window + 1 : 0);
   std::vector<Param> resident;
+  std::vector<layer_id> expected;
+  std::thread io;
   try {
     for (auto& b : buffers) { b.data = static_cast<std::byte*>(resource_->allocate(buffer_bytes, tier_alignment)); }
     resident.assign(2 * resident_count, Param{});  // the values, then what held views show
+    // The first iteration: forward, then backward.
+    for (layer_id l = 0; l < layers_.size(); ++l) { expected.push_back(l); }
+    for (layer_id l = layers_.size(); l-- > 0;) { expected.push_back(l); }
+    // (It waits for mu_, held here, before it looks at anything.)
+    if (!buffers.empty()) { io = std::thread([this] { io_loop(); }); }
   } catch (...) {
     for (auto& b : buffers) {
       if (b.data != nullptr) { resource_->deallocate(b.data, buffer_bytes, tier_alignment); }
@@ -123,11 +133,9 @@ void offloaded_params<Param, Tier>::make_locked()
   tier_bytes_     = tier_bytes;
   buffer_bytes_   = buffer_bytes;
   resident_count_ = resident_count;
+  expected_       = std::move(expected);
+  io_             = std::move(io);
   made_           = true;
-  // The first iteration: forward, then backward.
-  for (layer_id l = 0; l < layers_.size(); ++l) { expected_.push_back(l); }
-  for (layer_id l = layers_.size(); l-- > 0;) { expected_.push_back(l); }
-  if (!buffers_.empty()) { io_ = std::thread([this] { io_loop(); }); }
   read_ahead();
 }
 
@@ -162,6 +170,7 @@ void offloaded_params<Param, Tier>::io_loop()
     stats_.bytes_read += bytes;
     if (failure) {
       l.failure = failure;
+      ++stats_.failed_reads;
       drop(job.buffer);
     } else if (l.version != b.version) {
       ++stats_.discarded;  // a write began meanwhile: read it again
@@ -246,13 +255,13 @@ void offloaded_params<Param, Tier>::fill_views(layer_entry& l, std::byte const* 
   l.views.clear();
   for (auto const t : l.tensors) {
     auto const& e = tensors_[t];
-    Param const* p = reinterpret_cast<Param const*>(data + (e.offset - l.offset));
     if (e.resident) {  // a copy of its own: a write does not change a view while it is held
       Param* held = resident_.data() + resident_count_ + e.offset;
       std::copy_n(resident_.data() + e.offset, e.count, held);
-      p = held;
+      l.views.emplace_back(held, e.count);
+    } else {
+      l.views.emplace_back(reinterpret_cast<Param const*>(data + (e.offset - l.offset)), e.count);
     }
-    l.views.emplace_back(p, e.count);
   }
 }
 
@@ -266,8 +275,10 @@ auto offloaded_params<Param, Tier>::acquire(layer_id layer) -> layer_view
   TIERSTATE_EXPECTS(!l.acquired, "offloaded_params::acquire(" + detail::layer_text(layer, l.name) +
                                    "): it is acquired already; release it first");
   if (!made_) { make_locked(); }
-  bool const every_buffer_held =
-    std::all_of(buffers_.begin(), buffers_.end(), [](buffer const& b) { return b.state == buffer_state::acquired; });
+  // Held: acquired, or being read or read for an acquire that waits for it (another thread's).
+  bool const every_buffer_held = std::all_of(buffers_.begin(), buffers_.end(), [&](buffer const& b) {
+    return b.state == buffer_state::acquired || (b.state != buffer_state::free && layers_[b.layer].wanted);
+  });
   TIERSTATE_EXPECTS(l.bytes == 0 || l.buffer >= 0 || !every_buffer_held,
                     "offloaded_params::acquire(" + detail::layer_text(layer, l.name) + "): all " +
                       std::to_string(buffers_.size()) +
@@ -294,11 +305,17 @@ auto offloaded_params<Param, Tier>::acquire(layer_id layer) -> layer_view
   ++stats_.acquires;
   auto const t0  = std::chrono::steady_clock::now();
   bool on_demand = false, waited = false;
-  l.failure      = nullptr;  // a read ahead's: this acquire reads again
-  l.wanted       = true;     // (its buffer is not taken while this waits)
+  if (l.failure) {  // a read ahead's: this acquire reads again
+    l.failure = nullptr;
+    ++stats_.retried;
+  }
+  l.wanted = true;  // (its buffer is not taken while this waits)
+  struct unwant {
+    bool& wanted;
+    ~unwant() { wanted = false; }
+  } const unwanted{l.wanted};
   for (;;) {
     if (l.failure) {
-      l.wanted                         = false;
       std::exception_ptr const failure = std::exchange(l.failure, nullptr);
       stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       read_ahead();
@@ -321,7 +338,6 @@ auto offloaded_params<Param, Tier>::acquire(layer_id layer) -> layer_view
   }
   auto& b = buffers_[l.buffer];
   b.state    = buffer_state::acquired;
-  l.wanted   = false;
   l.acquired = true;
   if (on_demand) {
     ++stats_.on_demand;

@@ -116,15 +116,17 @@ void state_store<Precision, Rule, StateTier, Placement>::fill_master(std::span<t
       auto* master = reinterpret_cast<float*>(chunk + layout_->slot_offset(0));
       for (auto const& pc : pieces(k)) {
         auto const& t         = tensors[pc.tensor];
-        param_type const* src = t.param + pc.tensor_begin;
+        param_type const* src = nullptr;
         if (t.source != nullptr) {  // offloaded params
           params.resize(pc.count);
           t.source->read(t.source_tensor, pc.tensor_begin, params);
           src = params.data();
         } else if (t.where == location::device) {
           params.resize(pc.count);
-          device::copy(params.data(), src, pc.count * sizeof(param_type));
+          device::copy(params.data(), t.param + pc.tensor_begin, pc.count * sizeof(param_type));
           src = params.data();
+        } else {
+          src = t.param + pc.tensor_begin;
         }
         for (std::size_t i = 0; i < pc.count; ++i) { master[pc.chunk_begin + i] = convert<float>(src[i]); }
       }
@@ -267,10 +269,12 @@ void state_store<Precision, Rule, StateTier, Placement>::params_from_master(
     std::vector<param_type> staged;  // for params on the device, or offloaded
     for (auto const& pc : pieces(k)) {
       auto const& t   = tensors[pc.tensor];
-      param_type* dst = t.param + pc.tensor_begin;
+      param_type* dst = nullptr;
       if (t.where == location::device || t.source != nullptr) {
         staged.resize(pc.count);
         dst = staged.data();
+      } else {
+        dst = t.param + pc.tensor_begin;
       }
       for (std::size_t i = 0; i < pc.count; ++i) { dst[i] = convert<param_type>(master[pc.chunk_begin + i]); }
       if (t.source != nullptr) {
