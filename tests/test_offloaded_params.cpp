@@ -63,11 +63,12 @@ class slow_tier {
 class counting_resource : public std::pmr::memory_resource {
  public:
   std::size_t live = 0, peak = 0, allocations = 0;
+  explicit counting_resource(std::pmr::memory_resource* upstream = std::pmr::new_delete_resource()) : up_(upstream) {}
 
  private:
   void* do_allocate(std::size_t bytes, std::size_t align) override
   {
-    void* p = std::pmr::new_delete_resource()->allocate(bytes, align);
+    void* p = up_->allocate(bytes, align);
     live += bytes;
     peak = std::max(peak, live);
     ++allocations;
@@ -76,9 +77,10 @@ class counting_resource : public std::pmr::memory_resource {
   void do_deallocate(void* p, std::size_t bytes, std::size_t align) override
   {
     live -= bytes;
-    std::pmr::new_delete_resource()->deallocate(p, bytes, align);
+    up_->deallocate(p, bytes, align);
   }
   [[nodiscard]] bool do_is_equal(memory_resource const& o) const noexcept override { return this == &o; }
+  std::pmr::memory_resource* up_;
 };
 
 // Awkward sizes: a layer of one element, tensors across 4 KiB boundaries, a large layer,
@@ -774,4 +776,90 @@ TEST_CASE("offloaded params with the optimizer: a failed param write loses the s
   CHECK(weights() == saved);
   REQUIRE(!opt.step(views).skipped);
   CHECK(opt.step_count() == 2);
+}
+
+TEST_CASE("offloaded params on the (emulated) device: device buffers, device gradients, CudaOverlapped",
+          "[offload][optimizer][device]")
+{
+  // The trainer computes on the device: the window's buffers are device memory, and the
+  // gradients it makes there go to CudaOverlapped's host update, which writes the new params
+  // into the window's tier. The reference keeps its params in device memory. (The emulated
+  // device's memory is host memory: the test reads views and writes gradients directly.)
+  using Opt = OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost, CudaOverlapped<2>>;
+  using W   = offloaded_params<bf16, test::memory_tier>;
+  constexpr int steps = 4;
+  std::vector<std::size_t> sizes;
+  for (auto const& layer : model_sizes) { sizes.insert(sizes.end(), layer.begin(), layer.end()); }
+  auto const device_array = [](std::size_t n) {
+    auto* p = static_cast<bf16*>(device::allocate_async(n * sizeof(bf16), {}));
+    device::stream_view{}.synchronize();
+    return p;
+  };
+  std::vector<bf16*> ref_params, ref_grads, off_grads;
+  typename Opt::options o;
+  o.chunk_elements = 2048;
+  o.threads        = 2;
+  Opt ref({}, o), off({}, o);
+  counting_resource counted(&default_device_memory_resource());  // the device buffers, counted
+  W::options wo;
+  wo.window                = 2;
+  wo.where                 = location::device;
+  wo.persistence_threshold = 64;
+  wo.buffers               = &counted;
+  W w(wo);
+  for (std::size_t l = 0, t = 0; l < model_sizes.size(); ++l) {
+    auto const layer = w.add_layer(std::string("layer").append(std::to_string(l)));
+    for (auto const n : model_sizes[l]) { w.add_tensor(layer, tensor_name(t++), n); }
+  }
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    std::vector<bf16> init(sizes[t]);
+    for (std::size_t i = 0; i < sizes[t]; ++i) { init[i] = initial_param<bf16>(t, i); }
+    ref_params.push_back(device_array(sizes[t]));
+    device::copy(ref_params[t], init.data(), sizes[t] * sizeof(bf16));
+    ref.add_tensor(tensor_name(t), ref_params[t], sizes[t], location::device);
+    w.write(t, 0, init);
+    off.add_tensor(w, t);
+    ref_grads.push_back(device_array(sizes[t]));
+    off_grads.push_back(device_array(sizes[t]));
+  }
+  for (int s = 0; s < steps; ++s) {
+    std::vector<grad_view<bf16>> rv, ov;
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      gradient_of<bf16, bf16>(std::span<bf16 const>(ref_params[t], sizes[t]), t, s, 0, std::span<bf16>(ref_grads[t], sizes[t]));
+      rv.push_back({ref_grads[t], sizes[t], location::device});
+    }
+    REQUIRE(!ref.step(rv).skipped);
+    off.begin_step();
+    for (std::size_t l = model_sizes.size(), t = sizes.size(); l-- > 0;) {
+      auto const v = w.acquire(l);
+      t -= v.size();
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        gradient_of<bf16, bf16>(v.tensor(i), t + i, s, 0, std::span<bf16>(off_grads[t + i], sizes[t + i]));
+        off.grad_ready(t + i, {off_grads[t + i], sizes[t + i], location::device});
+      }
+      w.release(l, {});
+    }
+    REQUIRE(!off.finish_step().skipped);
+    w.end_iteration();
+  }
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    std::vector<bf16> a(sizes[t]), b(sizes[t]);
+    device::copy(a.data(), ref_params[t], sizes[t] * sizeof(bf16));
+    w.read(t, 0, b);
+    REQUIRE(std::memcmp(a.data(), b.data(), sizes[t] * sizeof(bf16)) == 0);
+    device::deallocate_async(ref_params[t], {});
+    device::deallocate_async(ref_grads[t], {});
+    device::deallocate_async(off_grads[t], {});
+  }
+  device::stream_view{}.synchronize();
+  auto const st = w.stats();
+  // Backward only: the first iteration's guess (forward, then backward) misses twice (at
+  // L-1, then at L-2, which it expected after a second L-1); the next ones follow.
+  CHECK(st.out_of_order == 2);
+  CHECK(st.on_demand <= 2);
+  CHECK(w.buffer_count() == 3);
+  // Device memory: (window + 1) x the largest layer (30011 bf16 -> 15 pages), allocated once.
+  CHECK(counted.allocations == 3);
+  CHECK(counted.peak == 3 * w.buffer_bytes());
+  CHECK(w.buffer_bytes() == 15 * 4096);
 }

@@ -160,8 +160,9 @@ class OffloadedOptimizer {
   /// (offloaded_params, state/offloaded_params.hpp). The master is made from source.read();
   /// each step's update reads the params it needs (with no master) and writes every param it
   /// changes through the source, never into the model's memory. `source` must outlive the
-  /// optimizer. For host compositions (OnHost compute, params on the host), without
-  /// delayed_update and with a rule without a tensor phase: others are refused (logic_error).
+  /// optimizer. With OnHost compute (gradients on the host, or on the device with
+  /// CudaOverlapped), without delayed_update and with a rule without a tensor phase: others
+  /// are refused (logic_error).
   tensor_id add_tensor(param_source<param_type>& source, std::size_t id);
 
   /// A parameter group: moves the named tensors (from group 0) into a new group with its

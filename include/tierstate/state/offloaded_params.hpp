@@ -55,8 +55,11 @@
 #pragma once
 
 #include <tierstate/core/config.hpp>
+#include <tierstate/core/device_runtime.hpp>
 #include <tierstate/core/error.hpp>
 #include <tierstate/core/param_source.hpp>
+#include <tierstate/core/tensor.hpp>
+#include <tierstate/tiers/pinned_host.hpp>
 #include <tierstate/tiers/tier.hpp>
 
 #include <chrono>
@@ -86,9 +89,39 @@ struct offloaded_params_options {
   unsigned window = 2;
   /// Tensors of fewer elements stay in host memory, never in the tier or a buffer (0: none).
   std::size_t persistence_threshold = 0;
-  /// Where the window's buffers come from; null: std::pmr::new_delete_resource().
+  /// Where the buffers are: host memory (the model computes on the CPU), or device memory
+  /// (a GPU, or the emulated device without CUDA): the views are then device pointers.
+  location where = location::host;
+  /// Where the window's buffers come from (host or device memory, as `where` says); null:
+  /// std::pmr::new_delete_resource() on the host, device_memory_resource() on the device.
   std::pmr::memory_resource* buffers = nullptr;
 };
+
+/// Device memory (device::allocate_async, ready when it returns) as a std::pmr resource: the
+/// default for device buffers, and a base for counting or pooling ones of your own.
+class device_memory_resource : public std::pmr::memory_resource {
+ private:
+  void* do_allocate(std::size_t bytes, std::size_t) override
+  {
+    void* p = device::allocate_async(bytes, {});
+    device::stream_view{}.synchronize();
+    return p;
+  }
+  void do_deallocate(void* p, std::size_t, std::size_t) override
+  {
+    device::stream_view{}.synchronize();  // (no copy still reads or writes it)
+    device::deallocate_async(p, {});
+    device::stream_view{}.synchronize();
+  }
+  [[nodiscard]] bool do_is_equal(memory_resource const& o) const noexcept override { return this == &o; }
+};
+
+/// The process's device_memory_resource.
+inline device_memory_resource& default_device_memory_resource()
+{
+  static device_memory_resource r;
+  return r;
+}
 
 /// What the window did since it was made.
 struct offload_stats {
@@ -161,8 +194,9 @@ class offloaded_params final : public param_source<Param> {
   /// Blocks until `layer`'s params are in a buffer and returns them; starts the reads of the
   /// layers expected next.
   [[nodiscard]] layer_view acquire(layer_id layer);
-  /// The trainer is done with `layer` for now; its buffer may be reused.
-  void release(layer_id layer);
+  /// The trainer is done with `layer` for now; its buffer may be reused. With device buffers,
+  /// once the work queued on `done` so far (the stream that read the view) has finished.
+  void release(layer_id layer, device::stream_view done = {});
   /// Ends an iteration: the acquires since the last call become the order expected next,
   /// and the reads of its first layers start. Refused while a layer is acquired.
   void end_iteration();
@@ -223,6 +257,7 @@ class offloaded_params final : public param_source<Param> {
     buffer_state state = buffer_state::free;
     layer_id layer     = 0;
     std::uint64_t version = 0;  ///< the layer's version its bytes were read at
+    std::unique_ptr<device::event> released;  ///< device buffers: recorded at release on its stream
   };
   struct read_job {
     layer_id layer;
@@ -234,6 +269,8 @@ class offloaded_params final : public param_source<Param> {
   void check_range(tensor_id t, std::size_t offset, std::size_t n, char const* call) const;
   void make_locked();
   void io_loop();
+  /// On the I/O thread: `bytes` bytes of the tier at `offset` into buffer `b`.
+  void fill_buffer(buffer& b, std::size_t offset, std::size_t bytes);
   /// Under mu_: a buffer for a read: a free one, or one holding a layer not in `keep` (with
   /// `force`, any layer not acquired or being read), or -1.
   int take_buffer(std::vector<layer_id> const& keep, bool force);
@@ -259,6 +296,8 @@ class offloaded_params final : public param_source<Param> {
   std::unique_ptr<Tier> tier_;
   std::pmr::memory_resource* resource_ = nullptr;
   std::vector<buffer> buffers_;
+  std::optional<device::stream> stream_;  ///< device buffers: the copies up
+  std::unique_ptr<PinnedHost> staging_;    ///< device buffers, a tier not in host memory: one layer
   std::vector<Param> resident_;  ///< resident tensors' values, then the copies held views show
   std::deque<read_job> jobs_;
   std::vector<layer_id> expected_, recorded_;

@@ -63,9 +63,9 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tens
   detail::gate_entry const gate(gate_, "add_tensor");
   std::string name = source.tensor_name(id);  // (refuses an id the source does not have)
   auto const who   = "add_tensor('" + name + "', offloaded)";
-  if constexpr (placement::device_params) {
-    throw logic_error(who + ": offloaded params are streamed to host compute only so far; this composition "
-                            "takes params on the device (CudaOverlapped or OnDevice)");
+  if constexpr (placement::on_device) {
+    throw logic_error(who + ": OnDevice compute updates params in device memory, and offloaded params rest in "
+                            "their tier; use OnHost compute (with CudaOverlapped for device gradients)");
   }
   if (opts_.delayed_update) {
     throw logic_error(who + ": the delayed update keeps its own copy of every param; it does not take "

@@ -25,7 +25,9 @@ offloaded_params<Param, Tier>::offloaded_params(options const& o) : opts_(o)
                          "the layers read ahead of the one in use must be 1 to 64");
   }
   if constexpr (preflight_tier<Tier>) { Tier::preflight(o.tier); }
-  resource_ = o.buffers != nullptr ? o.buffers : std::pmr::new_delete_resource();
+  resource_ = o.buffers != nullptr                 ? o.buffers
+              : o.where == location::device        ? static_cast<std::pmr::memory_resource*>(&default_device_memory_resource())
+                                                   : std::pmr::new_delete_resource();
 }
 
 template <class Param, tier Tier>
@@ -116,6 +118,11 @@ void offloaded_params<Param, Tier>::make_locked()
   try {
     for (auto& b : buffers) { b.data = static_cast<std::byte*>(resource_->allocate(buffer_bytes, tier_alignment)); }
     resident.assign(2 * resident_count, Param{});  // the values, then what held views show
+    if (opts_.where == location::device && !buffers.empty()) {
+      if (!stream_) { stream_.emplace(); }
+      for (auto& b : buffers) { b.released = std::make_unique<device::event>(); }
+      if constexpr (!addressable_tier<Tier>) { staging_ = std::make_unique<PinnedHost>(buffer_bytes); }
+    }
     // The first iteration: forward, then backward.
     for (layer_id l = 0; l < layers_.size(); ++l) { expected.push_back(l); }
     for (layer_id l = layers_.size(); l-- > 0;) { expected.push_back(l); }
@@ -160,11 +167,11 @@ void offloaded_params<Param, Tier>::io_loop()
     lk.unlock();
     std::exception_ptr failure;
     try {
-      std::lock_guard tk(tier_mu_);
-      tier_->read(offset, {data, bytes});
+      fill_buffer(b, offset, bytes);
     } catch (...) {
       failure = std::current_exception();
     }
+    (void)data;
     lk.lock();
     ++stats_.reads;
     stats_.bytes_read += bytes;
@@ -181,6 +188,31 @@ void offloaded_params<Param, Tier>::io_loop()
     read_ahead();
     cv_.notify_all();
   }
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::fill_buffer(buffer& b, std::size_t offset, std::size_t bytes)
+{
+  std::lock_guard tk(tier_mu_);
+  if (opts_.where == location::host) {
+    tier_->read(offset, {b.data, bytes});
+    return;
+  }
+  // Device buffers: up from the tier's memory, or through one layer of pinned staging, once
+  // the work that read the buffer's last layer is done; waited for, so that the buffer is
+  // ready (and the staging free) when this returns.
+  stream_->wait(*b.released);
+  std::byte const* from = nullptr;
+  if constexpr (addressable_tier<Tier>) {
+    from = tier_->data() + offset;
+  } else {
+    tier_->read(offset, {staging_->data(), bytes});
+    from = staging_->data();
+  }
+  device::copy_async(b.data, from, bytes, *stream_);
+  device::event up;
+  up.record(*stream_);
+  up.synchronize();
 }
 
 template <class Param, tier Tier>
@@ -356,7 +388,7 @@ auto offloaded_params<Param, Tier>::acquire(layer_id layer) -> layer_view
 }
 
 template <class Param, tier Tier>
-void offloaded_params<Param, Tier>::release(layer_id layer)
+void offloaded_params<Param, Tier>::release(layer_id layer, device::stream_view done)
 {
   std::lock_guard lk(mu_);
   TIERSTATE_EXPECTS(layer < layers_.size(), "offloaded_params::release: layer " + std::to_string(layer) +
@@ -367,6 +399,7 @@ void offloaded_params<Param, Tier>::release(layer_id layer)
   l.acquired = false;
   if (l.buffer >= 0) {
     auto& b = buffers_[l.buffer];
+    if (b.released) { b.released->record(done); }
     if (b.version != l.version) {
       drop(l.buffer);  // written while acquired: its bytes are old
     } else {
