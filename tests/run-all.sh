@@ -473,7 +473,8 @@ run_stage() {
         { configure gcc-native g++ -Darch=native && meson compile -C build-gcc-native; } || return 1
       build-gcc-native/bench/host_step --rule adamw || return 1
       with_hugetlb_pages 132 build-gcc-native/bench/nvme_step --elements 20971520 \
-        ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} ;;
+        ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} || return 1
+      build-gcc-native/bench/param_offload --layers 20 ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} ;;
     # Opt-in (named only): the benchmarks at the sizes and repetitions whose JSON lines go into
     # issue notes. host_step at 2^27 elements, 15 reps; nvme_step's two sizes over 20 steps;
     # torch_step at 2^26 elements, 11 reps (the pytorch stage's environment, made if missing,
