@@ -103,7 +103,8 @@ extern "C" int LLVMFuzzerTestOneInput(std::uint8_t const* data, std::size_t size
   return 0;
 }
 
-/// `fuzz_checkpoint --make-seeds DIR` writes the seed checkpoints (0, 1 and 5 steps).
+/// `fuzz_checkpoint --make-seeds DIR` writes the seed checkpoints (0, 1 and 5 steps, and 1
+/// step of the same tensors as offloaded params).
 extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv)
 {
   if (*argc >= 3 && std::string((*argv)[1]) == "--make-seeds") {
@@ -114,6 +115,27 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv)
       m.steps(n);
       auto const name = "v" + std::to_string(checkpoint::format_version) + "_steps_" + std::to_string(n) + ".ckpt";
       m.opt.save(dir / name);
+    }
+    {  // The same tensors as offloaded params: a file with section "parm" and a params region,
+       // which the harness's model (params in memory) loads into its arrays.
+      offloaded_params<bf16, PinnedHost> w;
+      auto const layer = w.add_layer("all");
+      Opt opt({}, model::make_options());
+      model const shapes;
+      std::vector<std::pair<char const*, std::vector<bf16> const*>> const tensors = {
+        {"a", &shapes.a}, {"b", &shapes.b}, {"c", &shapes.c}};
+      for (auto const& [name, values] : tensors) { w.add_tensor(layer, name, values->size()); }
+      for (std::size_t t = 0; t < tensors.size(); ++t) {
+        std::vector<bf16> v(tensors[t].second->size());
+        for (std::size_t i = 0; i < v.size(); ++i) { v[i] = bf16(0.001f * static_cast<float>(i % 97) - 0.05f); }
+        w.write(t, 0, v);
+        opt.add_tensor(w, t);
+      }
+      opt.add_group({.lr = 1e-3, .weight_decay = 0.0}, {"b"});
+      std::vector<bf16> ga(700, bf16(0.01f)), gb(61, bf16(-0.02f)), gc(1000, bf16(0.003f));
+      std::vector<grad_view<bf16>> const g = {{ga.data(), ga.size()}, {gb.data(), gb.size()}, {gc.data(), gc.size()}};
+      opt.step(g);
+      opt.save(dir / ("v" + std::to_string(checkpoint::format_version) + "_params_steps_1.ckpt"));
     }
     std::printf("seeds written to %s\n", dir.c_str());
     std::exit(0);
