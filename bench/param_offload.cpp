@@ -7,10 +7,12 @@
 // no checks), in the directory of --path (default /tmp). Three ways to keep the weights:
 //   memory      host arrays (add_tensor(name, pointer))
 //   NvmeFile    offloaded_params<bf16, NvmeFile> in the same directory
+//   NvmeFile, no write-behind   the same, each write of the step done before it returns
+//               (write_behind_bytes = 0)
 //   PinnedHost  offloaded_params<bf16, PinnedHost>
 // One iteration: a forward walk (acquire and release every layer in order), a backward walk
 // (in reverse), then the step; for `memory` the walks touch nothing. --reps iterations of
-// each way, interleaved (memory, NvmeFile, PinnedHost, memory, ...), after one warm-up each.
+// each way, interleaved (memory, NvmeFile, ..., memory, ...), after one warm-up each.
 // One JSON line per way:
 //   step_seconds      median of the step
 //   walk_seconds      median of the two walks (the weights' reads that were not hidden)
@@ -114,11 +116,13 @@ struct way {
 };
 
 template <class Tier>
-void offload(way& w, options const& o, typename Tier::options const& tier, std::vector<bf16> const& init)
+void offload(way& w, options const& o, typename Tier::options const& tier, std::vector<bf16> const& init,
+             bool behind = true)
 {
   typename offloaded_params<bf16, Tier>::options wo;
   wo.tier   = tier;
   wo.window = o.window;
+  if (!behind) { wo.write_behind_bytes = 0; }
   auto p    = std::make_unique<offloaded_params<bf16, Tier>>(wo);
   for (std::size_t l = 0; l < o.layers; ++l) {
     auto const layer = p->add_layer(std::string("layer").append(std::to_string(l)));
@@ -171,6 +175,8 @@ int main(int argc, char** argv)
     NvmeFile::options nvme;
     nvme.directory = o.path;
     offload<NvmeFile>(*ways.back(), o, nvme, init);
+    ways.push_back(std::make_unique<way>("NvmeFile, no write-behind", so));
+    offload<NvmeFile>(*ways.back(), o, nvme, init, false);
     ways.push_back(std::make_unique<way>("PinnedHost", so));
     offload<PinnedHost>(*ways.back(), o, {}, init);
 

@@ -863,3 +863,28 @@ TEST_CASE("offloaded params on the (emulated) device: device buffers, device gra
   CHECK(counted.peak == 3 * w.buffer_bytes());
   CHECK(w.buffer_bytes() == 15 * 4096);
 }
+
+TEST_CASE("offloaded params: writes behind are bounded, read back in order, and a failure is flush()'s", "[offload]")
+{
+  int writes_left = 1 << 30;
+  auto o                = options_for<test::memory_tier>(1, 0, {&writes_left});
+  o.write_behind_bytes  = 4096;  // most writes wait for room: every one is behind another
+  model<offloaded_params<float, test::memory_tier>> m(o);
+  m.write_all(0);
+  m.iteration(0);
+  m.w.flush();
+  writes_left = 0;
+  m.write_all(1);  // each returns once queued (or once there is room)
+  CHECK_THROWS_WITH(m.w.flush(), Catch::Contains("memory_tier: write failed"));
+  CHECK_NOTHROW(m.w.flush());  // thrown once
+  writes_left = 1 << 30;
+  m.write_all(2);
+  m.w.end_iteration();
+  m.iteration(2);  // every view holds the last writes
+  m.w.flush();
+  for (std::size_t t = 0; t < m.w.tensor_count(); ++t) {
+    std::vector<float> back(m.w.tensor_size(t));
+    m.w.read(t, 0, back);
+    for (std::size_t i = 0; i < back.size(); ++i) { REQUIRE(back[i] == value_of(t, i, 2)); }
+  }
+}

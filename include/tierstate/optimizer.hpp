@@ -351,6 +351,7 @@ class OffloadedOptimizer {
   void launch_chunk(std::size_t k, std::byte* chunk, std::span<grad_view<grad_type> const> grads,
                     std::vector<coefficients_type> const& coefficients);
   void check_slot(slot s, char const* call) const;  ///< refuses, naming it, a slot not kept
+  void flush_sources();  ///< waits for the offloaded params' writes (param_source::flush)
   void flush_before_load();
   /// The checkpoint's regions through write(offset, data, n), in order.
   template <class Write>
@@ -390,6 +391,7 @@ class OffloadedOptimizer {
   std::vector<hyperparameters> groups_;
   std::vector<tensor_entry> tensors_;
   std::unordered_map<std::string, std::size_t, detail::name_hash, std::equal_to<>> index_;  ///< name -> tensor
+  std::vector<param_source<param_type>*> sources_;  ///< of offloaded tensors, each once: flushed after a step
   mutable detail::call_gate gate_;
   std::atomic<std::int64_t> step_{0};  ///< (step_count() may read it while a streaming step counts)
   std::int64_t rounding_step_ = 0;  ///< the step StochasticRounding's keys are made for

@@ -22,6 +22,9 @@ class param_source {
   virtual void read(std::size_t t, std::size_t offset, std::span<Param> to) = 0;
   /// Replaces elements [offset, offset + from.size()) of tensor `t`. Thread-safe.
   virtual void write(std::size_t t, std::size_t offset, std::span<Param const> from) = 0;
+  /// Waits for writes still in flight and throws the first that failed. The optimizer calls
+  /// it at the end of each step, before the step counts as done.
+  virtual void flush() {}
   [[nodiscard]] virtual std::size_t tensor_size(std::size_t t) const = 0;
   [[nodiscard]] virtual std::string const& tensor_name(std::size_t t) const = 0;
 };

@@ -26,14 +26,16 @@
 // never wrong. A layer released stays in its buffer until the buffer is needed, so backward
 // takes the last layer of forward without reading it again.
 //
-// Memory: (window + 1) buffers of the largest layer's bytes (4 KiB-aligned), allocated once,
+// Memory: up to write_behind_bytes of writes not yet in the tier, and (window + 1) buffers
+// of the largest layer's bytes (4 KiB-aligned), allocated once,
 // from `options::buffers` (std::pmr; aligned operator new by default), whatever the model's
 // size; tensors under `persistence_threshold` elements (norms, biases) are kept in host
 // memory instead, as ZeRO-3's param_persistence_threshold does, and need no buffer. The
 // tier holds every other tensor, each layer's contiguous and 4 KiB-aligned, so a layer is
 // one read.
 //
-// Writes: write() is the only way params change, and it keeps every copy honest: a layer's
+// Writes: write() is the only way params change (written behind, up to write_behind_bytes:
+// flush() waits for them; reads of the layer wait too), and it keeps every copy honest: a layer's
 // buffer that holds older values is dropped (at release() where the layer is acquired, so
 // the trainer's view does not change under it), and a read that was in flight when the
 // write began is thrown away and done again. So the next acquire always sees the last
@@ -68,6 +70,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <memory>
 #include <memory_resource>
 #include <mutex>
 #include <new>
@@ -89,6 +92,10 @@ struct offloaded_params_options {
   unsigned window = 2;
   /// Tensors of fewer elements stay in host memory, never in the tier or a buffer (0: none).
   std::size_t persistence_threshold = 0;
+  /// write() copies up to this many bytes and returns, the I/O thread writing them behind
+  /// (flush() waits for them and throws a failure); a write beyond it waits for room. 0:
+  /// every write is done before write() returns.
+  std::size_t write_behind_bytes = std::size_t{64} << 20;
   /// Where the buffers are: host memory (the model computes on the CPU), or device memory
   /// (a GPU, or the emulated device without CUDA): the views are then device pointers.
   location where = location::host;
@@ -205,6 +212,10 @@ class offloaded_params final : public param_source<Param> {
   /// buffer of the window's: initial values, checkpoints, export, the optimizer's update.
   void read(tensor_id t, std::size_t offset, std::span<Param> to) override;
   void write(tensor_id t, std::size_t offset, std::span<Param const> from) override;
+  /// Waits for every write behind and throws the first that failed (io_error; the tier then
+  /// holds some of the values, and the params' next readers see what it holds). The
+  /// optimizer calls it at the end of each step.
+  void flush() override;
 
   [[nodiscard]] std::size_t layer_count() const noexcept { return layers_.size(); }
   [[nodiscard]] std::size_t tensor_count() const noexcept { return tensors_.size(); }
@@ -263,6 +274,11 @@ class offloaded_params final : public param_source<Param> {
     layer_id layer;
     int buffer;
   };
+  struct write_job {
+    layer_id layer;
+    std::size_t at;  ///< in the tier
+    std::vector<std::byte> bytes;
+  };
 
   layer_entry const& layer_at(layer_id l, char const* call) const;
   tensor_entry const& tensor_at(tensor_id t, char const* call) const;
@@ -300,6 +316,10 @@ class offloaded_params final : public param_source<Param> {
   std::unique_ptr<PinnedHost> staging_;    ///< device buffers, a tier not in host memory: one layer
   std::vector<Param> resident_;  ///< resident tensors' values, then the copies held views show
   std::deque<read_job> jobs_;
+  std::deque<write_job> writes_;         ///< written behind, in order
+  std::size_t behind_bytes_ = 0;         ///< theirs, the one being written included
+  unsigned writing_         = 0;         ///< writes behind taken and not finished
+  std::exception_ptr write_failure_;     ///< the first write behind that failed, for flush()
   std::vector<layer_id> expected_, recorded_;
   std::size_t cursor_ = 0;
   offload_stats stats_;

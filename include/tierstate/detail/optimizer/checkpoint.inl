@@ -286,6 +286,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
         write_params(t, offset, params);
       });
     }
+    flush_sources();  // every param in its tier before load returns
   } catch (std::exception const& e) {
     store_.mark_lost(e.what());
     throw;

@@ -137,6 +137,14 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::register
   auto const [it, inserted] = index_.emplace(name, id);
   try {
     tensors_.push_back({std::move(name), param, count, 0, where, shape, 0, source, source_tensor});
+    if (source != nullptr && std::find(sources_.begin(), sources_.end(), source) == sources_.end()) {
+      try {
+        sources_.push_back(source);
+      } catch (...) {
+        tensors_.pop_back();
+        throw;
+      }
+    }
   } catch (...) {
     index_.erase(it);  // a refused call leaves the registry as it was
     throw;

@@ -51,6 +51,12 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::flush_sources()
+{
+  for (auto* s : sources_) { s->flush(); }
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step(
     std::span<grad_view<grad_type> const> grads, double grad_scale,
                                      device::stream_view ready)
@@ -175,6 +181,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::run_step
     route_type route(*this, grads, coefficients, result.stats, changed);
     try {
       Transfer::schedule(route);
+      flush_sources();  // (a param write that failed behind fails the step)
     } catch (...) {
       route.abandon();  // no staging buffer in the tier's hands when the exception leaves
       throw;

@@ -35,7 +35,7 @@ offloaded_params<Param, Tier>::~offloaded_params()
 {
   {
     std::lock_guard lk(mu_);
-    stopping_ = true;
+    stopping_ = true;  // (the I/O thread writes what is behind first)
   }
   cv_.notify_all();
   if (io_.joinable()) { io_.join(); }
@@ -154,8 +154,33 @@ void offloaded_params<Param, Tier>::io_loop()
     auto startable = jobs_.end();
     cv_.wait(lk, [&] {
       startable = std::find_if(jobs_.begin(), jobs_.end(), [&](read_job const& j) { return layers_[j.layer].writers == 0; });
-      return stopping_ || startable != jobs_.end();
+      return stopping_ || !writes_.empty() || startable != jobs_.end();
     });
+    if (!writes_.empty()) {  // writes behind first, in order: the reads of their layers wait for them
+      write_job w = std::move(writes_.front());
+      writes_.pop_front();
+      ++writing_;
+      lk.unlock();
+      std::exception_ptr failure;
+      try {
+        std::lock_guard tk(tier_mu_);
+        write_tier(w.at, w.bytes);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      lk.lock();
+      --writing_;
+      --layers_[w.layer].writers;
+      behind_bytes_ -= w.bytes.size();
+      if (failure) {
+        if (!write_failure_) { write_failure_ = failure; }
+      } else {
+        stats_.bytes_written += w.bytes.size();
+      }
+      read_ahead();
+      cv_.notify_all();
+      continue;
+    }
     if (stopping_) { return; }
     read_job const job = *startable;
     jobs_.erase(startable);
@@ -436,9 +461,18 @@ void offloaded_params<Param, Tier>::read(tensor_id t, std::size_t offset, std::s
     std::copy_n(resident_.data() + e.offset + offset, to.size(), to.data());
     return;
   }
+  cv_.wait(lk, [&] { return layers_[e.layer].writers == 0; });  // (its writes behind are in the tier)
   lk.unlock();
   std::lock_guard tk(tier_mu_);
   tier_->read(e.offset + offset * sizeof(Param), std::as_writable_bytes(to));
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::flush()
+{
+  std::unique_lock lk(mu_);
+  cv_.wait(lk, [&] { return writes_.empty() && writing_ == 0; });
+  if (write_failure_) { std::rethrow_exception(std::exchange(write_failure_, nullptr)); }
 }
 
 template <class Param, tier Tier>
@@ -453,6 +487,19 @@ void offloaded_params<Param, Tier>::write(tensor_id t, std::size_t offset, std::
     std::copy_n(from.data(), from.size(), resident_.data() + e.offset + offset);
     return;
   }
+  std::size_t const at = e.offset + offset * sizeof(Param);
+  if (opts_.write_behind_bytes > 0 && io_.joinable()) {
+    // Behind: a copy, queued for the I/O thread; room for it first (or none behind at all).
+    cv_.wait(lk, [&] { return behind_bytes_ == 0 || behind_bytes_ + from.size_bytes() <= opts_.write_behind_bytes; });
+    auto const* b = reinterpret_cast<std::byte const*>(from.data());
+    writes_.push_back({e.layer, at, std::vector<std::byte>(b, b + from.size_bytes())});
+    behind_bytes_ += from.size_bytes();
+    ++l.writers;
+    ++l.version;  // a read in flight is thrown away; a buffer holding the layer is old
+    if (l.buffer >= 0 && buffers_[l.buffer].state == buffer_state::ready) { drop(l.buffer); }
+    cv_.notify_all();
+    return;
+  }
   ++l.writers;
   ++l.version;  // a read in flight is thrown away; a buffer holding the layer is old
   if (l.buffer >= 0 && buffers_[l.buffer].state == buffer_state::ready) { drop(l.buffer); }
@@ -460,7 +507,7 @@ void offloaded_params<Param, Tier>::write(tensor_id t, std::size_t offset, std::
   std::exception_ptr failure;
   try {
     std::lock_guard tk(tier_mu_);
-    write_tier(e.offset + offset * sizeof(Param), std::as_bytes(from));
+    write_tier(at, std::as_bytes(from));
   } catch (...) {
     failure = std::current_exception();
   }
