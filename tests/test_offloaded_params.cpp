@@ -888,3 +888,80 @@ TEST_CASE("offloaded params: writes behind are bounded, read back in order, and 
     for (std::size_t i = 0; i < back.size(); ++i) { REQUIRE(back[i] == value_of(t, i, 2)); }
   }
 }
+
+TEST_CASE("offloaded params with the optimizer: a rule without per-element state (SGD, fp32) checkpoints them too",
+          "[offload][optimizer][checkpoint]")
+{
+  // The chunks hold no bytes here: the params region is in 1 MiB blocks.
+  using Opt = OffloadedOptimizer<SGD, Fp32, PinnedHost>;
+  using W   = offloaded_params<float, PinnedHost>;
+  test::scratch_dir dir;
+  auto const make = [](W& w, Opt& opt) {
+    auto const layer = w.add_layer("all");
+    w.add_tensor(layer, "a", 300001);  // more than a 1 MiB block
+    w.add_tensor(layer, "b", 7);
+    opt.add_tensor(w, 0);
+    opt.add_tensor(w, 1);
+  };
+  std::vector<float> a(300001), b(7);
+  for (std::size_t i = 0; i < a.size(); ++i) { a[i] = static_cast<float>(i % 1000) * 1e-3f; }
+  std::vector<float> ga(a.size(), 0.5f), gb(b.size(), -1.0f);
+  std::vector<grad_view<float>> const g = {{ga.data(), ga.size()}, {gb.data(), gb.size()}};
+  std::vector<float> after_a(a.size()), after_b(b.size());
+  {
+    W w;
+    Opt opt({}, {});
+    make(w, opt);
+    w.write(0, 0, a);
+    w.write(1, 0, b);
+    REQUIRE(!opt.step(g).skipped);
+    opt.save(dir.path / "sgd");
+    w.read(0, 0, after_a);
+    w.read(1, 0, after_b);
+  }
+  W w;
+  Opt opt({}, {});
+  make(w, opt);
+  opt.load(dir.path / "sgd");
+  std::vector<float> back_a(a.size()), back_b(b.size());
+  w.read(0, 0, back_a);
+  w.read(1, 0, back_b);
+  CHECK(back_a == after_a);
+  CHECK(back_b == after_b);
+  CHECK(back_a[1] != a[1]);  // (the step changed them)
+}
+
+TEST_CASE("offloaded params with the optimizer: a write that failed behind is the next call's refusal",
+          "[offload][optimizer]")
+{
+  // The trainer's initial values fail to land (behind, unseen): the first step refuses before
+  // it makes any state, and save refuses before it makes any file.
+  using Opt = OffloadedOptimizer<AdamW, Fp32, PinnedHost>;
+  using W   = offloaded_params<float, test::memory_tier>;
+  test::scratch_dir dir;
+  int writes_left = 0;
+  W::options wo;
+  wo.tier.writes_left = &writes_left;
+  W w(wo);
+  auto const layer = w.add_layer("l");
+  w.add_tensor(layer, "a", 5000);
+  Opt opt;
+  opt.add_tensor(w, 0);
+  std::vector<float> a(5000, 0.25f), g(5000, 0.1f);
+  std::vector<grad_view<float>> const views = {{g.data(), g.size()}};
+  w.write(0, 0, a);
+  CHECK_THROWS_WITH(opt.step(views), Catch::Contains("memory_tier: write failed"));
+  CHECK(!opt.state_lost());
+  CHECK(opt.step_count() == 0);
+  writes_left = 1 << 30;
+  w.write(0, 0, a);
+  REQUIRE(!opt.step(views).skipped);
+  writes_left = 0;
+  w.write(0, 0, a);
+  CHECK_THROWS_WITH(opt.save(dir.path / "x"), Catch::Contains("memory_tier: write failed"));
+  CHECK(dir.entries().empty());
+  CHECK(!opt.state_lost());
+  writes_left = 1 << 30;
+  REQUIRE(!opt.step(views).skipped);
+  CHECK(opt.step_count() == 2);
+}

@@ -351,7 +351,9 @@ class OffloadedOptimizer {
   void launch_chunk(std::size_t k, std::byte* chunk, std::span<grad_view<grad_type> const> grads,
                     std::vector<coefficients_type> const& coefficients);
   void check_slot(slot s, char const* call) const;  ///< refuses, naming it, a slot not kept
-  void flush_sources();  ///< waits for the offloaded params' writes (param_source::flush)
+  /// Waits for every offloaded params' writes (param_source::flush) and throws the first
+  /// failure, or with `discard` forgets it (a load rewrites every param).
+  void flush_sources(bool discard = false);
   void flush_before_load();
   /// The checkpoint's regions through write(offset, data, n), in order.
   template <class Write>
@@ -364,6 +366,12 @@ class OffloadedOptimizer {
   /// The params region of a checkpoint whose header is `h` (its tensors are this optimizer's):
   /// section "parm"'s tensors' params, packed in order, in blocks of `block` bytes.
   [[nodiscard]] std::uint64_t param_blocks(checkpoint::header const& h, std::size_t block) const noexcept;
+  /// The params region's block: the chunk's bytes, or 1 MiB where chunks hold nothing (a
+  /// rule without slots, with fp32 params: SGD, Adafactor).
+  [[nodiscard]] static constexpr std::size_t param_block_bytes(std::size_t chunk_bytes) noexcept
+  {
+    return chunk_bytes > 0 ? chunk_bytes : std::size_t{1} << 20;
+  }
   /// Walks the params region's block `j` (of `block` bytes at `data`): `move(t, offset, params)`
   /// for each run of a tensor's params that falls in it.
   template <class Move>

@@ -14,12 +14,13 @@
 //                  32+P  u64 XXH3-64 of bytes [0, 32 + P)
 //                    then zeros to H
 //   [H, H + C*B)    chunk k at H + k*B: B = chunk bytes, C = chunk count
-//   [H + C*B, H + (C+R)*B)
+//   [H + C*B, H + C*B + R*B')
 //                   the params region (only with section "parm"): the params of the tensors
 //                   "parm" names, in its order, back to back (element e of the region at
-//                   byte e * its element bytes), in R = ceil(bytes / B) blocks of B bytes, the
-//                   last one zero-padded
-//   [H + (C+R)*B, end)
+//                   byte e * its element bytes), in R = ceil(bytes / B') blocks of B' bytes,
+//                   the last one zero-padded: B' = B, or 1 MiB where B is 0 (no state per
+//                   element: SGD or Adafactor with fp32 params)
+//   [H + C*B + R*B', end)
 //                   the table, round_up(8 + 8 + 8*(C+R) + 8, 4096) bytes:
 //                     magic "TSCKTBL\n", u64 C + R, C x u64 XXH3-64 of each chunk, then R of
 //                     each params block, u64 XXH3-64 of the table's bytes before it, zeros

@@ -44,8 +44,9 @@
 //
 // Failures: a read ahead that failed is done again by the acquire() of its layer (counted:
 // failed_reads, retried); a read that an acquire() waits for and that fails (an io_error from
-// the tier) is thrown by it, which then holds nothing; the next acquire() reads again. A write that fails
-// throws, and that layer's next acquire reads whatever the tier holds. Misuse (a layer
+// the tier) is thrown by it, which then holds nothing; the next acquire() reads again. A write
+// that fails is thrown by flush() (by write() itself with write_behind_bytes = 0), and that
+// layer's next acquire reads whatever the tier holds. Misuse (a layer
 // acquired twice, released without acquire, unknown ids, registering after the tier was
 // made, more layers acquired at once than there are buffers: all of them acquired, or read
 // for an acquire that waits) throws tierstate::logic_error naming the layer, and changes
@@ -178,7 +179,8 @@ class offloaded_params final : public param_source<Param> {
   /// Checks the options (invalid_option names a bad one) and, for a tier with a preflight,
   /// the tier's; makes nothing yet.
   explicit offloaded_params(options const& o = {});
-  /// Stops the I/O thread once its read in flight is done.
+  /// Writes everything still behind, then stops the I/O thread (a write failing then is
+  /// lost: call flush() first to hear of it).
   ~offloaded_params() override;
   offloaded_params(offloaded_params const&)            = delete;
   offloaded_params& operator=(offloaded_params const&) = delete;
@@ -236,6 +238,7 @@ class offloaded_params final : public param_source<Param> {
   /// The order the next acquires are expected in (layer ids).
   [[nodiscard]] std::vector<layer_id> expected_order() const;
   [[nodiscard]] offload_stats stats() const;
+  /// The tier itself (writes behind may not be in it yet: flush() first).
   [[nodiscard]] Tier& param_tier();
 
  private:

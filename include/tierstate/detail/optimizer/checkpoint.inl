@@ -13,6 +13,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save(
   detail::gate_entry const gate(gate_, "save");
   check_not_streaming("save");
   flush();
+  flush_sources();  // a write of params that failed behind is this save's error, before any file
   store_.check_not_lost("save");
   io::engine_options const eo = checkpoint_io(o);
   if (tensors_.empty()) { throw logic_error("save: no tensor is registered: add_tensor first"); }
@@ -163,6 +164,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::flush_be
   } catch (...) {
     store_.mark_lost("the delayed update failed", true);
   }
+  flush_sources(true);  // writes still behind land first; their failures are replaced by the load
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
@@ -177,7 +179,9 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::write_ch
   std::uint64_t const H = header.size();
   std::size_t const B   = store_.layout().chunk_bytes();
   std::size_t const C   = store_.layout().chunk_count();
-  std::uint64_t const P = param_blocks(h, B);
+  std::size_t const PB  = param_block_bytes(B);
+  std::uint64_t const P = param_blocks(h, PB);
+  std::uint64_t const R = H + C * B;  // the params region
   std::vector<std::uint64_t> sums(C + P);
   step_stats ignored;
   for (std::size_t k = 0; k < C; ++k) {
@@ -187,17 +191,17 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::write_ch
     });
   }
   // Offloaded params, a block at a time (never the whole model in memory).
-  PinnedHost block(P > 0 ? B : 0);
+  PinnedHost block(P > 0 ? PB : 0);
   for (std::uint64_t j = 0; j < P; ++j) {
-    std::memset(block.data(), 0, B);
-    walk_param_block(h, j, B, block.data(), [&](std::size_t t, std::size_t offset, std::span<param_type> params) {
+    std::memset(block.data(), 0, PB);
+    walk_param_block(h, j, PB, block.data(), [&](std::size_t t, std::size_t offset, std::span<param_type> params) {
       read_params(t, offset, params);
     });
-    sums[C + j] = checkpoint::checksum(block.data(), B);
-    write(H + (C + j) * B, block.data(), B);
+    sums[C + j] = checkpoint::checksum(block.data(), PB);
+    write(R + j * PB, block.data(), PB);
   }
   table = detail::aligned_copy(checkpoint::encode_table(sums));
-  write(H + sums.size() * B, table.data(), table.size());
+  write(R + P * PB, table.data(), table.size());
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
@@ -233,18 +237,20 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
   // The file's size, now that its layout is known to be ours.
   std::size_t const B   = lay.chunk_bytes();
   std::size_t const C   = lay.chunk_count();
-  std::uint64_t const P = param_blocks(h, B);  // (the params region: offloaded params)
+  std::size_t const PB  = param_block_bytes(B);
+  std::uint64_t const P = param_blocks(h, PB);  // (the params region: offloaded params, at R)
+  std::uint64_t const R = H + C * B;
   std::uint64_t const T = checkpoint::table_bytes(C + P);
-  if (file_bytes != H + (C + P) * B + T) {
+  if (file_bytes != R + P * PB + T) {
     throw checkpoint_error(file, "is " + std::to_string(file_bytes) + " bytes; its header describes " +
-                                   std::to_string(H + (C + P) * B + T) + " (truncated or extended)");
+                                   std::to_string(R + P * PB + T) + " (truncated or extended)");
   }
   table = PinnedHost(T);
-  read(H + (C + P) * B, table.data(), T);
+  read(R + P * PB, table.data(), T);
   std::vector<std::uint64_t> const sums = checkpoint::decode_table({table.data(), table.size()}, C + P, file, verify);
   auto corrupt_params = [&](std::uint64_t j) {
     return checkpoint_error(file, "params block " + std::to_string(j) + " of " + std::to_string(P) + " (bytes [" +
-                                    std::to_string(H + (C + j) * B) + ", " + std::to_string(H + (C + j + 1) * B) +
+                                    std::to_string(R + j * PB) + ", " + std::to_string(R + (j + 1) * PB) +
                                     ") of the file) does not match its checksum (corrupt)");
   };
 
@@ -253,7 +259,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
                                     std::to_string(H + k * B) + ", " + std::to_string(H + (k + 1) * B) +
                                     ") of the file) does not match its checksum (corrupt)");
   };
-  scratch = PinnedHost(B);  // one chunk: what load needs beyond the header and the table
+  scratch = PinnedHost(P > 0 ? std::max(B, PB) : B);  // one chunk (or params block): all load needs beyond
   // Pass 1: every chunk verified before anything changes.
   if (verify) {
     for (std::size_t k = 0; k < C; ++k) {
@@ -261,8 +267,8 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
       if (checkpoint::checksum(scratch.data(), B) != sums[k]) { throw corrupt_chunk(k); }
     }
     for (std::uint64_t j = 0; j < P; ++j) {
-      read(H + (C + j) * B, scratch.data(), B);
-      if (checkpoint::checksum(scratch.data(), B) != sums[C + j]) { throw corrupt_params(j); }
+      read(R + j * PB, scratch.data(), PB);
+      if (checkpoint::checksum(scratch.data(), PB) != sums[C + j]) { throw corrupt_params(j); }
     }
   }
   // The file is good: the state is made (its master is not filled from the params: every
@@ -280,9 +286,9 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
       store_.params_from_master(k, chunk, tensors_);
     }
     for (std::uint64_t j = 0; j < P; ++j) {  // the params the file keeps: after the master's
-      read(H + (C + j) * B, scratch.data(), B);
-      if (verify && checkpoint::checksum(scratch.data(), B) != sums[C + j]) { throw corrupt_params(j); }
-      walk_param_block(h, j, B, scratch.data(), [&](std::size_t t, std::size_t offset, std::span<param_type> params) {
+      read(R + j * PB, scratch.data(), PB);
+      if (verify && checkpoint::checksum(scratch.data(), PB) != sums[C + j]) { throw corrupt_params(j); }
+      walk_param_block(h, j, PB, scratch.data(), [&](std::size_t t, std::size_t offset, std::span<param_type> params) {
         write_params(t, offset, params);
       });
     }
@@ -314,6 +320,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save_to(
   detail::gate_entry const gate(gate_, "save_to");
   check_not_streaming("save_to");
   flush();
+  flush_sources();
   store_.check_not_lost("save_to");
   if (!write) { throw logic_error("save_to: the writer is empty"); }
   if (tensors_.empty()) { throw logic_error("save_to: no tensor is registered: add_tensor first"); }
@@ -364,7 +371,7 @@ std::uint64_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>:
 {
   std::uint64_t bytes = 0;
   for (auto const t : h.param_tensors) { bytes += tensors_[t].count * sizeof(param_type); }
-  return (bytes + block - 1) / block;
+  return bytes == 0 ? 0 : (bytes + block - 1) / block;
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>

@@ -51,9 +51,17 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
-void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::flush_sources()
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::flush_sources(bool discard)
 {
-  for (auto* s : sources_) { s->flush(); }
+  std::exception_ptr first;  // every source waited for; the first failure thrown (unless discarded)
+  for (auto* s : sources_) {
+    try {
+      s->flush();
+    } catch (...) {
+      if (!first) { first = std::current_exception(); }
+    }
+  }
+  if (first && !discard) { std::rethrow_exception(first); }
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
@@ -69,7 +77,8 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
   checks::check_grads(grads, std::span<tensor_entry const>(tensors_));
   // Every group's coefficients first: a refused hyper-parameter or scale changes nothing.
   auto coefficients = coefficients_for(grad_scale);
-  rounding_step_    = step_ + 1;
+  flush_sources();  // a param write of the user's that failed behind: refused here, nothing changed
+  rounding_step_ = step_ + 1;
   materialize();
 
   if constexpr (placement::device_params) {
