@@ -12,19 +12,14 @@
 //              for params and gradients on the GPU (transfer/cuda_overlapped.hpp)
 //   Compute    where the rule runs: OnHost<Arch>, or OnDevice (kernels/device/on_device.hpp)
 //
-// The compositions and what each is for (CPU training with the state in RAM or on NVMe, the
-// GPU baseline, ZeRO-Offload, ZeRO-Infinity's optimizer offload, the state streamed to the
-// GPU): README.md, "Using it", "On the GPU" and "State on NVMe".
-// Usage: register every parameter tensor (its name, its memory, its element count, where
-// it lives), group tensors that need their own hyper-parameters, then call step() once per
-// iteration with one gradient view per tensor, in registration order. The state is made on
-// the first step (or the first copy_state): the fp32 master from the params as they are
-// then, the slots zero. From then on the set of tensors is fixed.
-//
-// Thread safety (one caller at a time; grad_ready from any thread) and failures (a refused
-// call changes nothing; an I/O or device failure after a step began changing chunks leaves
-// the optimizer *lost*, refusing steps with tierstate::state_lost until a checkpoint is
-// loaded): README.md, "Using it" and "Failures".
+// What each composition is for: README.md, "Using it", "On the GPU", "State on NVMe".
+// Usage: add_tensor for every param tensor, add_group where hyper-parameters differ, then
+// step() once per iteration with a gradient view per tensor, in registration order. The state
+// is made at the first step (or copy_state): the master from the params then, slots zero;
+// the set of tensors is then fixed. Thread safety (one caller at a time; grad_ready from any
+// thread) and failures (a refused call changes nothing; a failure after a step began changing
+// chunks leaves the optimizer *lost*, refusing steps with tierstate::state_lost until a
+// checkpoint is loaded): README.md, "Using it" and "Failures".
 #pragma once
 
 #include <tierstate/checkpoint/format.hpp>
@@ -60,7 +55,6 @@
 
 #include <atomic>
 #include <chrono>
-
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -155,14 +149,9 @@ class OffloadedOptimizer {
   /// is one row. Refused (logic_error) where rows x columns overflows.
   tensor_id add_tensor(std::string name, param_type* param, tensor_shape shape,
                        location where = location::host);
-  /// Registers tensor `id` of `source` under its name and size: params that rest outside
-  /// memory the optimizer points into, in a tier, streamed to the model layer by layer
-  /// (offloaded_params, state/offloaded_params.hpp). The master is made from source.read();
-  /// each step's update reads the params it needs (with no master) and writes every param it
-  /// changes through the source, never into the model's memory. `source` must outlive the
-  /// optimizer. With OnHost compute (gradients on the host, or on the device with
-  /// CudaOverlapped), without delayed_update and with a rule without a tensor phase: others
-  /// are refused (logic_error).
+  /// Registers tensor `id` of `source` (offloaded_params: weights in a tier) by name and size: the
+  /// master comes from it, each update reads and writes params through it. OnHost compute only,
+  /// without delayed_update or a tensor phase (else logic_error); `source` must outlive the optimizer.
   tensor_id add_tensor(param_source<param_type>& source, std::size_t id);
 
   /// A parameter group: moves the named tensors (from group 0) into a new group with its
@@ -307,8 +296,7 @@ class OffloadedOptimizer {
   /// unset when `fill_master` is false (load overwrites every chunk).
   void materialize(bool fill_master = true);
   std::size_t find_tensor(std::string_view name, char const* caller) const;
-  tensor_id register_tensor(std::string name, param_type* param, tensor_shape shape, location where,
-                            param_source<param_type>* source, std::size_t source_tensor);
+  tensor_id register_tensor(std::string name, param_type* p, tensor_shape s, location where, param_source<param_type>* src, std::size_t id);
   // The routes (transfer/routes/) move a step's chunks through the optimizer's parts.
   template <class> friend class routes::host_in_place;
   template <class> friend class routes::host_staged;
@@ -351,9 +339,6 @@ class OffloadedOptimizer {
   void launch_chunk(std::size_t k, std::byte* chunk, std::span<grad_view<grad_type> const> grads,
                     std::vector<coefficients_type> const& coefficients);
   void check_slot(slot s, char const* call) const;  ///< refuses, naming it, a slot not kept
-  /// Waits for every offloaded params' writes (param_source::flush) and throws the first
-  /// failure, or with `discard` forgets it (a load rewrites every param).
-  void flush_sources(bool discard = false);
   void flush_before_load();
   /// The checkpoint's regions through write(offset, data, n), in order.
   template <class Write>
@@ -363,23 +348,6 @@ class OffloadedOptimizer {
   void read_checkpoint(std::uint64_t file_bytes, std::string const& file, bool verify, PinnedHost& first,
                        PinnedHost& region, PinnedHost& table, PinnedHost& scratch, Read&& read);
   [[nodiscard]] checkpoint::header make_header() const;  // (of the layout made, or of `lay`)
-  /// The params region of a checkpoint whose header is `h` (its tensors are this optimizer's):
-  /// section "parm"'s tensors' params, packed in order, in blocks of `block` bytes.
-  [[nodiscard]] std::uint64_t param_blocks(checkpoint::header const& h, std::size_t block) const noexcept;
-  /// The params region's block: the chunk's bytes, or 1 MiB where chunks hold nothing (a
-  /// rule without slots, with fp32 params: SGD, Adafactor).
-  [[nodiscard]] static constexpr std::size_t param_block_bytes(std::size_t chunk_bytes) noexcept
-  {
-    return chunk_bytes > 0 ? chunk_bytes : std::size_t{1} << 20;
-  }
-  /// Walks the params region's block `j` (of `block` bytes at `data`): `move(t, offset, params)`
-  /// for each run of a tensor's params that falls in it.
-  template <class Move>
-  void walk_param_block(checkpoint::header const& h, std::uint64_t j, std::size_t block, std::byte* data,
-                        Move&& move) const;
-  /// A tensor's params wherever they are (host, device, a param_source).
-  void read_params(std::size_t t, std::size_t offset, std::span<param_type> to) const;
-  void write_params(std::size_t t, std::size_t offset, std::span<param_type const> from);
   [[nodiscard]] checkpoint::header make_header(layout const& lay) const;
   void check_header(checkpoint::header const& h, layout const& lay, std::string const& path) const;
   /// The checkpoint's engine options (given, or the tier's: checkpoint_options::io), and the

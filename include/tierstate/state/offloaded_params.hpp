@@ -334,3 +334,4 @@ class offloaded_params final : public param_source<Param> {
 }  // namespace tierstate
 
 #include <tierstate/state/detail/offloaded_params.inl>
+#include <tierstate/state/detail/offloaded_params_io.inl>

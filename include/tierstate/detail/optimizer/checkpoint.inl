@@ -4,6 +4,8 @@
 // caller's writer and reader (write_checkpoint and read_checkpoint are the format's side).
 #pragma once
 
+#include <tierstate/checkpoint/detail/params_region.hpp>
+
 namespace tierstate::inline TIERSTATE_ABI {
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
@@ -13,7 +15,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save(
   detail::gate_entry const gate(gate_, "save");
   check_not_streaming("save");
   flush();
-  flush_sources();  // a write of params that failed behind is this save's error, before any file
+  detail::flush_sources(sources_);  // a write of params that failed behind is this save's error, before any file
   store_.check_not_lost("save");
   io::engine_options const eo = checkpoint_io(o);
   if (tensors_.empty()) { throw logic_error("save: no tensor is registered: add_tensor first"); }
@@ -164,7 +166,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::flush_be
   } catch (...) {
     store_.mark_lost("the delayed update failed", true);
   }
-  flush_sources(true);  // writes still behind land first; their failures are replaced by the load
+  detail::flush_sources(sources_, true);  // writes still behind land first; their failures are replaced by the load
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
@@ -179,8 +181,10 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::write_ch
   std::uint64_t const H = header.size();
   std::size_t const B   = store_.layout().chunk_bytes();
   std::size_t const C   = store_.layout().chunk_count();
-  std::size_t const PB  = param_block_bytes(B);
-  std::uint64_t const P = param_blocks(h, PB);
+  std::vector<std::uint64_t> counts;  // of the tensors whose params the file keeps
+  for (auto const t : h.param_tensors) { counts.push_back(tensors_[t].count); }
+  std::size_t const PB  = checkpoint::detail::param_block_bytes(B);
+  std::uint64_t const P = checkpoint::detail::param_blocks(counts, sizeof(param_type), PB);
   std::uint64_t const R = H + C * B;  // the params region
   std::vector<std::uint64_t> sums(C + P);
   step_stats ignored;
@@ -194,9 +198,11 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::write_ch
   PinnedHost block(P > 0 ? PB : 0);
   for (std::uint64_t j = 0; j < P; ++j) {
     std::memset(block.data(), 0, PB);
-    walk_param_block(h, j, PB, block.data(), [&](std::size_t t, std::size_t offset, std::span<param_type> params) {
-      read_params(t, offset, params);
-    });
+    checkpoint::detail::walk_param_block(counts, sizeof(param_type), j, PB, block.data(),
+                                         [&](std::size_t i, std::size_t offset, std::byte* at, std::size_t n) {
+                                           detail::read_params(tensors_[h.param_tensors[i]], offset,
+                                                       {reinterpret_cast<param_type*>(at), n});
+                                         });
     sums[C + j] = checkpoint::checksum(block.data(), PB);
     write(R + j * PB, block.data(), PB);
   }
@@ -237,8 +243,10 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
   // The file's size, now that its layout is known to be ours.
   std::size_t const B   = lay.chunk_bytes();
   std::size_t const C   = lay.chunk_count();
-  std::size_t const PB  = param_block_bytes(B);
-  std::uint64_t const P = param_blocks(h, PB);  // (the params region: offloaded params, at R)
+  std::vector<std::uint64_t> counts;  // of the tensors whose params the file keeps
+  for (auto const t : h.param_tensors) { counts.push_back(tensors_[t].count); }
+  std::size_t const PB  = checkpoint::detail::param_block_bytes(B);
+  std::uint64_t const P = checkpoint::detail::param_blocks(counts, sizeof(param_type), PB);  // (at R)
   std::uint64_t const R = H + C * B;
   std::uint64_t const T = checkpoint::table_bytes(C + P);
   if (file_bytes != R + P * PB + T) {
@@ -288,11 +296,13 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
     for (std::uint64_t j = 0; j < P; ++j) {  // the params the file keeps: after the master's
       read(R + j * PB, scratch.data(), PB);
       if (verify && checkpoint::checksum(scratch.data(), PB) != sums[C + j]) { throw corrupt_params(j); }
-      walk_param_block(h, j, PB, scratch.data(), [&](std::size_t t, std::size_t offset, std::span<param_type> params) {
-        write_params(t, offset, params);
-      });
+      checkpoint::detail::walk_param_block(counts, sizeof(param_type), j, PB, scratch.data(),
+                                           [&](std::size_t i, std::size_t offset, std::byte* at, std::size_t n) {
+                                             detail::write_params(tensors_[h.param_tensors[i]], offset,
+                                                          {reinterpret_cast<param_type const*>(at), n});
+                                           });
     }
-    flush_sources();  // every param in its tier before load returns
+    detail::flush_sources(sources_);  // every param in its tier before load returns
   } catch (std::exception const& e) {
     store_.mark_lost(e.what());
     throw;
@@ -320,7 +330,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save_to(
   detail::gate_entry const gate(gate_, "save_to");
   check_not_streaming("save_to");
   flush();
-  flush_sources();
+  detail::flush_sources(sources_);
   store_.check_not_lost("save_to");
   if (!write) { throw logic_error("save_to: the writer is empty"); }
   if (tensors_.empty()) { throw logic_error("save_to: no tensor is registered: add_tensor first"); }
@@ -363,36 +373,3 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load_fro
 
 }  // namespace tierstate
 
-namespace tierstate::inline TIERSTATE_ABI {
-
-template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
-std::uint64_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::param_blocks(
-    checkpoint::header const& h, std::size_t block) const noexcept
-{
-  std::uint64_t bytes = 0;
-  for (auto const t : h.param_tensors) { bytes += tensors_[t].count * sizeof(param_type); }
-  return bytes == 0 ? 0 : (bytes + block - 1) / block;
-}
-
-template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
-template <class Move>
-void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::walk_param_block(checkpoint::header const& h,
-    std::uint64_t j, std::size_t block, std::byte* data, Move&& move) const
-{
-  // Element e of the region (the tensors' params back to back) is at byte e * sizeof(param).
-  std::uint64_t const per_block = block / sizeof(param_type);
-  std::uint64_t const lo = j * per_block, hi = lo + per_block;
-  std::uint64_t at = 0;  // the region's element where tensor t starts
-  for (auto const t : h.param_tensors) {
-    std::uint64_t const n = tensors_[t].count;
-    std::uint64_t const b = std::max(lo, at), e = std::min(hi, at + n);
-    if (b < e) {
-      auto* p = reinterpret_cast<param_type*>(data) + (b - lo);
-      move(static_cast<std::size_t>(t), static_cast<std::size_t>(b - at), std::span<param_type>(p, e - b));
-    }
-    at += n;
-    if (at >= hi) { break; }
-  }
-}
-
-}  // namespace tierstate

@@ -3,17 +3,22 @@
 // thread, the name index's hash, and what the registry keeps per tensor.
 #pragma once
 
+#include <tierstate/core/device_runtime.hpp>
 #include <tierstate/core/error.hpp>
 #include <tierstate/core/param_source.hpp>
 #include <tierstate/core/tensor.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <vector>
 
 namespace tierstate::inline TIERSTATE_ABI::detail {
 
@@ -82,6 +87,47 @@ struct tensor_entry {
   param_source<Param>* source = nullptr;
   std::size_t source_tensor   = 0;
 };
+
+/// Elements [offset, offset + n) of a tensor's params wherever they are (host, device, a
+/// param_source), read into or written from `to` / `from`.
+template <class Param>
+void read_params(tensor_entry<Param> const& e, std::size_t offset, std::span<Param> to)
+{
+  if (e.source != nullptr) {
+    e.source->read(e.source_tensor, offset, to);
+  } else if (e.where == location::device) {
+    device::copy(to.data(), e.param + offset, to.size_bytes());
+  } else {
+    std::copy_n(e.param + offset, to.size(), to.data());
+  }
+}
+template <class Param>
+void write_params(tensor_entry<Param> const& e, std::size_t offset, std::span<Param const> from)
+{
+  if (e.source != nullptr) {
+    e.source->write(e.source_tensor, offset, from);
+  } else if (e.where == location::device) {
+    device::copy(e.param + offset, from.data(), from.size_bytes());
+  } else {
+    std::copy_n(from.data(), from.size(), e.param + offset);
+  }
+}
+
+/// Waits for every offloaded params' writes (param_source::flush) and throws the first
+/// failure, or with `discard` forgets it (a load rewrites every param).
+template <class Param>
+void flush_sources(std::vector<param_source<Param>*> const& sources, bool discard = false)
+{
+  std::exception_ptr first;  // every source waited for
+  for (auto* s : sources) {
+    try {
+      s->flush();
+    } catch (...) {
+      if (!first) { first = std::current_exception(); }
+    }
+  }
+  if (first && !discard) { std::rethrow_exception(first); }
+}
 
 /// The part of a tensor that falls in one chunk.
 struct chunk_piece {

@@ -85,34 +85,6 @@ std::size_t OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::d
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
-void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_params(std::size_t t, std::size_t offset,
-    std::span<param_type> to) const
-{
-  auto const& e = tensors_[t];
-  if (e.source != nullptr) {
-    e.source->read(e.source_tensor, offset, to);
-  } else if (e.where == location::device) {
-    device::copy(to.data(), e.param + offset, to.size_bytes());
-  } else {
-    std::copy_n(e.param + offset, to.size(), to.data());
-  }
-}
-
-template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
-void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::write_params(std::size_t t, std::size_t offset,
-    std::span<param_type const> from)
-{
-  auto const& e = tensors_[t];
-  if (e.source != nullptr) {
-    e.source->write(e.source_tensor, offset, from);
-  } else if (e.where == location::device) {
-    device::copy(e.param + offset, from.data(), from.size_bytes());
-  } else {
-    std::copy_n(from.data(), from.size(), e.param + offset);
-  }
-}
-
-template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_params(std::size_t t) const noexcept -> param_type*
 {
   return delayed_.made() ? delayed_.params(store_.layout().tensors()[t].offset) : tensors_[t].param;

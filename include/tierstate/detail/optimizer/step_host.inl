@@ -51,20 +51,6 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
-void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::flush_sources(bool discard)
-{
-  std::exception_ptr first;  // every source waited for; the first failure thrown (unless discarded)
-  for (auto* s : sources_) {
-    try {
-      s->flush();
-    } catch (...) {
-      if (!first) { first = std::current_exception(); }
-    }
-  }
-  if (first && !discard) { std::rethrow_exception(first); }
-}
-
-template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::step(
     std::span<grad_view<grad_type> const> grads, double grad_scale,
                                      device::stream_view ready)
@@ -77,7 +63,7 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
   checks::check_grads(grads, std::span<tensor_entry const>(tensors_));
   // Every group's coefficients first: a refused hyper-parameter or scale changes nothing.
   auto coefficients = coefficients_for(grad_scale);
-  flush_sources();  // a param write of the user's that failed behind: refused here, nothing changed
+  detail::flush_sources(sources_);  // a param write of the user's that failed behind: refused here, nothing changed
   rounding_step_ = step_ + 1;
   materialize();
 
@@ -190,7 +176,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::run_step
     route_type route(*this, grads, coefficients, result.stats, changed);
     try {
       Transfer::schedule(route);
-      flush_sources();  // (a param write that failed behind fails the step)
+      detail::flush_sources(sources_);  // (a param write that failed behind fails the step)
     } catch (...) {
       route.abandon();  // no staging buffer in the tier's hands when the exception leaves
       throw;

@@ -64,7 +64,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::begin_st
   if (micro_batches == 0) { throw invalid_option("micro_batches", "0", "must be >= 1"); }
   if (tensors_.empty()) { throw logic_error("begin_step: no tensor is registered: add_tensor first"); }
   auto coefficients = coefficients_for(grad_scale);  // refused values change nothing
-  flush_sources();  // (as step(): an earlier param write's failure is a refusal)
+  detail::flush_sources(sources_);  // (as step(): an earlier param write's failure is a refusal)
   rounding_step_ = step_ + 1;
   materialize();
   std::vector<std::size_t> pending(store_.layout().chunk_count());

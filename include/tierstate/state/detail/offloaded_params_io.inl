@@ -1,0 +1,266 @@
+// SPDX-License-Identifier: Apache-2.0
+// offloaded_params' tier side (state/offloaded_params.hpp): making the tier and the buffers,
+// the I/O thread (reads into buffers, writes behind), and read, write and flush.
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+namespace tierstate::inline TIERSTATE_ABI {
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::make_locked()
+{
+  auto const round_up = [](std::size_t n, std::size_t a) { return (n + a - 1) / a * a; };
+  // Each layer's tensors packed, 64-byte aligned, the layer 4 KiB-aligned: one read a layer.
+  std::size_t tier_bytes = 0, buffer_bytes = 0, resident_count = 0;
+  for (auto& l : layers_) {
+    l.offset       = tier_bytes;
+    std::size_t at = 0;
+    for (auto const t : l.tensors) {
+      auto& e = tensors_[t];
+      if (e.resident) {
+        e.offset = resident_count;
+        resident_count += round_up(e.count, tensor_alignment);  // (elements: every start stays aligned)
+        continue;
+      }
+      at       = round_up(at, tensor_alignment);
+      e.offset = l.offset + at;
+      at += e.count * sizeof(Param);
+    }
+    l.bytes = round_up(at, tier_alignment);
+    tier_bytes += l.bytes;
+    buffer_bytes = std::max(buffer_bytes, l.bytes);
+  }
+  std::unique_ptr<Tier> tier;
+  if (tier_bytes > 0) { tier = std::make_unique<Tier>(tier_bytes, opts_.tier); }
+  std::vector<buffer> buffers(buffer_bytes > 0 ? opts_.window + 1 : 0);
+  std::vector<Param> resident;
+  std::vector<layer_id> expected;
+  std::thread io;
+  try {
+    for (auto& b : buffers) { b.data = static_cast<std::byte*>(resource_->allocate(buffer_bytes, tier_alignment)); }
+    resident.assign(2 * resident_count, Param{});  // the values, then what held views show
+    if (opts_.where == location::device && !buffers.empty()) {
+      if (!stream_) { stream_.emplace(); }
+      for (auto& b : buffers) { b.released = std::make_unique<device::event>(); }
+      if constexpr (!addressable_tier<Tier>) { staging_ = std::make_unique<PinnedHost>(buffer_bytes); }
+    }
+    // The first iteration: forward, then backward.
+    for (layer_id l = 0; l < layers_.size(); ++l) { expected.push_back(l); }
+    for (layer_id l = layers_.size(); l-- > 0;) { expected.push_back(l); }
+    // (It waits for mu_, held here, before it looks at anything.)
+    if (!buffers.empty()) { io = std::thread([this] { io_loop(); }); }
+  } catch (...) {
+    for (auto& b : buffers) {
+      if (b.data != nullptr) { resource_->deallocate(b.data, buffer_bytes, tier_alignment); }
+    }
+    throw;
+  }
+  tier_           = std::move(tier);
+  buffers_        = std::move(buffers);
+  resident_       = std::move(resident);
+  tier_bytes_     = tier_bytes;
+  buffer_bytes_   = buffer_bytes;
+  resident_count_ = resident_count;
+  expected_       = std::move(expected);
+  io_             = std::move(io);
+  made_           = true;
+  read_ahead();
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::io_loop()
+{
+  std::unique_lock lk(mu_);
+  for (;;) {
+    auto startable = jobs_.end();
+    cv_.wait(lk, [&] {
+      startable = std::find_if(jobs_.begin(), jobs_.end(), [&](read_job const& j) { return layers_[j.layer].writers == 0; });
+      return stopping_ || !writes_.empty() || startable != jobs_.end();
+    });
+    if (!writes_.empty()) {  // writes behind first, in order: the reads of their layers wait for them
+      write_job w = std::move(writes_.front());
+      writes_.pop_front();
+      ++writing_;
+      lk.unlock();
+      std::exception_ptr failure;
+      try {
+        std::lock_guard tk(tier_mu_);
+        write_tier(w.at, w.bytes);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      lk.lock();
+      --writing_;
+      --layers_[w.layer].writers;
+      behind_bytes_ -= w.bytes.size();
+      if (failure) {
+        if (!write_failure_) { write_failure_ = failure; }
+      } else {
+        stats_.bytes_written += w.bytes.size();
+      }
+      read_ahead();
+      cv_.notify_all();
+      continue;
+    }
+    if (stopping_) { return; }
+    read_job const job = *startable;
+    jobs_.erase(startable);
+    auto& l = layers_[job.layer];
+    auto& b = buffers_[job.buffer];
+    b.version = l.version;  // no write is in progress: the read sees every write so far
+    std::byte* const data = b.data;
+    std::size_t const offset = l.offset, bytes = l.bytes;
+    lk.unlock();
+    std::exception_ptr failure;
+    try {
+      fill_buffer(b, offset, bytes);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    (void)data;
+    lk.lock();
+    ++stats_.reads;
+    stats_.bytes_read += bytes;
+    if (failure) {
+      l.failure = failure;
+      ++stats_.failed_reads;
+      drop(job.buffer);
+    } else if (l.version != b.version) {
+      ++stats_.discarded;  // a write began meanwhile: read it again
+      drop(job.buffer);
+    } else {
+      b.state = buffer_state::ready;
+    }
+    read_ahead();
+    cv_.notify_all();
+  }
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::fill_buffer(buffer& b, std::size_t offset, std::size_t bytes)
+{
+  std::lock_guard tk(tier_mu_);
+  if (opts_.where == location::host) {
+    tier_->read(offset, {b.data, bytes});
+    return;
+  }
+  // Device buffers: up from the tier's memory, or through one layer of pinned staging, once
+  // the work that read the buffer's last layer is done; waited for, so that the buffer is
+  // ready (and the staging free) when this returns.
+  stream_->wait(*b.released);
+  std::byte const* from = nullptr;
+  if constexpr (addressable_tier<Tier>) {
+    from = tier_->data() + offset;
+  } else {
+    tier_->read(offset, {staging_->data(), bytes});
+    from = staging_->data();
+  }
+  device::copy_async(b.data, from, bytes, *stream_);
+  device::event up;
+  up.record(*stream_);
+  up.synchronize();
+}
+
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::read(tensor_id t, std::size_t offset, std::span<Param> to)
+{
+  check_range(t, offset, to.size(), "read");
+  std::unique_lock lk(mu_);
+  if (!made_) { make_locked(); }
+  auto const& e = tensors_[t];
+  if (e.resident) {
+    std::copy_n(resident_.data() + e.offset + offset, to.size(), to.data());
+    return;
+  }
+  cv_.wait(lk, [&] { return layers_[e.layer].writers == 0; });  // (its writes behind are in the tier)
+  lk.unlock();
+  std::lock_guard tk(tier_mu_);
+  tier_->read(e.offset + offset * sizeof(Param), std::as_writable_bytes(to));
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::flush()
+{
+  std::unique_lock lk(mu_);
+  cv_.wait(lk, [&] { return writes_.empty() && writing_ == 0; });
+  if (write_failure_) { std::rethrow_exception(std::exchange(write_failure_, nullptr)); }
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::write(tensor_id t, std::size_t offset, std::span<Param const> from)
+{
+  check_range(t, offset, from.size(), "write");
+  std::unique_lock lk(mu_);
+  if (!made_) { make_locked(); }
+  auto const& e = tensors_[t];
+  auto& l       = layers_[e.layer];
+  if (e.resident) {  // (a view held shows its own copy, made at acquire)
+    std::copy_n(from.data(), from.size(), resident_.data() + e.offset + offset);
+    return;
+  }
+  std::size_t const at = e.offset + offset * sizeof(Param);
+  if (opts_.write_behind_bytes > 0 && io_.joinable()) {
+    // Behind: a copy, queued for the I/O thread; room for it first (or none behind at all).
+    cv_.wait(lk, [&] { return behind_bytes_ == 0 || behind_bytes_ + from.size_bytes() <= opts_.write_behind_bytes; });
+    auto const* b = reinterpret_cast<std::byte const*>(from.data());
+    writes_.push_back({e.layer, at, std::vector<std::byte>(b, b + from.size_bytes())});
+    behind_bytes_ += from.size_bytes();
+    ++l.writers;
+    ++l.version;  // a read in flight is thrown away; a buffer holding the layer is old
+    if (l.buffer >= 0 && buffers_[l.buffer].state == buffer_state::ready) { drop(l.buffer); }
+    cv_.notify_all();
+    return;
+  }
+  ++l.writers;
+  ++l.version;  // a read in flight is thrown away; a buffer holding the layer is old
+  if (l.buffer >= 0 && buffers_[l.buffer].state == buffer_state::ready) { drop(l.buffer); }
+  lk.unlock();
+  std::exception_ptr failure;
+  try {
+    std::lock_guard tk(tier_mu_);
+    write_tier(at, std::as_bytes(from));
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  lk.lock();
+  --l.writers;
+  if (!failure) { stats_.bytes_written += from.size_bytes(); }
+  read_ahead();
+  cv_.notify_all();
+  if (failure) { std::rethrow_exception(failure); }
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::write_tier(std::size_t at, std::span<std::byte const> from)
+{
+  if constexpr (requires { Tier::alignment; }) {
+    // A tier with an alignment (NvmeFile: O_DIRECT) takes an unaligned write as a
+    // read-modify-write of every block it touches. Here only the first and last blocks are
+    // read, and the whole range is written at once from aligned memory.
+    constexpr std::size_t a = Tier::alignment;
+    std::size_t const lo = at / a * a, hi = (at + from.size() + a - 1) / a * a;
+    if (lo == at && hi == at + from.size() && reinterpret_cast<std::uintptr_t>(from.data()) % a == 0) {
+      tier_->write(at, from);
+      return;
+    }
+    std::size_t const n = hi - lo;
+    auto* buf = static_cast<std::byte*>(::operator new(n, std::align_val_t{a}));
+    struct freer {
+      std::byte* p;
+      ~freer() { ::operator delete(p, std::align_val_t{a}); }
+    } const owned{buf};
+    if (lo < at) { tier_->read(lo, {buf, a}); }
+    if (hi > at + from.size() && (hi - a >= lo + a || lo == at)) { tier_->read(hi - a, {buf + n - a, a}); }
+    std::memcpy(buf + (at - lo), from.data(), from.size());
+    tier_->write(lo, {buf, n});
+  } else {
+    tier_->write(at, from);
+  }
+}
+
+
+}  // namespace tierstate
