@@ -417,6 +417,17 @@ constexpr std::size_t bytes_per_element(std::size_t slots)
 }
 
 /// One precision's memory: the user's params and gradients (4k), the state as separate
+/// The chunk the optimizer makes by default for AdamW (two slots) in precision P.
+template <class P>
+std::size_t default_adamw_chunk()
+{
+  using C = typename P::template state_codec<0>;
+  std::vector<slot_format> formats(2, slot_format{C::block, C::block_bytes, C::name});
+  if constexpr (P::has_master) { formats.insert(formats.begin(), slot_format{1, 4, "fp32"}); }
+  if constexpr (P::has_compensation) { formats.insert(formats.begin(), slot_format{1, 2, "bf16"}); }
+  return layout::default_chunk_elements(formats);
+}
+
 /// arrays in 4k and in huge pages, and as the optimizer's chunks in huge pages.
 template <class P>
 struct arrays {
@@ -425,7 +436,7 @@ struct arrays {
   static constexpr std::size_t ss        = state_size_v<P>;
   static constexpr std::size_t lead      = P::has_master ? 4 : P::has_compensation ? 2 : 0;  // the master or the compensation
   static constexpr std::size_t max_slots = 3;
-  static constexpr std::size_t chunk     = std::size_t{1} << 20;  // the optimizer's default chunk_elements
+  static inline std::size_t const chunk  = default_adamw_chunk<P>();  // the optimizer's default chunk_elements
 
   std::size_t n;
   region param, grad;
@@ -957,7 +968,8 @@ void run_optimizer(options const& o, thread_pool& pool, arrays<P>& arr, double b
       "\"kernel_ratio\":%s,\"limit\":\"%s%s\",\"limit_gb_s\":%.4g,\"limit_ratio\":%.4f,"
       "\"best_any_memory_gb_s\":%.4g,\"best_any_memory_ratio\":%.4f,\"check_cost\":%.4f,"
       "\"check_byte_ratio\":%.4f,\"check_cost_limit\":%.4f,\"triad_gb_s\":%.4g}\n",
-      std::string(R::name).c_str(), P::name().c_str(), host::arch_name(), n, sizes.size(), checked.chunk_elements,
+      std::string(R::name).c_str(), P::name().c_str(), host::arch_name(), n, sizes.size(),
+      with_check.state_layout().chunk_elements(),
       pool.size(), o.reps, check ? "true" : "false", sec, gelem, bytes, gb, kernel, kernel_ratio,
       limit_name.c_str(), check ? "+grad_read" : "", limit_g * static_cast<double>(bytes), gelem / limit_g,
       best_any_gb_s, gb / best_any_gb_s, s[0] / s[1],

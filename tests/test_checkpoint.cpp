@@ -166,6 +166,52 @@ TEST_CASE("a checkpoint from a different optimizer is refused, naming the differ
   }
 }
 
+TEST_CASE("an optimizer left at the default chunk takes a checkpoint's chunk when it loads before its state is made",
+          "[checkpoint]")
+{
+  using Opt = HostOpt<Bf16Mixed8bit>;
+  scratch_dir d;
+  auto const ckpt = d.path / "c";
+  trainer<Opt> a(options_with<Opt>(2048));  // as a file saved with another (or an older) default
+  a.steps(1, 3);
+  a.opt.save(ckpt);
+  a.steps(4, 6);
+  SECTION("fresh: it loads and steps on as the saver did")
+  {
+    trainer<Opt> b(typename Opt::options{});
+    b.opt.load(ckpt);
+    CHECK(b.opt.state_layout().chunk_elements() == 2048);
+    b.steps(4, 6);
+    for (std::size_t t = 0; t < a.m.params.size(); ++t) {
+      CHECK(std::memcmp(a.m.params[t].data(), b.m.params[t].data(), a.m.params[t].size() * sizeof(bf16)) == 0);
+      std::string const name = tensor_name(t);
+      std::vector<float> x(a.m.params[t].size()), y(x.size());
+      for (slot const s : {slot::exp_avg, slot::exp_avg_sq}) {
+        a.opt.copy_state(name, s, x);
+        b.opt.copy_state(name, s, y);
+        CHECK(x == y);
+      }
+    }
+  }
+  SECTION("a refused load takes nothing: the next step makes the default chunk")
+  {
+    auto const bytes = file_bytes(ckpt);
+    flip_bit(ckpt, bytes.size() / 2, 3);
+    trainer<Opt> b(typename Opt::options{});
+    CHECK_THROWS_AS(b.opt.load(ckpt), checkpoint_error);
+    b.steps(1, 1);
+    CHECK(b.opt.state_layout().chunk_count() == 1);
+  }
+  SECTION("with its state made at another chunk, the load is refused and names both")
+  {
+    trainer<Opt> b(typename Opt::options{});
+    b.steps(1, 1);
+    std::size_t const mine = b.opt.state_layout().chunk_elements();
+    CHECK_THROWS_WITH(b.opt.load(ckpt), Catch::Contains("chunk_elements 2048, and this optimizer has " +
+                                                        std::to_string(mine)));
+  }
+}
+
 TEST_CASE("a corrupt or truncated checkpoint is an error naming the damage, and changes nothing", "[checkpoint][errors]")
 {
   scratch_dir d;

@@ -139,7 +139,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         state_dtype: torch.dtype | str = torch.float32,
         master: str = "fp32",
         min_8bit_size: int = 4096,
-        chunk_elements: int = 1 << 20,
+        chunk_elements: int = 0,
         threads: int = 0,
         max_grad_norm: float | None = None,
         on_nonfinite: str = "skip_step",

@@ -62,8 +62,8 @@ class state_store {
   {
     if constexpr (Placement::tier_preflights) { StateTier::preflight(tier_options); }
   }
-  /// The layout these tensors get (the same as make makes), without making anything. Throws
-  /// logic_error for no tensor.
+  /// The layout these tensors get (the same as make makes), without making anything; chunk
+  /// elements 0: the precision's default. Throws logic_error for no tensor.
   [[nodiscard]] static tierstate::layout layout_for(std::span<tensor_entry const> tensors,
                                                     std::size_t chunk_elements);
 

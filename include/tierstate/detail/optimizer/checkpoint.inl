@@ -223,13 +223,13 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
   // made before the file is known to be good.
   std::optional<layout> planned;
   if (!store_.made()) { planned.emplace(store_type::layout_for(tensors_, opts_.chunk_elements)); }
-  layout const& lay = store_.made() ? store_.layout() : *planned;
+  layout const* lay = store_.made() ? &store_.layout() : &*planned;
   // The header: its first block, then the rest, bounded by what a header of this
   // optimizer's tensors can need (its own size, with a group per tensor), and never more
   // than 8 MiB for another's: a file's claim is never allocated before it is bounded.
   first = PinnedHost(checkpoint::block);
   read(0, first.data(), checkpoint::block);
-  std::uint64_t const own_payload = checkpoint::encode(make_header(lay)).size();
+  std::uint64_t const own_payload = checkpoint::encode(make_header(*lay)).size();
   std::uint64_t const max_header  = std::max<std::uint64_t>(
     std::uint64_t{8} << 20,
     own_payload + (tensors_.size() + 1) * (8 * rule_type::hyperparameter_table.size() + 8) + checkpoint::block);
@@ -238,11 +238,16 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
   std::memcpy(region.data(), first.data(), checkpoint::block);
   if (H > checkpoint::block) { read(checkpoint::block, region.data() + checkpoint::block, H - checkpoint::block); }
   checkpoint::header const h = checkpoint::decode({region.data(), region.size()}, file, verify);
-  check_header(h, lay, file);
+  // No state yet and no chunk asked for: the file's chunk, so a file saved with another
+  // (an older default, another precision's) loads; the state is made with it below.
+  bool const adopt = planned && opts_.chunk_elements == 0 && h.chunk_elements != lay->chunk_elements() &&
+                     h.chunk_elements != 0 && h.chunk_elements % layout::element_granularity == 0;
+  if (adopt) { planned.emplace(store_type::layout_for(tensors_, h.chunk_elements)); }
+  check_header(h, *lay, file);
 
   // The file's size, now that its layout is known to be ours.
-  std::size_t const B   = lay.chunk_bytes();
-  std::size_t const C   = lay.chunk_count();
+  std::size_t const B   = lay->chunk_bytes();
+  std::size_t const C   = lay->chunk_count();
   std::vector<std::uint64_t> counts;  // of the tensors whose params the file keeps
   for (auto const t : h.param_tensors) { counts.push_back(tensors_[t].count); }
   std::size_t const PB  = checkpoint::detail::param_block_bytes(B);
@@ -281,6 +286,16 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
   }
   // The file is good: the state is made (its master is not filled from the params: every
   // chunk is loaded below) and replaced. A failure from here on leaves it part loaded: lost.
+  if (adopt) {
+    std::size_t const asked = opts_.chunk_elements;
+    opts_.chunk_elements    = h.chunk_elements;
+    try {
+      materialize(false);
+    } catch (...) {
+      opts_.chunk_elements = asked;
+      throw;
+    }
+  }
   materialize(false);
   delayed_.discard();  // its param buffer is made afresh from the params load writes
   try {

@@ -18,10 +18,10 @@ OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::OffloadedOpti
   : opts_(opts), pool_(opts.threads)
 {
   validate_hyperparameters<rule_type>(defaults);
-  if (opts.chunk_elements == 0 || opts.chunk_elements % layout::element_granularity != 0) {
+  if (opts.chunk_elements % layout::element_granularity != 0) {
     throw invalid_option("chunk_elements", detail::to_text(opts.chunk_elements),
-                         "must be a positive multiple of 2048, so every slot array of a chunk "
-                         "is a whole number of 4 KiB blocks");
+                         "must be a multiple of 2048, so every slot array of a chunk is a whole number "
+                         "of 4 KiB blocks (0: the precision's default)");
   }
   if (!(opts.max_grad_norm >= 0.0) || !std::isfinite(opts.max_grad_norm)) {
     throw invalid_option("max_grad_norm", detail::to_text(opts.max_grad_norm),

@@ -142,26 +142,31 @@ void offloaded_params<Param, Tier>::io_loop()
 template <class Param, tier Tier>
 void offloaded_params<Param, Tier>::fill_buffer(buffer& b, std::size_t offset, std::size_t bytes)
 {
-  std::lock_guard tk(tier_mu_);
   if (opts_.where == location::host) {
+    std::lock_guard tk(tier_mu_);
     tier_->read(offset, {b.data, bytes});
     return;
   }
   // Device buffers: up from the tier's memory, or through one layer of pinned staging, once
   // the work that read the buffer's last layer is done; waited for, so that the buffer is
-  // ready (and the staging free) when this returns.
+  // ready (and the staging free) when this returns. The tier is held only while it is read:
+  // by the copy itself from its memory, by the read into the staging otherwise.
   stream_->wait(*b.released);
-  std::byte const* from = nullptr;
-  if constexpr (addressable_tier<Tier>) {
-    from = tier_->data() + offset;
-  } else {
-    tier_->read(offset, {staging_->data(), bytes});
-    from = staging_->data();
-  }
-  device::copy_async(b.data, from, bytes, *stream_);
   device::event up;
-  up.record(*stream_);
-  up.synchronize();
+  if constexpr (addressable_tier<Tier>) {
+    std::lock_guard tk(tier_mu_);
+    device::copy_async(b.data, tier_->data() + offset, bytes, *stream_);
+    up.record(*stream_);
+    up.synchronize();
+  } else {
+    {
+      std::lock_guard tk(tier_mu_);
+      tier_->read(offset, {staging_->data(), bytes});
+    }
+    device::copy_async(b.data, staging_->data(), bytes, *stream_);
+    up.record(*stream_);
+    up.synchronize();
+  }
 }
 
 

@@ -30,8 +30,9 @@ tierstate::layout state_store<Precision, Rule, StateTier, Placement>::layout_for
   constexpr std::size_t align = detail::state_block_v<Precision, Rule::slots.size()>;
   std::size_t total = 0;
   for (auto const& t : tensors) { total = (total + align - 1) / align * align + t.count; }
-  std::size_t const g     = tierstate::layout::element_granularity;
-  std::size_t const chunk = std::min(chunk_elements, std::max(g, (total + g - 1) / g * g));
+  std::size_t const g         = tierstate::layout::element_granularity;
+  std::size_t const requested = chunk_elements != 0 ? chunk_elements : tierstate::layout::default_chunk_elements(formats);
+  std::size_t const chunk     = std::min(requested, std::max(g, (total + g - 1) / g * g));
   return tierstate::layout(std::move(extents), chunk, std::move(slots), std::move(formats));
 }
 
