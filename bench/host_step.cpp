@@ -417,17 +417,6 @@ constexpr std::size_t bytes_per_element(std::size_t slots)
 }
 
 /// One precision's memory: the user's params and gradients (4k), the state as separate
-/// The chunk the optimizer makes by default for AdamW (two slots) in precision P.
-template <class P>
-std::size_t default_adamw_chunk()
-{
-  using C = typename P::template state_codec<0>;
-  std::vector<slot_format> formats(2, slot_format{C::block, C::block_bytes, C::name});
-  if constexpr (P::has_master) { formats.insert(formats.begin(), slot_format{1, 4, "fp32"}); }
-  if constexpr (P::has_compensation) { formats.insert(formats.begin(), slot_format{1, 2, "bf16"}); }
-  return layout::default_chunk_elements(formats);
-}
-
 /// arrays in 4k and in huge pages, and as the optimizer's chunks in huge pages.
 template <class P>
 struct arrays {
@@ -436,7 +425,7 @@ struct arrays {
   static constexpr std::size_t ss        = state_size_v<P>;
   static constexpr std::size_t lead      = P::has_master ? 4 : P::has_compensation ? 2 : 0;  // the master or the compensation
   static constexpr std::size_t max_slots = 3;
-  static inline std::size_t const chunk  = default_adamw_chunk<P>();  // the optimizer's default chunk_elements
+  static constexpr std::size_t chunk     = layout::default_chunk_elements;  // the optimizer's default
 
   std::size_t n;
   region param, grad;

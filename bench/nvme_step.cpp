@@ -101,6 +101,7 @@ struct options {
   std::size_t threads  = 0;
   std::size_t block_size = 0;   // 0: the engine's default
   unsigned queue_depth   = 0;   // 0: the engine's default
+  std::size_t chunk_elements = 0;  // 0: the optimizer's default (12 MiB of state per chunk)
   bool skip_fio          = false;
   bool skip_ds_io        = false;
   std::string directory;       // the fresh directory itself (set for children)
@@ -108,7 +109,7 @@ struct options {
 
 constexpr char const* usage_text =
   "usage: nvme_step [--path DIR] [--elements N >= 4096] [--steps S (1..1000)] [--threads T (0..4096)] "
-  "[--block-size B] [--queue-depth Q] [--no-fio] [--no-ds-io] [--help]\n";
+  "[--block-size B] [--queue-depth Q] [--chunk-elements C (a multiple of 2048)] [--no-fio] [--no-ds-io] [--help]\n";
 
 [[noreturn]] void usage_error(std::string const& what)
 {
@@ -156,6 +157,9 @@ options parse(int argc, char** argv)
       o.block_size = number(i, 0, std::size_t{1} << 40);
     } else if (a == "--queue-depth") {
       o.queue_depth = static_cast<unsigned>(number(i, 0, 1u << 20));
+    } else if (a == "--chunk-elements") {
+      o.chunk_elements = number(i, 0, std::size_t{1} << 40);
+      if (o.chunk_elements % 2048 != 0) { usage_error("--chunk-elements " + std::to_string(o.chunk_elements) + ": not a multiple of 2048"); }
     } else if (a == "--no-fio") {
       o.skip_fio = true;
     } else if (a == "--no-ds-io") {
@@ -517,7 +521,8 @@ void run_config(options const& o, std::string const& dir, std::vector<bf16>& par
   opt_options.tier.directory = dir;
   if (o.block_size != 0) { opt_options.tier.io.block_size = o.block_size; }
   if (o.queue_depth != 0) { opt_options.tier.io.queue_depth = o.queue_depth; }
-  is_default = is_default && o.block_size == 0 && o.queue_depth == 0;
+  opt_options.chunk_elements = o.chunk_elements;
+  is_default = is_default && o.block_size == 0 && o.queue_depth == 0 && o.chunk_elements == 0;
   typename Opt::hyperparameters h;
   h.lr = 1e-4;
   Opt opt(h, opt_options);
@@ -744,7 +749,8 @@ int main(int argc, char** argv)
         std::vector<std::string> args = {"/proc/self/exe", "--directory", dir, "--elements", std::to_string(n),
                                          "--steps", std::to_string(o.steps), "--threads", std::to_string(o.threads),
                                          "--block-size", std::to_string(o.block_size),
-                                         "--queue-depth", std::to_string(o.queue_depth)};
+                                         "--queue-depth", std::to_string(o.queue_depth),
+                                         "--chunk-elements", std::to_string(o.chunk_elements)};
         if (o.skip_fio) { args.push_back("--no-fio"); }
         if (o.skip_ds_io) { args.push_back("--no-ds-io"); }
         std::vector<char*> argv_child;

@@ -187,7 +187,7 @@ template <class Precision, class Tier, class Transfer>
 tierstate_optimizer* make(tierstate_options const& o)
 {
   typename OffloadedOptimizer<AdamW, Precision, Tier, Transfer, compute>::options opts;
-  opts.chunk_elements = o.chunk_elements;  // 0: the precision's default
+  opts.chunk_elements = o.chunk_elements;  // 0: 2^20, or a checkpoint's
   opts.threads       = o.threads;
   opts.max_grad_norm = o.max_grad_norm;
   // Without the skip, nothing looks: the C API has no way to report what `report` would find.

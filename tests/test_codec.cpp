@@ -163,29 +163,20 @@ TEST_CASE("a block codec's layout: tensors start on whole blocks, and its slots 
   CHECK(P::name() == "bf16/bf16/fp32/(test_absmax_int8_256,fp32)");
 }
 
-TEST_CASE("the default chunk holds 12 MiB of state whatever the precision, and never fewer than 2^20 elements",
-          "[codec][layout]")
+TEST_CASE("the default chunk (chunk_elements 0) is 2^20 elements whatever the precision", "[codec][layout]")
 {
-  constexpr std::size_t limit = std::size_t{12} << 20;
   auto chunk_of = [&]<class P>(P) {
-    std::vector<typename P::param_type> w((std::size_t{3} << 20) + 5);  // larger than any default chunk
+    std::vector<typename P::param_type> w((std::size_t{3} << 20) + 5);  // larger than a chunk
     HostOpt<P> opt(typename HostOpt<P>::hyperparameters{}, {});
     opt.add_tensor("w", w.data(), w.size());
     auto const& lay = opt.state_layout();
-    CHECK(lay.chunk_elements() % layout::element_granularity == 0);
     return std::pair(lay.chunk_elements(), lay.chunk_bytes());
   };
-  CHECK(chunk_of(Bf16Mixed{}) == std::pair(std::size_t{1} << 20, limit));       // master, m, v: 12 bytes
-  CHECK(chunk_of(Fp32{}) == std::pair(std::size_t{3} << 19, limit));            // m, v: 8 bytes
-  // An fp32 master (4 bytes) and 8-bit m and v (260 bytes per 256): 1018 granules of 2048
-  // fit; 1019 would take 12,591,104 bytes, the 4 KiB rounding of the 8-bit arrays included.
-  CHECK(chunk_of(Bf16Mixed8bit{}) == std::pair(std::size_t{2084864}, std::size_t{12574720}));
-  std::vector<slot_format> const eight_bit = {{1, 4, "fp32"}, {256, 260, "a"}, {256, 260, "b"}};
-  CHECK(layout::chunk_bytes_for(eight_bit, 2084864 + 2048) == 12591104);
-  // More than 12 bytes per element, or none: 2^20.
-  std::vector<slot_format> const wide = {{1, 4, "fp32"}, {1, 4, "fp32"}, {1, 4, "fp32"}, {1, 4, "fp32"}};
-  CHECK(layout::default_chunk_elements(wide) == std::size_t{1} << 20);
-  CHECK(layout::default_chunk_elements({}) == std::size_t{1} << 20);
+  constexpr std::size_t M = std::size_t{1} << 20;
+  CHECK(chunk_of(Bf16Mixed{}) == std::pair(M, 12 * M));  // master, m, v
+  CHECK(chunk_of(Fp32{}) == std::pair(M, 8 * M));        // m, v
+  // an fp32 master, and 8-bit m and v: 4096 blocks of 256 values and a 4-byte scale each
+  CHECK(chunk_of(Bf16Mixed8bit{}) == std::pair(M, 4 * M + 2 * (M + 4096 * 4)));
   // A model smaller than the chunk gets one chunk of its own size, as with a chunk asked for.
   nvme_model<Bf16Mixed8bit> m;
   HostOpt<Bf16Mixed8bit> small(HostOpt<Bf16Mixed8bit>::hyperparameters{}, {});

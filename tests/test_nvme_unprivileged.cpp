@@ -119,8 +119,7 @@ TEST_CASE("host memory the process may not have is refused at the first step, sa
   std::size_t const n = std::size_t{8} << 20;  // 64 MiB of state: m and v
   std::vector<float> w(n, 0.5f), g(n, 0.25f);
   Opt::options o;
-  o.threads        = 1;
-  o.chunk_elements = std::size_t{1} << 20;  // whole chunks: no padding beyond n
+  o.threads = 1;
   Opt opt({}, o);
   opt.add_tensor("w", w.data(), w.size());
   std::vector<grad_view<float>> const views = {{g.data(), g.size()}};

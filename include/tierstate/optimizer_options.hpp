@@ -20,11 +20,9 @@ enum class nonfinite_policy : std::uint8_t {
 /// What an OffloadedOptimizer is made with; `tier` holds its state tier's own options.
 template <class TierOptions>
 struct optimizer_options {
-  /// Elements per chunk: a multiple of 2048 (each slot array a multiple of 4 KiB); 0: chosen
-  /// by the precision, the most elements whose state fits in 12 MiB and at least 2^20
-  /// (layout::default_chunk_elements: 2^20 for Bf16Mixed, 2,084,864 for 8-bit moments beside
-  /// an fp32 master), or, for a load before the state is made, the file's. A model with fewer
-  /// elements gets one chunk of its own size, rounded up to 2048.
+  /// Elements per chunk: a multiple of 2048 (each slot array a multiple of 4 KiB); 0: 2^20
+  /// (layout::default_chunk_elements), or, for a load before the state is made, the file's.
+  /// A model with fewer elements gets one chunk of its own size, rounded up to 2048.
   std::size_t chunk_elements = 0;
   /// Worker threads, the caller included; 0: the CPUs of the affinity mask.
   std::size_t threads = 0;

@@ -47,17 +47,9 @@ class layout {
   /// this (2048 two-byte or 1024 four-byte values make 4 KiB).
   static constexpr std::size_t element_granularity = 2048;
   static constexpr std::size_t alignment           = 4096;
-  /// The chunk a precision gets when none is asked for (optimizer_options::chunk_elements 0):
-  /// the most elements whose slot arrays fit in `default_chunk_bytes` (12 MiB, Bf16Mixed's
-  /// 2^20 fp32 masters, m and v), and never fewer than `min_default_chunk_elements`. Staging
-  /// and I/O are then in pieces of the same size whatever the precision: compact state moves
-  /// as many bytes per read as fp32 state, in fewer, larger chunks.
-  static constexpr std::size_t default_chunk_bytes       = std::size_t{12} << 20;
-  static constexpr std::size_t min_default_chunk_elements = std::size_t{1} << 20;
-  [[nodiscard]] static std::size_t default_chunk_elements(std::vector<slot_format> const& formats) noexcept;
-  /// Bytes of one chunk of `chunk_elements` (a multiple of 2048) with these formats.
-  [[nodiscard]] static std::size_t chunk_bytes_for(std::vector<slot_format> const& formats,
-                                                   std::size_t chunk_elements) noexcept;
+  /// The chunk when none is asked for (optimizer_options::chunk_elements 0): 2^20 elements,
+  /// 12 MiB of Bf16Mixed AdamW's master, m and v.
+  static constexpr std::size_t default_chunk_elements = std::size_t{1} << 20;
 
   layout() = default;
 
@@ -92,12 +84,6 @@ class layout {
   }
 
  private:
-  /// One slot array of a chunk: its blocks, rounded up to 4 KiB.
-  [[nodiscard]] static std::size_t array_bytes(slot_format const& f, std::size_t chunk_elements) noexcept
-  {
-    return (chunk_elements / f.block * f.block_bytes + alignment - 1) / alignment * alignment;
-  }
-
   std::vector<tensor_extent> tensors_;
   std::size_t chunk_elements_ = 0;
   std::vector<slot> slots_;
@@ -137,31 +123,10 @@ inline layout::layout(std::vector<tensor_extent> tensors, std::size_t chunk_elem
   total_elements_ = offset;
   for (auto const& f : formats_) {
     slot_offsets_.push_back(chunk_bytes_);
-    chunk_bytes_ += array_bytes(f, chunk_elements_);
+    std::size_t const bytes = chunk_elements_ / f.block * f.block_bytes;
+    chunk_bytes_ += (bytes + alignment - 1) / alignment * alignment;
   }
   chunk_count_ = (total_elements_ + chunk_elements_ - 1) / chunk_elements_;
-}
-
-inline std::size_t layout::chunk_bytes_for(std::vector<slot_format> const& formats,
-                                           std::size_t chunk_elements) noexcept
-{
-  std::size_t bytes = 0;
-  for (auto const& f : formats) { bytes += array_bytes(f, chunk_elements); }
-  return bytes;
-}
-
-inline std::size_t layout::default_chunk_elements(std::vector<slot_format> const& formats) noexcept
-{
-  // Bytes per 2048 elements are exact (every block divides 2048); the 4 KiB rounding of each
-  // slot array can only add, so step down from the estimate until the chunk fits.
-  std::size_t per_granule = 0;
-  for (auto const& f : formats) { per_granule += element_granularity / f.block * f.block_bytes; }
-  if (per_granule == 0) { return min_default_chunk_elements; }
-  std::size_t elements = default_chunk_bytes / per_granule * element_granularity;
-  while (elements > min_default_chunk_elements && chunk_bytes_for(formats, elements) > default_chunk_bytes) {
-    elements -= element_granularity;
-  }
-  return std::max(elements, min_default_chunk_elements);
 }
 
 inline std::size_t layout::chunk_size(std::size_t k) const noexcept

@@ -63,7 +63,7 @@ class state_store {
     if constexpr (Placement::tier_preflights) { StateTier::preflight(tier_options); }
   }
   /// The layout these tensors get (the same as make makes), without making anything; chunk
-  /// elements 0: the precision's default. Throws logic_error for no tensor.
+  /// elements 0: layout::default_chunk_elements. Throws logic_error for no tensor.
   [[nodiscard]] static tierstate::layout layout_for(std::span<tensor_entry const> tensors,
                                                     std::size_t chunk_elements);
 

@@ -46,7 +46,7 @@ struct config {
   std::string compute   = "host";    ///< "host" (OnHost, xsimd) or "device" (OnDevice, Thrust)
   bool device_params    = false;     ///< params and grads in device memory (CudaOverlapped)
   std::string directory;           ///< NvmeFile: where the scratch file goes
-  std::size_t chunk_elements = 0;  ///< 0: the precision's default (12 MiB of state)
+  std::size_t chunk_elements = 0;  ///< 0: 2^20, or a checkpoint's
   std::size_t threads   = 0;
   double max_grad_norm  = 0.0;
   std::string on_nonfinite = "skip_step";  ///< skip_step, report, ignore

@@ -31,7 +31,7 @@ tierstate::layout state_store<Precision, Rule, StateTier, Placement>::layout_for
   std::size_t total = 0;
   for (auto const& t : tensors) { total = (total + align - 1) / align * align + t.count; }
   std::size_t const g         = tierstate::layout::element_granularity;
-  std::size_t const requested = chunk_elements != 0 ? chunk_elements : tierstate::layout::default_chunk_elements(formats);
+  std::size_t const requested = chunk_elements != 0 ? chunk_elements : tierstate::layout::default_chunk_elements;
   std::size_t const chunk     = std::min(requested, std::max(g, (total + g - 1) / g * g));
   return tierstate::layout(std::move(extents), chunk, std::move(slots), std::move(formats));
 }
