@@ -889,6 +889,48 @@ TEST_CASE("offloaded params: writes behind are bounded, read back in order, and 
   }
 }
 
+TEST_CASE("offloaded params on NVMe: a partial write, behind or not, keeps the bytes around it in its first and last "
+          "blocks", "[offload]")
+{
+  test::scratch_dir dir;
+  NvmeFile::options t;
+  t.directory = dir.path;
+  for (std::size_t const behind : {std::size_t{0}, std::size_t{64} << 20}) {
+    CAPTURE(behind);
+    auto o               = options_for<NvmeFile>(2, 0, t);
+    o.write_behind_bytes = behind;
+    model<offloaded_params<float, NvmeFile>> m(o);
+    m.write_all(0);
+    std::vector<std::vector<float>> shadow(m.w.tensor_count());
+    for (std::size_t k = 0; k < shadow.size(); ++k) {
+      shadow[k].resize(m.w.tensor_size(k));
+      for (std::size_t i = 0; i < shadow[k].size(); ++i) { shadow[k][i] = value_of(k, i, 0); }
+    }
+    // (offset, count) in floats, 1024 to a 4 KiB block: inside one block (a head and a tail
+    // in the same block), across a boundary, from a boundary, to one, whole blocks.
+    std::vector<std::pair<std::size_t, std::size_t>> const ranges = {
+      {1, 1}, {3, 1000}, {1000, 30}, {0, 1024}, {1024, 1024}, {1023, 2}, {5, 3000}, {0, 4097}, {2047, 1}};
+    int version = 10;
+    for (auto const& [offset, count] : ranges) {
+      for (std::size_t k = 0; k < shadow.size(); ++k) {
+        if (offset >= shadow[k].size()) { continue; }
+        std::size_t const n = std::min(count, shadow[k].size() - offset);
+        std::vector<float> v(n);
+        for (std::size_t i = 0; i < n; ++i) { v[i] = shadow[k][offset + i] = static_cast<float>(version) + i; }
+        m.w.write(k, offset, v);
+        ++version;
+      }
+    }
+    m.w.flush();
+    for (std::size_t k = 0; k < shadow.size(); ++k) {
+      std::vector<float> back(shadow[k].size());
+      m.w.read(k, 0, back);
+      CAPTURE(k);
+      REQUIRE(back == shadow[k]);
+    }
+  }
+}
+
 TEST_CASE("offloaded params with the optimizer: a rule without per-element state (SGD, fp32) checkpoints them too",
           "[offload][optimizer][checkpoint]")
 {

@@ -65,6 +65,7 @@
 #include <tierstate/tiers/pinned_host.hpp>
 #include <tierstate/tiers/tier.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -277,10 +278,25 @@ class offloaded_params final : public param_source<Param> {
     layer_id layer;
     int buffer;
   };
+  /// The tier's alignment (NvmeFile's O_DIRECT blocks), or 1.
+  static constexpr std::size_t write_alignment = [] {
+    if constexpr (requires { Tier::alignment; }) { return std::size_t{Tier::alignment}; }
+    return std::size_t{1};
+  }();
+  static constexpr std::size_t buffer_alignment = std::max(write_alignment, alignof(std::max_align_t));
+  struct aligned_delete {
+    void operator()(std::byte* p) const noexcept { ::operator delete(p, std::align_val_t{buffer_alignment}); }
+  };
+  /// Values on their way to the tier at byte `at`, `size` bytes, copied once into an aligned
+  /// buffer of whole blocks [lo, lo + n) at their place in it: written from there as is
+  /// once the blocks' other bytes (the first and last block's) are read in.
+  struct staged_write {
+    std::size_t at = 0, size = 0, lo = 0, n = 0;
+    std::unique_ptr<std::byte, aligned_delete> buffer;
+  };
   struct write_job {
     layer_id layer;
-    std::size_t at;  ///< in the tier
-    std::vector<std::byte> bytes;
+    staged_write bytes;
   };
 
   layer_entry const& layer_at(layer_id l, char const* call) const;
@@ -299,9 +315,9 @@ class offloaded_params final : public param_source<Param> {
   void read_ahead();
   void drop(int b);
   void fill_views(layer_entry& l, std::byte const* data);
-  /// Under tier_mu_: writes `from` at byte `at` of the tier, in whole aligned blocks where the
-  /// tier has an alignment.
-  void write_tier(std::size_t at, std::span<std::byte const> from);
+  /// Copies `from` (for byte `at` of the tier) into a staged write; writes it, under tier_mu_.
+  [[nodiscard]] static staged_write stage(std::size_t at, std::span<std::byte const> from);
+  void write_staged(staged_write& w);
 
   options opts_;
   std::vector<layer_entry> layers_;

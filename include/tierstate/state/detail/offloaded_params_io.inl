@@ -88,18 +88,18 @@ void offloaded_params<Param, Tier>::io_loop()
       std::exception_ptr failure;
       try {
         std::lock_guard tk(tier_mu_);
-        write_tier(w.at, w.bytes);
+        write_staged(w.bytes);
       } catch (...) {
         failure = std::current_exception();
       }
       lk.lock();
       --writing_;
       --layers_[w.layer].writers;
-      behind_bytes_ -= w.bytes.size();
+      behind_bytes_ -= w.bytes.size;
       if (failure) {
         if (!write_failure_) { write_failure_ = failure; }
       } else {
-        stats_.bytes_written += w.bytes.size();
+        stats_.bytes_written += w.bytes.size;
       }
       read_ahead();
       cv_.notify_all();
@@ -111,7 +111,6 @@ void offloaded_params<Param, Tier>::io_loop()
     auto& l = layers_[job.layer];
     auto& b = buffers_[job.buffer];
     b.version = l.version;  // no write is in progress: the read sees every write so far
-    std::byte* const data = b.data;
     std::size_t const offset = l.offset, bytes = l.bytes;
     lk.unlock();
     std::exception_ptr failure;
@@ -120,7 +119,6 @@ void offloaded_params<Param, Tier>::io_loop()
     } catch (...) {
       failure = std::current_exception();
     }
-    (void)data;
     lk.lock();
     ++stats_.reads;
     stats_.bytes_read += bytes;
@@ -211,8 +209,7 @@ void offloaded_params<Param, Tier>::write(tensor_id t, std::size_t offset, std::
   if (opts_.write_behind_bytes > 0 && io_.joinable()) {
     // Behind: a copy, queued for the I/O thread; room for it first (or none behind at all).
     cv_.wait(lk, [&] { return behind_bytes_ == 0 || behind_bytes_ + from.size_bytes() <= opts_.write_behind_bytes; });
-    auto const* b = reinterpret_cast<std::byte const*>(from.data());
-    writes_.push_back({e.layer, at, std::vector<std::byte>(b, b + from.size_bytes())});
+    writes_.push_back({e.layer, stage(at, std::as_bytes(from))});
     behind_bytes_ += from.size_bytes();
     ++l.writers;
     ++l.version;  // a read in flight is thrown away; a buffer holding the layer is old
@@ -226,8 +223,16 @@ void offloaded_params<Param, Tier>::write(tensor_id t, std::size_t offset, std::
   lk.unlock();
   std::exception_ptr failure;
   try {
-    std::lock_guard tk(tier_mu_);
-    write_tier(at, std::as_bytes(from));
+    staged_write w;
+    if (at % write_alignment == 0 && from.size_bytes() % write_alignment == 0 &&
+        reinterpret_cast<std::uintptr_t>(from.data()) % write_alignment == 0) {
+      std::lock_guard tk(tier_mu_);
+      tier_->write(at, std::as_bytes(from));  // whole blocks from aligned memory: as they are
+    } else {
+      w = stage(at, std::as_bytes(from));
+      std::lock_guard tk(tier_mu_);
+      write_staged(w);
+    }
   } catch (...) {
     failure = std::current_exception();
   }
@@ -240,32 +245,43 @@ void offloaded_params<Param, Tier>::write(tensor_id t, std::size_t offset, std::
 }
 
 template <class Param, tier Tier>
-void offloaded_params<Param, Tier>::write_tier(std::size_t at, std::span<std::byte const> from)
+auto offloaded_params<Param, Tier>::stage(std::size_t at, std::span<std::byte const> from) -> staged_write
 {
-  if constexpr (requires { Tier::alignment; }) {
-    // A tier with an alignment (NvmeFile: O_DIRECT) takes an unaligned write as a
-    // read-modify-write of every block it touches. Here only the first and last blocks are
-    // read, and the whole range is written at once from aligned memory.
-    constexpr std::size_t a = Tier::alignment;
-    std::size_t const lo = at / a * a, hi = (at + from.size() + a - 1) / a * a;
-    if (lo == at && hi == at + from.size() && reinterpret_cast<std::uintptr_t>(from.data()) % a == 0) {
-      tier_->write(at, from);
-      return;
-    }
-    std::size_t const n = hi - lo;
-    auto* buf = static_cast<std::byte*>(::operator new(n, std::align_val_t{a}));
-    struct freer {
-      std::byte* p;
-      ~freer() { ::operator delete(p, std::align_val_t{a}); }
-    } const owned{buf};
-    if (lo < at) { tier_->read(lo, {buf, a}); }
-    if (hi > at + from.size() && (hi - a >= lo + a || lo == at)) { tier_->read(hi - a, {buf + n - a, a}); }
-    std::memcpy(buf + (at - lo), from.data(), from.size());
-    tier_->write(lo, {buf, n});
-  } else {
-    tier_->write(at, from);
-  }
+  constexpr std::size_t a = write_alignment;
+  staged_write w;
+  w.at   = at;
+  w.size = from.size();
+  w.lo   = at / a * a;
+  w.n    = (at + from.size() + a - 1) / a * a - w.lo;
+  w.buffer.reset(static_cast<std::byte*>(::operator new(std::max<std::size_t>(w.n, 1),
+                                                        std::align_val_t{buffer_alignment})));
+  std::memcpy(w.buffer.get() + (at - w.lo), from.data(), from.size());
+  return w;
 }
 
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::write_staged(staged_write& w)
+{
+  // A tier with an alignment (NvmeFile: O_DIRECT) is written in whole blocks: the first and
+  // last blocks' bytes outside the values come from the tier, read into a block of their own
+  // (the values already fill the rest), and the range is written at once.
+  constexpr std::size_t a = write_alignment;
+  std::byte* const buf    = w.buffer.get();
+  std::size_t const head  = w.at - w.lo;                // bytes of the first block before the values
+  std::size_t const tail  = w.lo + w.n - w.at - w.size;  // bytes of the last block after them
+  if (head > 0 || tail > 0) {
+    std::unique_ptr<std::byte, aligned_delete> const block(
+      static_cast<std::byte*>(::operator new(a, std::align_val_t{buffer_alignment})));
+    if (head > 0) {
+      tier_->read(w.lo, {block.get(), a});
+      std::memcpy(buf, block.get(), head);
+    }
+    if (tail > 0) {
+      if (head == 0 || w.n > a) { tier_->read(w.lo + w.n - a, {block.get(), a}); }  // (one block: read above)
+      std::memcpy(buf + w.n - tail, block.get() + a - tail, tail);
+    }
+  }
+  tier_->write(w.lo, {buf, w.n});
+}
 
 }  // namespace tierstate
