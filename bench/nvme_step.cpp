@@ -101,7 +101,7 @@ struct options {
   std::size_t threads  = 0;
   std::size_t block_size = 0;   // 0: the engine's default
   unsigned queue_depth   = 0;   // 0: the engine's default
-  std::size_t chunk_elements = 0;  // 0: the optimizer's default (12 MiB of state per chunk)
+  std::size_t chunk_elements = 0;  // 0: the optimizer's default (2^20)
   bool skip_fio          = false;
   bool skip_ds_io        = false;
   std::string directory;       // the fresh directory itself (set for children)

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <set>
 #include <span>
 #include <stdexcept>
 #include <string>
@@ -201,6 +202,31 @@ TEST_CASE("an optimizer left at the default chunk takes a checkpoint's chunk whe
     CHECK_THROWS_AS(b.opt.load(ckpt), checkpoint_error);
     b.steps(1, 1);
     CHECK(b.opt.state_layout().chunk_count() == 1);
+  }
+  SECTION("lost in its loading pass at the file's chunk, it later loads a file of another chunk")
+  {
+    auto const bytes = file_bytes(ckpt);
+    trainer<Opt> b(typename Opt::options{});
+    std::set<std::uint64_t> seen;
+    auto const failing = [&](std::uint64_t offset, std::span<std::byte> to) {
+      // The loading pass reads the chunks a second time: the first of them fails.
+      if (offset != 0 && !seen.insert(offset).second) { throw std::runtime_error("a read failed"); }
+      std::memcpy(to.data(), bytes.data() + offset, to.size());
+    };
+    CHECK_THROWS_WITH(b.opt.load_from(bytes.size(), failing), Catch::Contains("a read failed"));
+    REQUIRE(b.opt.state_lost());
+    trainer<Opt> c(typename Opt::options{});  // saved at the default chunk: one, here
+    c.steps(1, 2);
+    auto const other = d.path / "other";
+    c.opt.save(other);
+    b.opt.load(other);
+    CHECK_FALSE(b.opt.state_lost());
+    CHECK(b.opt.state_layout().chunk_count() == 1);
+    b.steps(3, 3);
+    c.steps(3, 3);
+    for (std::size_t t = 0; t < c.m.params.size(); ++t) {
+      CHECK(std::memcmp(b.m.params[t].data(), c.m.params[t].data(), c.m.params[t].size() * sizeof(bf16)) == 0);
+    }
   }
   SECTION("with its state made at another chunk, the load is refused and names both")
   {

@@ -922,6 +922,11 @@ TEST_CASE("offloaded params on NVMe: a partial write, behind or not, keeps the b
       }
     }
     m.w.flush();
+    // An empty write, at an offset inside a block: nothing to do, nothing done.
+    auto const written = m.w.stats().bytes_written;
+    m.w.write(0, 3, std::span<float const>{});
+    m.w.flush();
+    CHECK(m.w.stats().bytes_written == written);
     for (std::size_t k = 0; k < shadow.size(); ++k) {
       std::vector<float> back(shadow[k].size());
       m.w.read(k, 0, back);

@@ -329,7 +329,7 @@ TEST_CASE("bad input gets a clear exception that names what was wrong", "[optimi
     CHECK_THROWS_WITH(Opt({}, o), Catch::Contains("chunk_elements = 1000"));
     o.chunk_elements = 2047;
     CHECK_THROWS_WITH(Opt({}, o), Catch::Contains("chunk_elements = 2047") && Catch::Contains("multiple of 2048"));
-    o.chunk_elements = 0;  // the precision's default
+    o.chunk_elements = 0;  // the default
     CHECK_NOTHROW(Opt({}, o));
     o = {};
     o.threads = 100000;

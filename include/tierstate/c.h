@@ -77,7 +77,7 @@ typedef struct tierstate_options {
   tierstate_precision precision;
   tierstate_adamw hyper;
   const char* directory;   /* TIERSTATE_NVME_FILE: an existing, writable directory (copied) */
-  size_t chunk_elements;   /* elements per chunk, a multiple of 2048; 0: 2^20 */
+  size_t chunk_elements;   /* elements per chunk, a multiple of 2048; 0: 2^20, or a loaded checkpoint's */
   size_t threads;          /* worker threads, the caller's included; 0: every CPU it may use */
   double max_grad_norm;    /* clip the gradients' global 2-norm to this; 0: no clipping */
   int skip_nonfinite;      /* nonzero (the default): skip a step whose gradients hold inf or NaN

@@ -294,7 +294,7 @@ class OffloadedOptimizer {
 
   /// Makes the state (state/store.hpp) from the tensors registered now; the master is left
   /// unset when `fill_master` is false (load overwrites every chunk).
-  void materialize(bool fill_master = true);
+  void materialize(bool fill_master = true, std::size_t chunk_elements = 0);  ///< 0: opts_'s
   std::size_t find_tensor(std::string_view name, char const* caller) const;
   tensor_id register_tensor(std::string name, param_type* p, tensor_shape s, location where, param_source<param_type>* src, std::size_t id);
   // The routes (transfer/routes/) move a step's chunks through the optimizer's parts.

@@ -21,7 +21,8 @@ enum class nonfinite_policy : std::uint8_t {
 template <class TierOptions>
 struct optimizer_options {
   /// Elements per chunk: a multiple of 2048 (each slot array a multiple of 4 KiB); 0: 2^20
-  /// (layout::default_chunk_elements), or, for a load before the state is made, the file's.
+  /// (layout::default_chunk_elements), or, for a load before the state is made (or once it
+  /// is lost), the file's.
   /// A model with fewer elements gets one chunk of its own size, rounded up to 2048.
   std::size_t chunk_elements = 0;
   /// Worker threads, the caller included; 0: the CPUs of the affinity mask.

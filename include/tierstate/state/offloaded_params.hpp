@@ -26,7 +26,8 @@
 // never wrong. A layer released stays in its buffer until the buffer is needed, so backward
 // takes the last layer of forward without reading it again.
 //
-// Memory: up to write_behind_bytes of writes not yet in the tier, and (window + 1) buffers
+// Memory: up to write_behind_bytes of writes not yet in the tier (counted in the tier's whole
+// blocks: a 4-byte write on NVMe takes 4 KiB), and (window + 1) buffers
 // of the largest layer's bytes (4 KiB-aligned), allocated once,
 // from `options::buffers` (std::pmr; aligned operator new by default), whatever the model's
 // size; tensors under `persistence_threshold` elements (norms, biases) are kept in host
@@ -94,9 +95,10 @@ struct offloaded_params_options {
   unsigned window = 2;
   /// Tensors of fewer elements stay in host memory, never in the tier or a buffer (0: none).
   std::size_t persistence_threshold = 0;
-  /// write() copies up to this many bytes and returns, the I/O thread writing them behind
-  /// (flush() waits for them and throws a failure); a write beyond it waits for room. 0:
-  /// every write is done before write() returns.
+  /// write() copies up to this many bytes (the whole tier blocks a write touches: 4 KiB
+  /// ones on NVMe) and returns, the I/O thread writing them behind (flush() waits for them
+  /// and throws a failure); a write beyond it waits for room. 0: every write is done before
+  /// write() returns.
   std::size_t write_behind_bytes = std::size_t{64} << 20;
   /// Where the buffers are: host memory (the model computes on the CPU), or device memory
   /// (a GPU, or the emulated device without CUDA): the views are then device pointers.
@@ -317,6 +319,11 @@ class offloaded_params final : public param_source<Param> {
   void fill_views(layer_entry& l, std::byte const* data);
   /// Copies `from` (for byte `at` of the tier) into a staged write; writes it, under tier_mu_.
   [[nodiscard]] static staged_write stage(std::size_t at, std::span<std::byte const> from);
+  /// The bytes stage() takes for `size` bytes at `at`: the whole blocks they touch.
+  [[nodiscard]] static constexpr std::size_t staged_bytes(std::size_t at, std::size_t size) noexcept
+  {
+    return (at + size + write_alignment - 1) / write_alignment * write_alignment - at / write_alignment * write_alignment;
+  }
   void write_staged(staged_write& w);
 
   options opts_;

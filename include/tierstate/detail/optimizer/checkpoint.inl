@@ -238,11 +238,16 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
   std::memcpy(region.data(), first.data(), checkpoint::block);
   if (H > checkpoint::block) { read(checkpoint::block, region.data() + checkpoint::block, H - checkpoint::block); }
   checkpoint::header const h = checkpoint::decode({region.data(), region.size()}, file, verify);
-  // No state yet and no chunk asked for: the file's chunk, so a file saved with another
-  // (an older default, another precision's) loads; the state is made with it below.
-  bool const adopt = planned && opts_.chunk_elements == 0 && h.chunk_elements != lay->chunk_elements() &&
-                     h.chunk_elements != 0 && h.chunk_elements % layout::element_granularity == 0;
-  if (adopt) { planned.emplace(store_type::layout_for(tensors_, h.chunk_elements)); }
+  // No chunk asked for, and no state to keep (none yet, or a lost one, which a load rewrites
+  // whole): the file's chunk, so a file saved with another loads; the state is made with it
+  // below (a lost one made again).
+  bool const adopt = opts_.chunk_elements == 0 && (!store_.made() || store_.lost()) &&
+                     h.chunk_elements != lay->chunk_elements() && h.chunk_elements != 0 &&
+                     h.chunk_elements % layout::element_granularity == 0;
+  if (adopt) {
+    planned.emplace(store_type::layout_for(tensors_, h.chunk_elements));
+    lay = &*planned;
+  }
   check_header(h, *lay, file);
 
   // The file's size, now that its layout is known to be ours.
@@ -286,17 +291,14 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
   }
   // The file is good: the state is made (its master is not filled from the params: every
   // chunk is loaded below) and replaced. A failure from here on leaves it part loaded: lost.
-  if (adopt) {
-    std::size_t const asked = opts_.chunk_elements;
-    opts_.chunk_elements    = h.chunk_elements;
-    try {
-      materialize(false);
-    } catch (...) {
-      opts_.chunk_elements = asked;
-      throw;
-    }
+  bool const was_made = store_.made();
+  if (adopt && was_made) { store_.discard(); }  // lost, at another chunk
+  try {
+    materialize(false, adopt ? h.chunk_elements : 0);
+  } catch (...) {
+    if (!was_made) { store_.discard(); }  // a fresh optimizer stays fresh
+    throw;
   }
-  materialize(false);
   delayed_.discard();  // its param buffer is made afresh from the params load writes
   try {
     // Read into load's own buffer, then copied into the tier: a read that hangs never holds

@@ -21,7 +21,7 @@ OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::OffloadedOpti
   if (opts.chunk_elements % layout::element_granularity != 0) {
     throw invalid_option("chunk_elements", detail::to_text(opts.chunk_elements),
                          "must be a multiple of 2048, so every slot array of a chunk is a whole number "
-                         "of 4 KiB blocks (0: the precision's default)");
+                         "of 4 KiB blocks (0: 2^20, or a loaded checkpoint's)");
   }
   if (!(opts.max_grad_norm >= 0.0) || !std::isfinite(opts.max_grad_norm)) {
     throw invalid_option("max_grad_norm", detail::to_text(opts.max_grad_norm),

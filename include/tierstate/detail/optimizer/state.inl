@@ -6,9 +6,10 @@
 namespace tierstate::inline TIERSTATE_ABI {
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
-void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::materialize(bool fill_master)
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::materialize(bool fill_master,
+                                                                                    std::size_t chunk_elements)
 {
-  store_.make(tensors_, opts_.tier, opts_.chunk_elements, fill_master);
+  store_.make(tensors_, opts_.tier, chunk_elements != 0 ? chunk_elements : opts_.chunk_elements, fill_master);
   tensor_phase_.make(std::span<tensor_entry const>(tensors_));
 }
 

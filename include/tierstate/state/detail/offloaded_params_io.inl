@@ -95,7 +95,7 @@ void offloaded_params<Param, Tier>::io_loop()
       lk.lock();
       --writing_;
       --layers_[w.layer].writers;
-      behind_bytes_ -= w.bytes.size;
+      behind_bytes_ -= w.bytes.n;
       if (failure) {
         if (!write_failure_) { write_failure_ = failure; }
       } else {
@@ -197,6 +197,7 @@ template <class Param, tier Tier>
 void offloaded_params<Param, Tier>::write(tensor_id t, std::size_t offset, std::span<Param const> from)
 {
   check_range(t, offset, from.size(), "write");
+  if (from.empty()) { return; }
   std::unique_lock lk(mu_);
   if (!made_) { make_locked(); }
   auto const& e = tensors_[t];
@@ -208,9 +209,11 @@ void offloaded_params<Param, Tier>::write(tensor_id t, std::size_t offset, std::
   std::size_t const at = e.offset + offset * sizeof(Param);
   if (opts_.write_behind_bytes > 0 && io_.joinable()) {
     // Behind: a copy, queued for the I/O thread; room for it first (or none behind at all).
-    cv_.wait(lk, [&] { return behind_bytes_ == 0 || behind_bytes_ + from.size_bytes() <= opts_.write_behind_bytes; });
+    // (counted as staged: whole blocks)
+    std::size_t const staged = staged_bytes(at, from.size_bytes());
+    cv_.wait(lk, [&] { return behind_bytes_ == 0 || behind_bytes_ + staged <= opts_.write_behind_bytes; });
     writes_.push_back({e.layer, stage(at, std::as_bytes(from))});
-    behind_bytes_ += from.size_bytes();
+    behind_bytes_ += staged;
     ++l.writers;
     ++l.version;  // a read in flight is thrown away; a buffer holding the layer is old
     if (l.buffer >= 0 && buffers_[l.buffer].state == buffer_state::ready) { drop(l.buffer); }
@@ -247,12 +250,11 @@ void offloaded_params<Param, Tier>::write(tensor_id t, std::size_t offset, std::
 template <class Param, tier Tier>
 auto offloaded_params<Param, Tier>::stage(std::size_t at, std::span<std::byte const> from) -> staged_write
 {
-  constexpr std::size_t a = write_alignment;
   staged_write w;
   w.at   = at;
   w.size = from.size();
-  w.lo   = at / a * a;
-  w.n    = (at + from.size() + a - 1) / a * a - w.lo;
+  w.lo   = at / write_alignment * write_alignment;
+  w.n    = staged_bytes(at, from.size());
   w.buffer.reset(static_cast<std::byte*>(::operator new(std::max<std::size_t>(w.n, 1),
                                                         std::align_val_t{buffer_alignment})));
   std::memcpy(w.buffer.get() + (at - w.lo), from.data(), from.size());
