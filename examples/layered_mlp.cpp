@@ -10,11 +10,12 @@
 //   each step: opt.begin_step();
 //     forward:  for l in 0..L-1: view = weights.acquire(l); ...; weights.release(l);
 //     backward: for l in L-1..0: view = weights.acquire(l); ...; weights.release(l);
-//               opt.grad_ready(t, grad) for the layer's tensors (updated at once: no checks)
+//               opt.grad_ready(t, grad) for the layer's tensors (updated at once: no checks;
+//               the gradient is written beside the weights, and its buffer serves the next layer)
 //     opt.finish_step(); weights.end_iteration();
 //
 // Host memory for the weights is (window + 1) buffers of one layer, and the biases (under
-// the persistence threshold), whatever the depth. --compare trains the same model a second
+// the persistence threshold), whatever the depth; for their gradients, one layer's. --compare trains the same model a second
 // time with its weights in plain host arrays (OffloadedOptimizer::add_tensor(name, ptr))
 // and fails unless every loss and every final weight is the same, bit for bit.
 //
@@ -125,10 +126,12 @@ struct weights_source {
   virtual void put(std::size_t /*layer, or -1: the iteration ends*/) {}
 };
 
-/// Trains `o.steps` steps; the loss of each step goes to `losses`.
+/// Trains `o.steps` steps; the loss of each step goes to `losses`. `kept`: grad_ready hands
+/// every gradient to the weights' source (offloaded_params' keep_grads), so one layer's
+/// gradient buffer serves every layer; otherwise each layer's stays until finish_step.
 template <class Opt>
 void train(options const& o, Opt& opt, weights_source& src, std::vector<std::size_t> const& ids,
-           std::vector<float>& losses)
+           std::vector<float>& losses, bool kept)
 {
   auto const s = shapes(o);
   std::mt19937 rng(7);
@@ -136,11 +139,7 @@ void train(options const& o, Opt& opt, weights_source& src, std::vector<std::siz
   std::vector<float> teacher(classes * inputs);
   for (auto& t : teacher) { t = normal(rng); }
   std::vector<std::vector<float>> acts(s.size() + 1), pre(s.size());
-  std::vector<std::vector<bf16>> grad_w(s.size()), grad_b(s.size());
-  for (std::size_t l = 0; l < s.size(); ++l) {
-    grad_w[l].resize(static_cast<std::size_t>(s[l].in) * s[l].out);
-    grad_b[l].resize(static_cast<std::size_t>(s[l].out));
-  }
+  std::vector<std::vector<bf16>> grad_w(kept ? 1 : s.size()), grad_b(kept ? 1 : s.size());
   std::vector<float> w, b;
   for (int step = 0; step < o.steps; ++step) {
     // A batch and its labels: the teacher's argmax.
@@ -190,7 +189,10 @@ void train(options const& o, Opt& opt, weights_source& src, std::vector<std::siz
     for (std::size_t l = s.size(); l-- > 0;) {  // backward
       src.get(l, w, b);
       auto const [in, out, hidden, residual] = s[l];
-      std::vector<float> dz(d.size()), dx(B * in, 0.0f), gw(grad_w[l].size(), 0.0f), gb(out, 0.0f);
+      std::size_t const gl = kept ? 0 : l;  // (this layer's gradient buffer)
+      grad_w[gl].resize(static_cast<std::size_t>(in) * out);
+      grad_b[gl].resize(static_cast<std::size_t>(out));
+      std::vector<float> dz(d.size()), dx(B * in, 0.0f), gw(grad_w[gl].size(), 0.0f), gb(out, 0.0f);
       for (std::size_t n = 0; n < B; ++n) {
         for (int j = 0; j < out; ++j) {
           float const t   = hidden ? std::tanh(pre[l][n * out + j]) : 0.0f;
@@ -210,11 +212,12 @@ void train(options const& o, Opt& opt, weights_source& src, std::vector<std::siz
         }
       }
       src.put(l);
-      for (std::size_t i = 0; i < gw.size(); ++i) { grad_w[l][i] = bf16(gw[i]); }
-      for (int j = 0; j < out; ++j) { grad_b[l][j] = bf16(gb[j]); }
-      // Final now: the optimizer updates them (no checks, no clipping) while backward goes on.
-      opt.grad_ready(ids[2 * l], {grad_w[l].data(), grad_w[l].size()});
-      opt.grad_ready(ids[2 * l + 1], {grad_b[l].data(), grad_b[l].size()});
+      for (std::size_t i = 0; i < gw.size(); ++i) { grad_w[gl][i] = bf16(gw[i]); }
+      for (int j = 0; j < out; ++j) { grad_b[gl][j] = bf16(gb[j]); }
+      // Final now: the optimizer updates them (no checks, no clipping) while backward goes on;
+      // offloaded, they are written beside the weights before grad_ready returns.
+      opt.grad_ready(ids[2 * l], {grad_w[gl].data(), grad_w[gl].size()});
+      opt.grad_ready(ids[2 * l + 1], {grad_b[gl].data(), grad_b[gl].size()});
       d = std::move(dx);
     }
     opt.finish_step();
@@ -302,7 +305,7 @@ int main(int argc, char** argv)
       }
     } src(weights);
     std::vector<float> losses;
-    train(o, opt, src, ids, losses);
+    train(o, opt, src, ids, losses, opt.keeps_gradient(ids[0]));
     auto const st = weights.stats();
     std::size_t model_bytes = 0;
     for (std::size_t t = 0; t < weights.tensor_count(); ++t) { model_bytes += weights.tensor_size(t) * sizeof(bf16); }
@@ -312,6 +315,8 @@ int main(int argc, char** argv)
     std::printf("  host memory for the weights: %zu buffers x %.3f MB + %.3f MB resident (biases)\n",
                 weights.buffer_count(), static_cast<double>(weights.buffer_bytes()) / 1e6,
                 static_cast<double>(weights.resident_bytes()) / 1e6);
+    std::printf("  gradients kept beside the weights: %.2f MB written, %.2f MB read back by the updates\n",
+                static_cast<double>(st.grad_bytes_written) / 1e6, static_cast<double>(st.grad_bytes_read) / 1e6);
     std::printf("  loss: step 1 %.4f, step %d %.4f; window %u: %llu acquires, %llu ready, %llu waited, %llu on demand, "
                 "%llu out of order, %.3f s waiting\n",
                 losses.front(), o.steps, losses.back(), o.window, static_cast<unsigned long long>(st.acquires),
@@ -343,7 +348,7 @@ int main(int argc, char** argv)
     std::vector<std::size_t> plain_ids(ids.size());
     for (std::size_t i = 0; i < ids.size(); ++i) { plain_ids[i] = i; }
     std::vector<float> plain_losses;
-    train(o, plain_opt, mem, plain_ids, plain_losses);
+    train(o, plain_opt, mem, plain_ids, plain_losses, false);
     bool same = std::memcmp(losses.data(), plain_losses.data(), losses.size() * sizeof(float)) == 0;
     for (std::size_t l = 0; l < s.size() && same; ++l) {
       std::vector<bf16> back(first_w[l].size());

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <chrono>
 #include <memory_resource>
 #include <stdexcept>
@@ -433,7 +434,8 @@ enum class step_kind { whole, streaming };
 /// whole state.
 template <class Opt, class ParamTier>
 void check_parity(typename Opt::options const& opt_options, typename ParamTier::options const& param_tier,
-                  unsigned window, step_kind kind, unsigned micro_batches, std::size_t threshold = 0)
+                  unsigned window, step_kind kind, unsigned micro_batches, std::size_t threshold = 0,
+                  bool keep_grads = true)
 {
   using P = typename Opt::param_type;
   using G = typename Opt::grad_type;
@@ -459,6 +461,7 @@ void check_parity(typename Opt::options const& opt_options, typename ParamTier::
   wo.window                = window;
   wo.tier                  = param_tier;
   wo.persistence_threshold = threshold;  // (64: the small tensors stay in host memory)
+  wo.keep_grads            = keep_grads;
   offloaded_params<P, ParamTier> w(wo);
   std::vector<std::vector<std::size_t>> by_layer;
   for (std::size_t l = 0, t = 0; l < model_sizes.size(); ++l) {
@@ -517,7 +520,13 @@ void check_parity(typename Opt::options const& opt_options, typename ParamTier::
           for (std::size_t e = 0; e < sizes[t]; ++e) {
             grads_off[t][e] = G(static_cast<float>(grads_off[t][e]) + static_cast<float>(part[t][e]));
           }
-          if (kind == step_kind::streaming) { off.grad_ready(t, {grads_off[t].data(), sizes[t]}); }
+          if (kind == step_kind::streaming) {
+            off.grad_ready(t, {grads_off[t].data(), sizes[t]});
+            if (m + 1 == micro_batches && keep_grads) {
+              // Kept by the params' source: the trainer's memory is free once grad_ready returns.
+              std::fill(grads_off[t].begin(), grads_off[t].end(), G(std::numeric_limits<float>::quiet_NaN()));
+            }
+          }
         }
         w.release(l);
       }
@@ -549,6 +558,12 @@ void check_parity(typename Opt::options const& opt_options, typename ParamTier::
   if (micro_batches == 1) { CHECK(st.out_of_order == 0); }  // (more passes: the first iteration's guess misses)
   CHECK(st.on_demand <= st.out_of_order);
   CHECK(st.bytes_written > 0);
+  if (kind == step_kind::streaming && keep_grads) {  // every gradient kept, and read back once a step
+    CHECK(st.grad_bytes_written > 0);
+    CHECK(st.grad_bytes_read == st.grad_bytes_written);  // (each element read back once a step)
+  } else {
+    CHECK(st.grad_bytes_written == 0);
+  }
 }
 
 }  // namespace
@@ -573,6 +588,8 @@ TEST_CASE("offloaded params with the optimizer: the same bits as params in memor
     o.chunk_elements = 4096;
     o.threads        = 2;
     each([&](unsigned window, step_kind kind, unsigned micro) { check_parity<Opt, PinnedHost>(o, {}, window, kind, micro); });
+    // The trainer keeping its gradients until finish_step (keep_grads false): nothing written.
+    check_parity<Opt, PinnedHost>(o, {}, 2, step_kind::streaming, 2, 0, false);
   }
   SECTION("bf16 params with an fp32 master, on NVMe; state on NVMe, pipelined; no checks")
   {
@@ -1011,4 +1028,289 @@ TEST_CASE("offloaded params with the optimizer: a write that failed behind is th
   writes_left = 1 << 30;
   REQUIRE(!opt.step(views).skipped);
   CHECK(opt.step_count() == 2);
+}
+
+TEST_CASE("offloaded params with the optimizer: gradients kept by the source feed the checks, and a failed keep "
+          "hands nothing over",
+          "[offload][optimizer]")
+{
+  // Each final gradient goes to the params' source in grad_ready, which the trainer then
+  // overwrites: the clipping norm, the non-finite check and the update all come from what
+  // was kept, bit for bit as the same gradients given to step() in memory.
+  using Opt = OffloadedOptimizer<AdamW, Fp32, PinnedHost>;
+  using W   = offloaded_params<float, test::memory_tier>;
+  int writes_left = 1 << 30;
+  W::options wo;
+  wo.tier.writes_left      = &writes_left;
+  wo.persistence_threshold = 100;  // "b" stays in host memory, its gradient too
+  W w(wo);
+  auto const layer = w.add_layer("l");
+  std::vector<std::size_t> const sizes = {5000, 70, 4097};
+  for (std::size_t t = 0; t < sizes.size(); ++t) { w.add_tensor(layer, tensor_name(t), sizes[t]); }
+  typename Opt::options o;
+  o.chunk_elements = 2048;
+  o.max_grad_norm  = 0.5;
+  Opt opt({}, o), ref({}, o);
+  std::vector<std::vector<float>> plain(sizes.size()), g(sizes.size());
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    plain[t].resize(sizes[t]);
+    g[t].resize(sizes[t]);
+    for (std::size_t i = 0; i < sizes[t]; ++i) { plain[t][i] = initial_param<float>(t, i); }
+    w.write(t, 0, plain[t]);
+    opt.add_tensor(w, t);
+    ref.add_tensor(tensor_name(t), plain[t].data(), sizes[t]);
+  }
+  auto const fill = [&](int s) {
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      for (std::size_t i = 0; i < sizes[t]; ++i) { g[t][i] = static_cast<float>((t * 7 + i * 3 + static_cast<std::size_t>(s)) % 101) * 1e-2f - 0.5f; }
+    }
+  };
+  auto const ref_step = [&] {
+    std::vector<grad_view<float>> v;
+    for (auto const& x : g) { v.push_back({x.data(), x.size()}); }
+    return ref.step(v);
+  };
+  auto const hand_over_all = [&](float poison) {
+    for (std::size_t t = sizes.size(); t-- > 0;) {
+      opt.grad_ready(t, {g[t].data(), g[t].size()});
+      std::fill(g[t].begin(), g[t].end(), poison);
+    }
+  };
+  auto const same_params = [&] {
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      std::vector<float> back(sizes[t]);
+      w.read(t, 0, back);
+      REQUIRE(std::memcmp(back.data(), plain[t].data(), back.size() * sizeof(float)) == 0);
+    }
+  };
+
+  SECTION("clipping: the norm of the kept gradients")
+  {
+    for (int s = 0; s < 3; ++s) {
+      fill(s);
+      auto const r = ref_step();
+      fill(s);
+      opt.begin_step();
+      hand_over_all(std::numeric_limits<float>::quiet_NaN());
+      auto const k = opt.finish_step();
+      CHECK(!k.skipped);
+      CHECK(k.grad_norm == r.grad_norm);
+      same_params();
+    }
+    CHECK(w.stats().grad_bytes_written == 3 * (5000 + 4097) * sizeof(float));
+  }
+  SECTION("an inf in a kept gradient skips the step")
+  {
+    fill(0);
+    g[2][4096] = std::numeric_limits<float>::infinity();
+    auto const r = ref_step();
+    REQUIRE(r.skipped);
+    fill(0);
+    g[2][4096] = std::numeric_limits<float>::infinity();
+    opt.begin_step();
+    hand_over_all(0.25f);  // (finite: only the kept look saw the inf)
+    auto const k = opt.finish_step();
+    CHECK(k.skipped);
+    CHECK(k.found_nonfinite);
+    same_params();
+  }
+  SECTION("a keep that fails is grad_ready's error; handed over again, the step is the same; left out, it has none")
+  {
+    for (int s = 0; s < 2; ++s) {
+      fill(s);
+      auto const r = ref_step();
+      fill(s);
+      opt.begin_step();
+      if (s == 1) {
+        writes_left = 0;
+        CHECK_THROWS_WITH(opt.grad_ready(0, {g[0].data(), g[0].size()}), Catch::Contains("memory_tier: write failed"));
+        writes_left = 1 << 30;
+      }
+      hand_over_all(-1.0f);
+      auto const k = opt.finish_step();
+      CHECK(!k.skipped);
+      CHECK(k.grad_norm == r.grad_norm);
+      same_params();
+    }
+    // Kept before, then a keep that fails: none is kept, and the step leaves the tensor out.
+    fill(2);
+    std::vector<grad_view<float>> v;
+    for (auto const& x : g) { v.push_back({x.data(), x.size()}); }
+    v[2] = {};
+    auto const r = ref.step(v);
+    opt.begin_step();
+    writes_left = 0;
+    CHECK_THROWS_WITH(opt.grad_ready(2, {g[2].data(), g[2].size()}), Catch::Contains("memory_tier: write failed"));
+    writes_left = 1 << 30;
+    CHECK_THROWS_WITH(w.read_grad(2, 0, std::span<float>(g[2].data(), 1)), Catch::Contains("no gradient is kept"));
+    opt.grad_ready(1, {g[1].data(), g[1].size()});
+    opt.grad_ready(0, {g[0].data(), g[0].size()});
+    auto const k = opt.finish_step();
+    CHECK(k.grad_norm == r.grad_norm);
+    same_params();
+    std::vector<float> a(sizes[2]), b(sizes[2]);  // (its moments: as the reference's, which had none this step)
+    ref.copy_state(tensor_name(2), slot::exp_avg, a);
+    opt.copy_state(tensor_name(2), slot::exp_avg, b);
+    CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+  }
+  SECTION("nonfinite_policy::report: the inf is reported, and the step goes on as in memory")
+  {
+    o.on_nonfinite = nonfinite_policy::report;
+    o.max_grad_norm = 0.0;
+    Opt rep_opt({}, o), rep_ref({}, o);
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      rep_opt.add_tensor(w, t);
+      rep_ref.add_tensor(tensor_name(t) + "r", plain[t].data(), sizes[t]);
+    }
+    fill(4);
+    g[0][17] = -std::numeric_limits<float>::infinity();
+    std::vector<grad_view<float>> v;
+    for (auto const& x : g) { v.push_back({x.data(), x.size()}); }
+    auto const r = rep_ref.step(v);
+    CHECK(r.found_nonfinite);
+    rep_opt.begin_step();
+    for (std::size_t t = sizes.size(); t-- > 0;) {
+      rep_opt.grad_ready(t, {g[t].data(), g[t].size()});
+      std::fill(g[t].begin(), g[t].end(), 0.5f);
+    }
+    auto const k = rep_opt.finish_step();
+    CHECK(k.found_nonfinite);
+    CHECK(!k.skipped);
+    same_params();
+  }
+  SECTION("write_grad and read_grad: sizes and a source that keeps none")
+  {
+    CHECK_THROWS_WITH(w.read_grad(1, 0, std::span<float>(g[1].data(), 70)), Catch::Contains("no gradient is kept"));
+    CHECK_THROWS_WITH(w.write_grad(0, std::span<float const>(g[0].data(), 10)), Catch::Contains("has 10 elements"));
+    fill(3);
+    w.write_grad(1, g[1]);
+    std::vector<float> back(30);
+    w.read_grad(1, 40, back);
+    CHECK(std::memcmp(back.data(), g[1].data() + 40, back.size() * sizeof(float)) == 0);
+    CHECK_THROWS_WITH(w.read_grad(1, 41, back), Catch::Contains("outside"));
+    W::options none;
+    none.keep_grads = false;
+    W other(none);
+    other.add_tensor(other.add_layer("l"), "x", 10);
+    CHECK(!other.keeps_grads());
+    CHECK_THROWS_WITH(other.write_grad(0, std::span<float const>(g[0].data(), 10)), Catch::Contains("keep_grads is false"));
+  }
+}
+
+TEST_CASE("offloaded params on NVMe: gradients of one layer kept from several threads at once, blocks shared",
+          "[offload][optimizer][nvme]")
+{
+  // Tensors of one layer share 4 KiB blocks of the gradients' tier (each starts 64-byte
+  // aligned): kept concurrently, each write reads the blocks it shares and writes them back
+  // whole, one tier call at a time, so no tensor's gradient overwrites its neighbour's.
+  using Opt = OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost>;
+  using W   = offloaded_params<bf16, NvmeFile>;
+  test::scratch_dir dir;
+  W::options wo;
+  wo.tier.directory = dir.path;
+  W w(wo);
+  auto const layer = w.add_layer("l");
+  std::vector<std::size_t> const sizes = {100, 3000, 7, 2049, 4096, 33, 1000, 1};
+  for (std::size_t t = 0; t < sizes.size(); ++t) { w.add_tensor(layer, tensor_name(t), sizes[t]); }
+  typename Opt::options o;
+  o.chunk_elements = 2048;
+  o.max_grad_norm  = 1.0;
+  Opt opt({}, o), ref({}, o);
+  std::vector<std::vector<bf16>> plain(sizes.size()), g(sizes.size());
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    plain[t].resize(sizes[t]);
+    for (std::size_t i = 0; i < sizes[t]; ++i) { plain[t][i] = initial_param<bf16>(t, i); }
+    w.write(t, 0, plain[t]);
+    opt.add_tensor(w, t);
+    ref.add_tensor(tensor_name(t), plain[t].data(), sizes[t]);
+  }
+  for (int s = 0; s < 4; ++s) {
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      g[t].resize(sizes[t]);
+      for (std::size_t i = 0; i < sizes[t]; ++i) { g[t][i] = bf16(static_cast<float>((t * 5 + i + static_cast<std::size_t>(s) * 3) % 61) * 1e-2f - 0.3f); }
+    }
+    std::vector<grad_view<bf16>> v;
+    for (auto const& x : g) { v.push_back({x.data(), x.size()}); }
+    auto const r = ref.step(v);
+    opt.begin_step();
+    std::vector<std::thread> threads;
+    for (std::size_t k = 0; k < 4; ++k) {
+      threads.emplace_back([&, k] {
+        for (std::size_t t = k; t < sizes.size(); t += 4) {
+          opt.grad_ready(t, {g[t].data(), g[t].size()});
+          std::fill(g[t].begin(), g[t].end(), bf16(1e4f));  // (free: only the kept copy counts)
+        }
+      });
+    }
+    for (auto& th : threads) { th.join(); }
+    auto const k = opt.finish_step();
+    REQUIRE(!k.skipped);
+    CHECK(k.grad_norm == r.grad_norm);
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      std::vector<bf16> back(sizes[t]);
+      w.read(t, 0, back);
+      REQUIRE(std::memcmp(back.data(), plain[t].data(), back.size() * sizeof(bf16)) == 0);
+    }
+  }
+}
+
+namespace {
+
+/// One tensor in host memory, whose write_grad takes a while and then fails.
+class failing_keeper final : public param_source<float> {
+ public:
+  explicit failing_keeper(std::size_t n) : values(n, 0.5f) {}
+  void read(std::size_t, std::size_t offset, std::span<float> to) override
+  {
+    std::copy_n(values.data() + offset, to.size(), to.data());
+  }
+  void write(std::size_t, std::size_t offset, std::span<float const> from) override
+  {
+    std::copy(from.begin(), from.end(), values.begin() + static_cast<std::ptrdiff_t>(offset));
+  }
+  [[nodiscard]] bool keeps_grads() const noexcept override { return true; }
+  void write_grad(std::size_t, std::span<float const>) override
+  {
+    started = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    throw std::runtime_error("failing_keeper: write_grad failed");
+  }
+  [[nodiscard]] std::size_t tensor_size(std::size_t) const override { return values.size(); }
+  [[nodiscard]] std::string const& tensor_name(std::size_t) const override { return name; }
+
+  std::vector<float> values;
+  std::string name = "kept";
+  std::atomic<bool> started{false};
+};
+
+}  // namespace
+
+TEST_CASE("a keep that fails after finish_step began leaves the tensor out instead of hanging the step",
+          "[offload][optimizer]")
+{
+  using Opt = OffloadedOptimizer<AdamW, Fp32, PinnedHost>;
+  failing_keeper src(3000);
+  std::vector<float> p(100, 1.0f), gp(100, 0.1f), g(3000, 0.2f);
+  Opt opt;
+  REQUIRE(opt.add_tensor(src, 0) == 0);
+  opt.add_tensor("p", p.data(), p.size());
+  CHECK(opt.keeps_gradient(0));
+  CHECK(!opt.keeps_gradient(1));
+  opt.begin_step();
+  std::atomic<bool> threw{false};
+  std::thread t([&] {
+    try {
+      opt.grad_ready(0, {g.data(), g.size()});
+    } catch (std::runtime_error const&) {
+      threw = true;
+    }
+  });
+  while (!src.started) { std::this_thread::yield(); }
+  opt.grad_ready(1, {gp.data(), gp.size()});
+  auto const r = opt.finish_step();  // (returns once the keep has failed: the tensor has no gradient)
+  t.join();
+  CHECK(threw);
+  CHECK(!r.skipped);
+  CHECK(src.values == std::vector<float>(3000, 0.5f));  // not updated
+  CHECK(p[0] != 1.0f);                                  // updated
 }

@@ -150,8 +150,9 @@ class OffloadedOptimizer {
   tensor_id add_tensor(std::string name, param_type* param, tensor_shape shape,
                        location where = location::host);
   /// Registers tensor `id` of `source` (offloaded_params: weights in a tier) by name and size: the
-  /// master comes from it, each update reads and writes params through it. OnHost compute only,
-  /// without delayed_update or a tensor phase (else logic_error); `source` must outlive the optimizer.
+  /// master comes from it, each update reads and writes params through it (and, in a streaming
+  /// step, the gradient grad_ready gave it where it keeps_grads(): see begin_step). OnHost compute
+  /// only, without delayed_update or a tensor phase (else logic_error); `source` must outlive it.
   tensor_id add_tensor(param_source<param_type>& source, std::size_t id);
 
   /// A parameter group: moves the named tensors (from group 0) into a new group with its
@@ -181,34 +182,33 @@ class OffloadedOptimizer {
                    device::stream_view ready = {});
 
   /// A streaming step, overlapping the update with backward: begin_step() starts it,
-  /// grad_ready() hands over a tensor's gradient as soon as it is final (a
-  /// post-accumulate-grad hook), from any thread, concurrently; finish_step() marks every
-  /// tensor not handed over as having no gradient (as step()'s empty views), waits for the
-  /// update and returns what step() would. A chunk is updated as soon
-  /// as every tensor in it has its gradient, in an order that starts as the reverse of
-  /// registration (backward's order) and then follows the order the previous step's chunks
-  /// became ready. With `micro_batches` = m, a tensor's gradient is final at its m-th
-  /// grad_ready (gradient accumulation: each call passes the accumulated gradient so far).
+  /// grad_ready() hands over a tensor's gradient as soon as it is final (a post-accumulate-grad
+  /// hook), from any thread, concurrently; finish_step() marks every tensor not handed over as
+  /// having no gradient (as step()'s empty views), waits for the update and returns what step()
+  /// would. A chunk is updated once every tensor in it has its gradient, in an order that starts
+  /// as the reverse of registration (backward's) and then follows the order the previous step's
+  /// chunks became ready. With `micro_batches` = m, a gradient is final at its m-th grad_ready
+  /// (gradient accumulation: each call passes the accumulated gradient so far).
   ///
-  /// What the options cost the overlap: looking for non-finite gradients (on_nonfinite
-  /// other than `ignore`) and clipping (max_grad_norm) need every gradient before the first
-  /// update, so updates wait for the last gradient; the tier's reads ahead (NvmeFile) still
-  /// overlap with backward; the checks run once the last gradient is in. A rule with a
-  /// tensor phase (rules/rule.hpp) waits for them all too: its passes come first.
+  /// What the options cost the overlap: looking for non-finite gradients (on_nonfinite other
+  /// than `ignore`), clipping (max_grad_norm) and a rule's tensor phase need every gradient
+  /// before the first update; the tier's reads ahead (NvmeFile) still overlap with backward.
   ///
   /// Between begin_step and finish_step only grad_ready may be called; the results equal
   /// step()'s with the same gradients, bit for bit.
   void begin_step(double grad_scale = 1.0, unsigned micro_batches = 1);
-  /// Thread-safe. `g` must stay valid and unchanged until finish_step returns; a device
-  /// gradient is read after the work queued on `ready` so far (the stream backward made it
-  /// on; by default the legacy default stream).
+  /// Thread-safe. `g` must stay valid and unchanged until finish_step returns, except a final
+  /// host gradient where keeps_gradient(t): written to the tensor's source (and looked at for
+  /// the checks) before this returns, it may be freed at once. A device gradient is read after
+  /// the work queued on `ready` so far (by default the legacy stream).
   void grad_ready(tensor_id t, grad_view<grad_type> g, device::stream_view ready = {});
+  /// Whether t's params rest in a source that keeps_grads(), under OnHost compute with host
+  /// params (not CudaOverlapped), with one type for gradients and params.
+  [[nodiscard]] bool keeps_gradient(tensor_id t) const;
   step_result finish_step();
-  /// The chunk order the next streaming step will use (empty before the first): the order
-  /// the last one's chunks became ready.
+  /// The next streaming step's chunk order (empty before the first): the last one's, as they became ready.
   [[nodiscard]] std::vector<std::size_t> const& next_chunk_order() const noexcept { return streaming_.next_order(); }
-  /// Whether a streaming step is in progress.
-  [[nodiscard]] bool in_step() const noexcept { return streaming_.open(); }
+  [[nodiscard]] bool in_step() const noexcept { return streaming_.open(); }  ///< a streaming step is in progress
 
   /// delayed_update: waits for the update in flight (if any), writes its params into the
   /// model and returns its result (rethrowing its failure). Without it, does nothing.
@@ -291,7 +291,7 @@ class OffloadedOptimizer {
   using checks       = detail::step_checks<grad_type, Compute, placement>;
   using device_resources = typename store_type::device_resources;
   using tensor_entry = detail::tensor_entry<param_type>;
-
+  static constexpr bool keeps_grads_in_sources = std::is_same_v<grad_type, param_type> && !placement::device_params;  ///< see keeps_gradient
   /// Makes the state (state/store.hpp) from the tensors registered now; the master is left
   /// unset when `fill_master` is false (load overwrites every chunk).
   void materialize(bool fill_master = true, std::size_t chunk_elements = 0);  ///< 0: opts_'s

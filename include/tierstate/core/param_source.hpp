@@ -25,6 +25,21 @@ class param_source {
   /// Waits for writes still in flight and throws the first that failed. The optimizer calls
   /// it at the end of each step, before the step counts as done.
   virtual void flush() {}
+  /// Whether write_grad and read_grad keep gradients (the default: no).
+  [[nodiscard]] virtual bool keeps_grads() const noexcept { return false; }
+  /// Keeps tensor `t`'s whole gradient (from.size() is its size), replacing the one before;
+  /// `from` may be reused once it returns. Thread-safe. A failure keeps nothing new.
+  virtual void write_grad(std::size_t t, std::span<Param const> from)
+  {
+    (void)from;
+    throw logic_error("param_source::write_grad('" + tensor_name(t) + "'): this source keeps no gradients");
+  }
+  /// Elements [offset, offset + to.size()) of the gradient last kept for tensor `t`. Thread-safe.
+  virtual void read_grad(std::size_t t, std::size_t offset, std::span<Param> to)
+  {
+    (void)offset, (void)to;
+    throw logic_error("param_source::read_grad('" + tensor_name(t) + "'): this source keeps no gradients");
+  }
   [[nodiscard]] virtual std::size_t tensor_size(std::size_t t) const = 0;
   [[nodiscard]] virtual std::string const& tensor_name(std::size_t t) const = 0;
 };

@@ -103,6 +103,13 @@ struct offloaded_params_options {
   /// Where the buffers are: host memory (the model computes on the CPU), or device memory
   /// (a GPU, or the emulated device without CUDA): the views are then device pointers.
   location where = location::host;
+  /// Gradients: the optimizer's streaming step (OnHost compute, host params' route) hands
+  /// each offloaded tensor's final host gradient to write_grad (ZeRO-3's order), kept in a
+  /// second tier of the same kind, as large as the params' (made at the first write_grad, with
+  /// `tier`'s options; a file_name gets ".grads" appended; resident tensors' in host memory),
+  /// so the trainer may free it at once: with NvmeFile, host memory stays flat in the model's
+  /// size. false: the trainer keeps its gradients until finish_step, and nothing is written.
+  bool keep_grads = true;
   /// Where the window's buffers come from (host or device memory, as `where` says); null:
   /// std::pmr::new_delete_resource() on the host, device_memory_resource() on the device.
   std::pmr::memory_resource* buffers = nullptr;
@@ -148,6 +155,8 @@ struct offload_stats {
   std::uint64_t evicted       = 0;  ///< layers read ahead or kept, dropped for another
   std::uint64_t bytes_read    = 0;  ///< by the window's reads
   std::uint64_t bytes_written = 0;  ///< by write()
+  std::uint64_t grad_bytes_written = 0;  ///< by write_grad()
+  std::uint64_t grad_bytes_read    = 0;  ///< by read_grad()
   double wait_seconds         = 0;  ///< acquire() waiting for reads
 };
 
@@ -221,6 +230,13 @@ class offloaded_params final : public param_source<Param> {
   /// holds some of the values, and the params' next readers see what it holds). The
   /// optimizer calls it at the end of each step.
   void flush() override;
+  /// Keeps tensor t's whole gradient (from.size() its size; the caller's memory is free when
+  /// this returns), written before it returns (an io_error leaves no gradient kept for t);
+  /// read_grad reads back what the last write_grad kept (logic_error when there is none).
+  /// Refused (logic_error) with keep_grads false.
+  [[nodiscard]] bool keeps_grads() const noexcept override { return opts_.keep_grads; }
+  void write_grad(tensor_id t, std::span<Param const> from) override;
+  void read_grad(tensor_id t, std::size_t offset, std::span<Param> to) override;
 
   [[nodiscard]] std::size_t layer_count() const noexcept { return layers_.size(); }
   [[nodiscard]] std::size_t tensor_count() const noexcept { return tensors_.size(); }
@@ -234,10 +250,13 @@ class offloaded_params final : public param_source<Param> {
   /// One buffer's bytes (the largest layer's tier bytes), and how many there are.
   [[nodiscard]] std::size_t buffer_bytes() const noexcept { return buffer_bytes_; }
   [[nodiscard]] std::size_t buffer_count() const noexcept { return opts_.window + 1; }
-  /// The tier's bytes, and the host memory of the resident tensors (two copies: the values,
-  /// and what a held view shows). Set when the tier is made.
+  /// The tier's bytes, and the host memory of the resident tensors (the values, what a held
+  /// view shows, and with keep_grads their gradients). Set when the tier is made.
   [[nodiscard]] std::size_t tier_bytes() const noexcept { return tier_bytes_; }
-  [[nodiscard]] std::size_t resident_bytes() const noexcept { return 2 * resident_count_ * sizeof(Param); }
+  [[nodiscard]] std::size_t resident_bytes() const noexcept
+  {
+    return (2 * resident_count_ + resident_grads_.size()) * sizeof(Param);
+  }
   /// The order the next acquires are expected in (layer ids).
   [[nodiscard]] std::vector<layer_id> expected_order() const;
   [[nodiscard]] offload_stats stats() const;
@@ -254,6 +273,7 @@ class offloaded_params final : public param_source<Param> {
     std::size_t count  = 0;
     bool resident      = false;
     std::size_t offset = 0;  ///< in the tier, or (resident) in resident_ elements
+    bool grad_kept     = false;  ///< write_grad kept a gradient (at the same offset)
   };
   struct layer_entry {
     std::string name;
@@ -324,7 +344,7 @@ class offloaded_params final : public param_source<Param> {
   {
     return (at + size + write_alignment - 1) / write_alignment * write_alignment - at / write_alignment * write_alignment;
   }
-  void write_staged(staged_write& w);
+  void write_staged(Tier& tier, staged_write& w);
 
   options opts_;
   std::vector<layer_entry> layers_;
@@ -341,6 +361,9 @@ class offloaded_params final : public param_source<Param> {
   std::optional<device::stream> stream_;  ///< device buffers: the copies up
   std::unique_ptr<PinnedHost> staging_;    ///< device buffers, a tier not in host memory: one layer
   std::vector<Param> resident_;  ///< resident tensors' values, then the copies held views show
+  std::mutex grad_mu_;                  ///< one call at a time into grad_tier_
+  std::unique_ptr<Tier> grad_tier_;     ///< kept gradients, laid out as the params
+  std::vector<Param> resident_grads_;   ///< resident tensors' kept gradients
   std::deque<read_job> jobs_;
   std::deque<write_job> writes_;         ///< written behind, in order
   std::size_t behind_bytes_ = 0;         ///< theirs, the one being written included

@@ -143,30 +143,54 @@ struct step_checks {
     return found.load();
   }
 
+  /// The elements of one block of the norm's sums.
+  static constexpr std::size_t norm_block = 4096;
+  /// The sum of squares of g[0, n), in double, in element order.
+  [[nodiscard]] static double sum_block(Grad const* g, std::size_t n) noexcept
+  {
+    double s = 0.0;
+    for (std::size_t i = 0; i < n; ++i) {
+      double const x = static_cast<double>(convert<float>(g[i]));
+      s += x * x;
+    }
+    return s;
+  }
+  /// A host gradient's block sums, as gradient_norm takes them (for a gradient kept elsewhere).
+  [[nodiscard]] static std::vector<double> block_sums(Grad const* g, std::size_t n)
+  {
+    std::vector<double> sums((n + norm_block - 1) / norm_block);
+    for (std::size_t i = 0; i < sums.size(); ++i) {
+      sums[i] = sum_block(g + i * norm_block, std::min(norm_block, n - i * norm_block));
+    }
+    return sums;
+  }
+
   /// The gradients' 2-norm (scaled as given): sums of squares over blocks of 4096 elements
   /// of each tensor (in double, in element order), then all blocks combined pairwise in
   /// (tensor, block) order: nothing depends on the chunking, the threads or the order the
   /// gradients came in.
+  /// A gradient kept elsewhere during a streaming step (param_source::write_grad) enters
+  /// through `kept`: per tensor, its block_sums() (empty for the others).
   template <class Device>
-  [[nodiscard]] static double gradient_norm(grads_type grads, thread_pool& pool, Device* dev)
+  [[nodiscard]] static double gradient_norm(grads_type grads, thread_pool& pool, Device* dev,
+                                            std::span<std::vector<double> const> kept = {})
   {
-    constexpr std::size_t block = 4096;
+    constexpr std::size_t block = norm_block;
+    auto const kept_of = [&](std::size_t t) -> std::vector<double> const* {
+      return t < kept.size() && !kept[t].empty() ? &kept[t] : nullptr;
+    };
     std::vector<std::size_t> first(grads.size() + 1, 0);
     for (std::size_t t = 0; t < grads.size(); ++t) {
       std::size_t const n = grads[t].data == nullptr ? 0 : grads[t].size;
-      first[t + 1]        = first[t] + (n + block - 1) / block;
+      first[t + 1]        = first[t] + (kept_of(t) != nullptr ? kept_of(t)->size() : (n + block - 1) / block);
     }
     std::vector<double> sums(first.back(), 0.0);
-    auto sum_block = [](Grad const* g, std::size_t n) {
-      double s = 0.0;
-      for (std::size_t i = 0; i < n; ++i) {
-        double const x = static_cast<double>(convert<float>(g[i]));
-        s += x * x;
-      }
-      return s;
-    };
     for (std::size_t t = 0; t < grads.size(); ++t) {
       auto const& g = grads[t];
+      if (auto const* k = kept_of(t)) {
+        std::copy(k->begin(), k->end(), sums.begin() + static_cast<std::ptrdiff_t>(first[t]));
+        continue;
+      }
       if (g.data == nullptr || g.size == 0) { continue; }
       std::size_t const blocks = first[t + 1] - first[t];
       if (g.where == location::host) {

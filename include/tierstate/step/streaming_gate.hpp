@@ -81,6 +81,10 @@ class streaming_gate {
     micro_batches_      = micro_batches;
     grad_scale_         = grad_scale;
     views_.assign(T, grad_view<Grad>{});
+    stashed_.assign(T, 0);
+    sums_.assign(T, {});
+    kept_found_ = false;
+    finishing_  = false;
     arrivals_.assign(T, 0);
     final_.assign(T, 0);
     finals_  = 0;
@@ -117,27 +121,74 @@ class streaming_gate {
   }
 
   /// grad_ready, after its argument checks: tensor t's gradient `g` (final at its
-  /// micro_batches-th call). `who` names it in a refusal.
-  void hand_over(std::size_t t, grad_view<Grad> g, std::string const& who, device::stream_view ready)
+  /// micro_batches-th call). `who` names it in a refusal. With `stash`, a final gradient is
+  /// handed to keep(g), outside the lock, which keeps it elsewhere (the tensor's param_source)
+  /// and returns what the checks need of it (its non-finite look and its norm's block sums):
+  /// the gate then holds no pointer to it. A keep that throws hands nothing over.
+  template <class Keep>
+  void hand_over(std::size_t t, grad_view<Grad> g, std::string const& who, device::stream_view ready, bool stash,
+                 Keep&& keep)
   {
     {
-      std::lock_guard lock(m_);
+      std::unique_lock lock(m_);
       if (!open_) { throw logic_error("grad_ready: no streaming step is in progress (call begin_step)"); }
       if (lay_->tensors()[t].count == 0) { return; }  // nothing to update: final from the start
       if (final_[t] != 0) {
-        throw logic_error(who + " was already handed over " + std::to_string(arrivals_[t]) +
-                          " time(s), and micro_batches is " + std::to_string(micro_batches_));
+        throw logic_error(who + (final_[t] == 2 ? " is being handed over by another thread"
+                                                : " was already handed over " + std::to_string(arrivals_[t]) +
+                                                    " time(s), and micro_batches is " + std::to_string(micro_batches_)));
       }
-      views_[t] = g;
-      if constexpr (DeviceEvents) {
-        // The gradient is final after the work queued on `ready` so far.
-        if (g.where == location::device) { grad_events_[t]->record(ready); }
+      if (stash && arrivals_[t] + 1 == micro_batches_) {
+        final_[t] = 2;  // (being kept: a second hand-over is refused meanwhile)
+        lock.unlock();
+        kept k;
+        try {
+          k = keep(g);
+        } catch (...) {
+          lock.lock();
+          final_[t] = 0;
+          if (finishing_) {  // finish_step ran meanwhile: no gradient, as for any not handed over
+            views_[t] = grad_view<Grad>{};
+            mark_final(t);
+            cv_.notify_all();
+          }
+          throw;
+        }
+        lock.lock();
+        final_[t]   = 0;
+        views_[t]   = grad_view<Grad>{nullptr, g.size, location::host};
+        stashed_[t] = 1;
+        kept_found_ = kept_found_ || k.nonfinite;
+        sums_[t]    = std::move(k.sums);
+        ++arrivals_[t];
+        mark_final(t);
       } else {
-        (void)ready;
+        views_[t] = g;
+        if constexpr (DeviceEvents) {
+          // The gradient is final after the work queued on `ready` so far.
+          if (g.where == location::device) { grad_events_[t]->record(ready); }
+        } else {
+          (void)ready;
+        }
+        if (++arrivals_[t] == micro_batches_) { mark_final(t); }
       }
-      if (++arrivals_[t] == micro_batches_) { mark_final(t); }
     }
     cv_.notify_all();
+  }
+
+  /// What keep() found in a gradient it kept.
+  struct kept {
+    bool nonfinite = false;    ///< an inf or a NaN (when the step looks for them)
+    std::vector<double> sums;  ///< its norm's block sums (when the step clips)
+  };
+  /// Whether tensor t's gradient was kept elsewhere (its view then has no data), in this step.
+  [[nodiscard]] bool stashed(std::size_t t) const noexcept { return open_ && stashed_[t] != 0; }
+  /// Whether any kept gradient held an inf or a NaN.
+  [[nodiscard]] bool kept_nonfinite() const noexcept { return open_ && kept_found_; }
+  /// Per tensor, the kept gradients' block sums (empty for the others).
+  [[nodiscard]] std::span<std::vector<double> const> kept_sums() const noexcept
+  {
+    return open_ ? std::span<std::vector<double> const>(sums_) : std::span<std::vector<double> const>();
   }
 
   /// Blocks until chunk k (whose pieces are `pieces`) may go; the first time, when the checks
@@ -222,6 +273,7 @@ class streaming_gate {
   {
     {
       std::lock_guard lock(m_);
+      finishing_ = true;  // (a gradient being kept now becomes final when its keep ends)
       for (std::size_t t = 0; t < views_.size(); ++t) {
         if (final_[t] != 0) { continue; }
         views_[t] = grad_view<Grad>{};
@@ -271,8 +323,12 @@ class streaming_gate {
   double grad_scale_      = 1.0;
   std::chrono::steady_clock::time_point started_;
   std::vector<grad_view<Grad>> views_;  ///< per tensor; {nullptr, 0}: no gradient
+  std::vector<char> stashed_;           ///< per tensor: its gradient was kept elsewhere
+  std::vector<std::vector<double>> sums_;  ///< per tensor: a kept gradient's norm block sums
+  bool kept_found_ = false;             ///< a kept gradient held an inf or a NaN
+  bool finishing_  = false;             ///< finish() has marked what was not handed over
   std::vector<unsigned> arrivals_;      ///< per tensor: grad_ready calls so far
-  std::vector<char> final_;             ///< per tensor: gradient final (or absent)
+  std::vector<char> final_;             ///< per tensor: gradient final (or absent); 2: being kept
   std::size_t finals_ = 0;
   std::vector<std::size_t> finished_;   ///< tensors in the order they became final
   std::vector<std::size_t> pending_;     ///< per chunk: its tensors not yet final

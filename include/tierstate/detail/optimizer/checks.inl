@@ -14,7 +14,7 @@ bool OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_an
 {
   auto const t0 = std::chrono::steady_clock::now();
   if (opts_.on_nonfinite != nonfinite_policy::ignore) {
-    result.found_nonfinite = host_found.value_or(false) ||
+    result.found_nonfinite = host_found.value_or(false) || streaming_.kept_nonfinite() ||
                              checks::find_nonfinite(grads, store_.layout(), pool_, store_.device_if_any(),
                                                     host_found.has_value());
     if (result.found_nonfinite && opts_.on_nonfinite == nonfinite_policy::skip_step) {
@@ -25,7 +25,8 @@ bool OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_an
   if (opts_.max_grad_norm > 0.0) {
     // torch.nn.utils.clip_grad_norm_: the norm of the unscaled gradients, and a factor
     // max_norm / (norm + 1e-6) when that is below 1, folded into the gradient's multiplier.
-    result.grad_norm   = checks::gradient_norm(grads, pool_, store_.device_if_any()) / grad_scale;
+    result.grad_norm   = checks::gradient_norm(grads, pool_, store_.device_if_any(), streaming_.kept_sums()) /
+                         grad_scale;
     double const clip  = opts_.max_grad_norm / (result.grad_norm + 1e-6);
     if (clip < 1.0) { coefficients = coefficients_for(grad_scale / clip); }
   }

@@ -21,10 +21,18 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
       std::size_t const lo = std::max(b, pc.chunk_begin);
       std::size_t const hi = std::min(e, pc.chunk_begin + pc.count);
       if (lo >= hi) { continue; }
-      if (grads[pc.tensor].data == nullptr) { continue; }  // no gradient
+      bool const kept = streaming_.stashed(pc.tensor);  // (the gradient rests in the tensor's source)
+      if (grads[pc.tensor].data == nullptr && !kept) { continue; }  // no gradient
       std::size_t const tofs = pc.tensor_begin + (lo - pc.chunk_begin);
       auto const& tensor     = tensors_[pc.tensor];
       arrays_t a;
+      std::vector<grad_type> kept_grad;
+      if constexpr (std::is_same_v<grad_type, param_type>) {
+        if (kept) {
+          kept_grad.resize(hi - lo);
+          tensor.source->read_grad(tensor.source_tensor, tofs, kept_grad);
+        }
+      }
       std::vector<param_type> offloaded;  // params that rest in a param_source: read, updated, written back
       if (tensor.source != nullptr) {
         offloaded.resize(hi - lo);
@@ -33,7 +41,9 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
       } else {
         a.param = update_params_on_device(pc.tensor) ? param_stage + lo : update_params(pc.tensor) + tofs;
       }
-      a.grad   = grads[pc.tensor].where == location::device ? grad_stage + lo : grads[pc.tensor].data + tofs;
+      a.grad   = kept ? kept_grad.data()
+                 : grads[pc.tensor].where == location::device ? grad_stage + lo
+                                                              : grads[pc.tensor].data + tofs;
       store_.arrays_at(chunk, lo, a);
       if constexpr (has_tensor_phase<rule_type>) {
         a.tensor_state  = tensor_state_for_update(pc.tensor);
@@ -159,7 +169,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::count_st
 {
   ++step_;
   for (std::size_t t = 0; t < tensors_.size(); ++t) {
-    if (grads[t].data != nullptr) { ++tensors_[t].step; }
+    if (grads[t].data != nullptr || streaming_.stashed(t)) { ++tensors_[t].step; }
   }
 }
 

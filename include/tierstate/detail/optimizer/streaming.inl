@@ -86,7 +86,30 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::grad_rea
   auto const& e  = tensors_[t];
   auto const who = "grad_ready: the gradient of tensor " + std::to_string(t) + " ('" + e.name + "')";
   checks::check_view(who, g, e);
-  streaming_.hand_over(t, g, who, ready);
+  // An offloaded tensor's final host gradient goes to its source (ZeRO-3's order), looked at
+  // first for what the checks need: the trainer's memory is free once this returns.
+  bool const stash = g.where == location::host && g.data != nullptr && keeps_gradient(t);
+  using kept = typename decltype(streaming_)::kept;
+  streaming_.hand_over(t, g, who, ready, stash, [&](grad_view<grad_type> const& v) {
+    kept k;
+    if constexpr (keeps_grads_in_sources) {
+      if (opts_.on_nonfinite != nonfinite_policy::ignore) { k.nonfinite = host::any_nonfinite(v.data, v.size); }
+      if (opts_.max_grad_norm > 0.0) { k.sums = checks::block_sums(v.data, v.size); }
+      e.source->write_grad(e.source_tensor, std::span<param_type const>(v.data, v.size));
+    }
+    return k;
+  });
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+bool OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::keeps_gradient(tensor_id t) const
+{
+  if constexpr (keeps_grads_in_sources) {
+    return t < tensors_.size() && tensors_[t].source != nullptr && tensors_[t].source->keeps_grads();
+  } else {
+    (void)t;
+    return false;
+  }
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>

@@ -64,6 +64,7 @@ void offloaded_params<Param, Tier>::make_locked()
   tier_bytes_     = tier_bytes;
   buffer_bytes_   = buffer_bytes;
   resident_count_ = resident_count;
+  if (opts_.keep_grads) { resident_grads_.assign(resident_count, Param{}); }
   expected_       = std::move(expected);
   io_             = std::move(io);
   made_           = true;
@@ -88,7 +89,7 @@ void offloaded_params<Param, Tier>::io_loop()
       std::exception_ptr failure;
       try {
         std::lock_guard tk(tier_mu_);
-        write_staged(w.bytes);
+        write_staged(*tier_, w.bytes);
       } catch (...) {
         failure = std::current_exception();
       }
@@ -217,6 +218,7 @@ void offloaded_params<Param, Tier>::write(tensor_id t, std::size_t offset, std::
     ++l.writers;
     ++l.version;  // a read in flight is thrown away; a buffer holding the layer is old
     if (l.buffer >= 0 && buffers_[l.buffer].state == buffer_state::ready) { drop(l.buffer); }
+    read_ahead();  // (a layer expected soon is read again at once: the read waits for the write)
     cv_.notify_all();
     return;
   }
@@ -234,7 +236,7 @@ void offloaded_params<Param, Tier>::write(tensor_id t, std::size_t offset, std::
     } else {
       w = stage(at, std::as_bytes(from));
       std::lock_guard tk(tier_mu_);
-      write_staged(w);
+      write_staged(*tier_, w);
     }
   } catch (...) {
     failure = std::current_exception();
@@ -262,7 +264,7 @@ auto offloaded_params<Param, Tier>::stage(std::size_t at, std::span<std::byte co
 }
 
 template <class Param, tier Tier>
-void offloaded_params<Param, Tier>::write_staged(staged_write& w)
+void offloaded_params<Param, Tier>::write_staged(Tier& tier, staged_write& w)
 {
   // A tier with an alignment (NvmeFile: O_DIRECT) is written in whole blocks: the first and
   // last blocks' bytes outside the values come from the tier, read into a block of their own
@@ -275,15 +277,77 @@ void offloaded_params<Param, Tier>::write_staged(staged_write& w)
     std::unique_ptr<std::byte, aligned_delete> const block(
       static_cast<std::byte*>(::operator new(a, std::align_val_t{buffer_alignment})));
     if (head > 0) {
-      tier_->read(w.lo, {block.get(), a});
+      tier.read(w.lo, {block.get(), a});
       std::memcpy(buf, block.get(), head);
     }
     if (tail > 0) {
-      if (head == 0 || w.n > a) { tier_->read(w.lo + w.n - a, {block.get(), a}); }  // (one block: read above)
+      if (head == 0 || w.n > a) { tier.read(w.lo + w.n - a, {block.get(), a}); }  // (one block: read above)
       std::memcpy(buf + w.n - tail, block.get() + a - tail, tail);
     }
   }
-  tier_->write(w.lo, {buf, w.n});
+  tier.write(w.lo, {buf, w.n});
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::write_grad(tensor_id t, std::span<Param const> from)
+{
+  auto const& e = tensor_at(t, "write_grad");
+  TIERSTATE_EXPECTS(opts_.keep_grads, "offloaded_params::write_grad('" + e.name + "'): keep_grads is false");
+  TIERSTATE_EXPECTS(from.size() == e.count, "offloaded_params::write_grad('" + e.name + "'): the gradient has " +
+                                              std::to_string(from.size()) + " elements, the tensor " +
+                                              std::to_string(e.count));
+  std::unique_lock lk(mu_);
+  if (!made_) { make_locked(); }
+  auto& te = tensors_[t];
+  if (te.resident || from.empty()) {
+    std::copy_n(from.data(), from.size(), resident_grads_.data() + te.offset);
+    te.grad_kept = true;
+    return;
+  }
+  te.grad_kept = false;  // until it is all written
+  lk.unlock();
+  std::lock_guard gk(grad_mu_);  // (the gradients' tier has a lock of its own: the window's reads go on)
+  if (!grad_tier_) {
+    // Made at the first gradient, with the params' options; a file the params' options name
+    // gets ".grads" after that name.
+    auto grad_options = opts_.tier;
+    if constexpr (requires { grad_options.file_name.append(".grads"); }) {
+      if (!grad_options.file_name.empty()) { grad_options.file_name.append(".grads"); }
+    }
+    grad_tier_ = std::make_unique<Tier>(tier_bytes_, grad_options);  // (a failure makes nothing)
+  }
+  auto const bytes = std::as_bytes(from);
+  if (te.offset % write_alignment == 0 && bytes.size() % write_alignment == 0 &&
+      reinterpret_cast<std::uintptr_t>(from.data()) % write_alignment == 0) {
+    grad_tier_->write(te.offset, bytes);
+  } else {
+    staged_write w = stage(te.offset, bytes);
+    write_staged(*grad_tier_, w);
+  }
+  lk.lock();
+  te.grad_kept = true;
+  stats_.grad_bytes_written += bytes.size();
+}
+
+template <class Param, tier Tier>
+void offloaded_params<Param, Tier>::read_grad(tensor_id t, std::size_t offset, std::span<Param> to)
+{
+  check_range(t, offset, to.size(), "read_grad");
+  std::unique_lock lk(mu_);
+  auto const& e = tensors_[t];
+  TIERSTATE_EXPECTS(e.grad_kept, "offloaded_params::read_grad('" + e.name +
+                                   "'): no gradient is kept for it (write_grad keeps one; one that failed keeps none)");
+  if (e.resident || to.empty()) {
+    std::copy_n(resident_grads_.data() + e.offset + offset, to.size(), to.data());
+    return;
+  }
+  lk.unlock();
+  {
+    std::lock_guard gk(grad_mu_);
+    grad_tier_->read(e.offset + offset * sizeof(Param), std::as_writable_bytes(to));
+  }
+  lk.lock();
+  stats_.grad_bytes_read += to.size_bytes();
 }
 
 }  // namespace tierstate
