@@ -26,9 +26,9 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
       std::size_t const tofs = pc.tensor_begin + (lo - pc.chunk_begin);
       auto const& tensor     = tensors_[pc.tensor];
       arrays_t a;
-      std::vector<grad_type> kept_grad;
-      if constexpr (std::is_same_v<grad_type, param_type>) {
-        if (kept) {
+      std::vector<grad_type> kept_grad;  // (read here unless the route read the chunk's into grad_stage)
+      if constexpr (keeps_grads_in_sources) {
+        if (kept && grad_stage == nullptr) {
           kept_grad.resize(hi - lo);
           tensor.source->read_grad(tensor.source_tensor, tofs, kept_grad);
         }
@@ -41,7 +41,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::update_c
       } else {
         a.param = update_params_on_device(pc.tensor) ? param_stage + lo : update_params(pc.tensor) + tofs;
       }
-      a.grad   = kept ? kept_grad.data()
+      a.grad   = kept ? (grad_stage != nullptr ? grad_stage + lo : kept_grad.data())
                  : grads[pc.tensor].where == location::device ? grad_stage + lo
                                                               : grads[pc.tensor].data + tofs;
       store_.arrays_at(chunk, lo, a);

@@ -41,10 +41,13 @@ class host_staged : public detail::route_base<Optimizer> {
     o_.await_chunk(k, stats_);
     changed_ = true;
     std::byte* const chunk = o_.store_.staging(b);
-    auto const t0          = std::chrono::steady_clock::now();
+    auto const t_kept      = std::chrono::steady_clock::now();
+    auto const* kept       = read_kept_grads(k);  // (I/O: counted as waiting)
+    stats_.wait_seconds += tierstate::detail::seconds_since(t_kept);
+    auto const t0 = std::chrono::steady_clock::now();
     o_.pool_.parallel_for(o_.store_.layout().chunk_size(k), detail::host_grain<Optimizer>,
                           [&](std::size_t begin, std::size_t end) {
-                            o_.update_chunk_range(k, chunk, begin, end, grads_, coefficients_);
+                            o_.update_chunk_range(k, chunk, begin, end, grads_, coefficients_, kept);
                           });
     stats_.compute_seconds += tierstate::detail::seconds_since(t0);
   }
@@ -66,6 +69,28 @@ class host_staged : public detail::route_base<Optimizer> {
   void abandon() { io_.drain(); }
 
  private:
+  /// The gradients of chunk k kept in the tensors' sources (a streaming step's, offloaded
+  /// params'), read once a piece, at their place in the chunk; null when it has none.
+  typename Optimizer::grad_type const* read_kept_grads(std::size_t k)
+  {
+    if constexpr (Optimizer::keeps_grads_in_sources) {
+      bool any = false;
+      for (auto const& pc : o_.store_.pieces(k)) {
+        if (!o_.streaming_.stashed(pc.tensor)) { continue; }
+        if (!any) { kept_.resize(o_.store_.layout().chunk_elements()); }
+        any           = true;
+        auto const& e = o_.tensors_[pc.tensor];
+        e.source->read_grad(e.source_tensor, pc.tensor_begin,
+                            std::span<typename Optimizer::grad_type>(kept_.data() + pc.chunk_begin, pc.count));
+      }
+      return any ? kept_.data() : nullptr;
+    } else {
+      (void)k;
+      return nullptr;
+    }
+  }
+
+  std::vector<typename Optimizer::grad_type> kept_;  ///< read_kept_grads' chunk
   detail::tier_io<Optimizer> io_;
 };
 
