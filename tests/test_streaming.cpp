@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <random>
@@ -424,4 +426,72 @@ TEST_CASE("the delayed update saves, loads and refuses what it cannot do", "[str
   auto const r = other.step(m2.views());
   CHECK(r.skipped);
   CHECK(other.step_count() == 5);
+}
+
+TEST_CASE("clipping with an inf or NaN norm goes on as clip_grad_norm_ does (report, ignore)", "[streaming][clip]")
+{
+  // torch.nn.utils.clip_grad_norm_ without error_if_nonfinite multiplies every gradient by
+  // max_norm / (norm + 1e-6): 0 for an inf norm (the inf elements become NaN), NaN for a NaN
+  // one. The same step from gradients so multiplied, unclipped, is the reference.
+  using Opt = OffloadedOptimizer<AdamW, Fp32, PinnedHost>;
+  std::vector<std::size_t> const sizes = {5000, 37};
+  for (float const bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    for (auto const policy : {nonfinite_policy::report, nonfinite_policy::ignore}) {
+      for (bool const streaming : {false, true}) {
+        CAPTURE(bad, static_cast<int>(policy), streaming);
+        typename Opt::options clipped, plain;
+        clipped.on_nonfinite  = policy;
+        clipped.max_grad_norm = 1.0;
+        plain.on_nonfinite    = nonfinite_policy::ignore;
+        std::vector<std::vector<float>> p(2), q(2), g(2), h(2);
+        Opt a({}, clipped), b({}, plain);
+        for (std::size_t t = 0; t < sizes.size(); ++t) {
+          p[t].resize(sizes[t]);
+          for (std::size_t i = 0; i < sizes[t]; ++i) { p[t][i] = std::sin(static_cast<float>(i + t)); }
+          q[t] = p[t];
+          a.add_tensor(std::string("t").append(std::to_string(t)), p[t].data(), sizes[t]);
+          b.add_tensor(std::string("t").append(std::to_string(t)), q[t].data(), sizes[t]);
+        }
+        for (int s = 0; s < 3; ++s) {
+          for (std::size_t t = 0; t < sizes.size(); ++t) {
+            g[t].resize(sizes[t]);
+            for (std::size_t i = 0; i < sizes[t]; ++i) { g[t][i] = 1e-4f * std::cos(static_cast<float>(i * 3 + t + s)); }
+            h[t] = g[t];  // (a norm below 1: no clipping)
+          }
+          if (s == 1) {
+            g[0][4321] = bad;
+            for (auto& x : h) {
+              for (auto& y : x) { y *= std::isinf(bad) ? 0.0f : bad; }
+            }
+            h[0][4321] = std::numeric_limits<float>::quiet_NaN();
+          }
+          std::vector<grad_view<float>> gv, hv;
+          for (std::size_t t = 0; t < sizes.size(); ++t) {
+            gv.push_back({g[t].data(), sizes[t]});
+            hv.push_back({h[t].data(), sizes[t]});
+          }
+          step_result r;
+          if (streaming) {
+            a.begin_step();
+            for (std::size_t t = sizes.size(); t-- > 0;) { a.grad_ready(t, gv[t]); }
+            r = a.finish_step();
+          } else {
+            r = a.step(gv);
+          }
+          REQUIRE(!b.step(hv).skipped);
+          CHECK_FALSE(r.skipped);
+          CHECK(r.found_nonfinite == (s == 1 && policy == nonfinite_policy::report));
+          if (s == 1) { CHECK_FALSE(std::isfinite(r.grad_norm)); }
+          for (std::size_t t = 0; t < sizes.size(); ++t) {  // the same bits, or NaN both (a NaN's sign may differ)
+            for (std::size_t i = 0; i < sizes[t]; ++i) {
+              if (std::isnan(p[t][i]) && std::isnan(q[t][i])) { continue; }
+              REQUIRE(std::memcmp(&p[t][i], &q[t][i], sizeof(float)) == 0);
+            }
+          }
+        }
+        CHECK(std::isnan(p[0][4321]));
+        CHECK(std::isfinite(p[1][0]) == std::isinf(bad));  // an inf norm zeroes the rest; a NaN one poisons all
+      }
+    }
+  }
 }

@@ -28,7 +28,21 @@ bool OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_an
     result.grad_norm   = checks::gradient_norm(grads, pool_, store_.device_if_any(), streaming_.kept_sums()) /
                          grad_scale;
     double const clip  = opts_.max_grad_norm / (result.grad_norm + 1e-6);
-    if (clip < 1.0) { coefficients = coefficients_for(grad_scale / clip); }
+    if (!std::isfinite(result.grad_norm)) {
+      // An inf or NaN the step goes on with (report, ignore): as clip_grad_norm_ without
+      // error_if_nonfinite, a factor of 0 for an inf norm (an inf element then gives NaN), NaN
+      // for a NaN one. (No scale expresses these: grad_scale must be finite.)
+      for (auto& c : coefficients) {
+        if constexpr (requires { c.grad_mul *= 1.0f; }) {
+          c.grad_mul *= static_cast<float>(clip);
+        } else {
+          throw logic_error("max_grad_norm: the gradient norm is " + std::to_string(result.grad_norm) +
+                            ", and rule " + std::string(rule_type::name) + "'s coefficients have no grad_mul to clip by");
+        }
+      }
+    } else if (clip < 1.0) {
+      coefficients = coefficients_for(grad_scale / clip);
+    }
   }
   result.stats.check_seconds = detail::seconds_since(t0);
   return true;
