@@ -1,11 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // A user's tier for the tests: plain memory behind read and write (not addressable, so the
 // optimizer stages its chunks), whose writes fail once a budget runs out (as a full disk's
-// would). tests/test_optimizer.cpp and tests/test_user_transfer.cpp use it.
+// would), and a hook each write calls first (to hold it, or fail it). tests/test_optimizer.cpp,
+// tests/test_user_transfer.cpp and tests/test_offloaded_params.cpp use it.
 #pragma once
 
 #include <cstddef>
 #include <cstring>
+#include <functional>
 #include <span>
 #include <stdexcept>
 #include <string_view>
@@ -17,6 +19,7 @@ class memory_tier {
  public:
   struct options {
     int* writes_left = nullptr;  ///< writes that succeed before they fail; null: never fails
+    std::function<void()> before_write;  ///< called by each write first (it may block or throw)
   };
   static constexpr std::string_view name = "memory_tier";
   memory_tier(std::size_t bytes, options const& o) : bytes_(bytes), opts_(o) {}
@@ -27,6 +30,7 @@ class memory_tier {
   }
   void write(std::size_t offset, std::span<std::byte const> from)
   {
+    if (opts_.before_write) { opts_.before_write(); }
     if (opts_.writes_left != nullptr && (*opts_.writes_left)-- <= 0) {
       throw std::runtime_error("memory_tier: write failed");
     }

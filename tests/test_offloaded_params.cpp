@@ -14,6 +14,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cmath>
@@ -21,7 +22,10 @@
 #include <fstream>
 #include <limits>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <memory_resource>
+#include <numeric>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -795,39 +799,125 @@ TEST_CASE("offloaded params with the optimizer: a failed param write loses the s
   CHECK(opt.step_count() == 2);
 }
 
-TEST_CASE("offloaded params on the (emulated) device: device buffers, device gradients, CudaOverlapped",
-          "[offload][optimizer][device]")
+TEST_CASE("offloaded params: gradients written behind return at once, the last write_grad's outcome counts, and "
+          "the bytes behind are bounded",
+          "[offload]")
 {
-  // The trainer computes on the device: the window's buffers are device memory, and the
-  // gradients it makes there go to CudaOverlapped's host update, which writes the new params
-  // into the window's tier. The reference keeps its params in device memory. (The emulated
-  // device's memory is host memory: the test reads views and writes gradients directly.)
-  using Opt = OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost, CudaOverlapped<2>>;
-  using W   = offloaded_params<bf16, test::memory_tier>;
+  using W = offloaded_params<float, test::memory_tier>;
+  std::mutex m;
+  std::condition_variable cv;
+  bool armed = false, hold = false;
+  int entered = 0;          // writes of the gradients' tier begun since armed
+  std::vector<char> fails;  // which of them fail
+  W::options wo;
+  wo.tier.before_write = [&] {
+    std::unique_lock lk(m);
+    if (!armed) { return; }
+    int const k = entered++;
+    cv.notify_all();
+    cv.wait(lk, [&] { return !hold; });
+    if (static_cast<std::size_t>(k) < fails.size() && fails[k] != 0) {
+      throw std::runtime_error("memory_tier: write " + std::to_string(k) + " failed");
+    }
+  };
+  wo.write_behind_bytes = 4096;  // less than one gradient: one behind at a time
+  W w(wo);
+  auto const l = w.add_layer("l");
+  auto const a = w.add_tensor(l, "a", 3000);
+  auto const b = w.add_tensor(l, "b", 3000);
+  std::vector<float> const x(3000, 1.0f), y(3000, 2.0f);
+  std::vector<float> back(3000);
+  w.write(a, 0, x);
+  w.flush();  // (the params' write, before the hook counts)
+  {
+    std::lock_guard lk(m);
+    armed = true;
+    hold  = true;
+    fails = {1, 0, 0, 1};
+  }
+  w.write_grad(a, x);  // returns while the gradients' thread is held in its write
+  {
+    std::unique_lock lk(m);
+    cv.wait(lk, [&] { return entered == 1; });
+  }
+  std::atomic<bool> queued{false};
+  std::thread second([&] {  // a second gradient waits for room
+    w.write_grad(a, y);
+    queued = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(!queued);
+  {
+    std::lock_guard lk(m);
+    hold = false;
+  }
+  cv.notify_all();
+  second.join();
+  // Write 0 (x) failed, write 1 (y) did not: the last one counts.
+  w.wait_grad(a);
+  w.read_grad(a, 0, back);
+  CHECK(back == y);
+  // Write 2 (x) goes in, write 3 (y) fails: the failure counts, until the next write_grad.
+  w.write_grad(b, x);
+  w.write_grad(b, y);
+  CHECK_THROWS_WITH(w.wait_grad(b), Catch::Contains("write 3 failed"));
+  CHECK_THROWS_WITH(w.read_grad(b, 0, back), Catch::Contains("write 3 failed"));
+  w.write_grad(b, x);
+  w.read_grad(b, 0, back);
+  CHECK(back == x);
+  CHECK(entered == 5);
+  CHECK(w.stats().grad_bytes_written == 3 * 3000 * sizeof(float));
+}
+
+namespace {
+
+/// Trains the awkward model with the trainer on the (emulated) device: the window's buffers
+/// are device memory, and the gradients it makes there go to CudaOverlapped's host update,
+/// which writes the new params into the window's tier. The reference keeps its params in
+/// device memory. With `keep_grads`, the trainer makes each layer's gradients in one device
+/// buffer of the largest layer's size, on a stream of its own behind slow work, and reuses
+/// it (poisoned with NaN) as soon as grad_ready, told that stream, returns; without, it keeps
+/// every tensor's until the step ends. An inf in one gradient of
+/// step `inf_step` (both runs) is skipped or reported as the options say. (The emulated
+/// device's memory is host memory: the test reads views and writes gradients directly.)
+template <class Opt>
+void check_device_parity(typename Opt::options const& o, unsigned window, bool keep_grads, int inf_step = -1)
+{
+  using W             = offloaded_params<bf16, test::memory_tier>;
   constexpr int steps = 4;
   std::vector<std::size_t> sizes;
-  for (auto const& layer : model_sizes) { sizes.insert(sizes.end(), layer.begin(), layer.end()); }
+  std::size_t largest = 0;
+  for (auto const& layer : model_sizes) {
+    sizes.insert(sizes.end(), layer.begin(), layer.end());
+    largest = std::max(largest, std::accumulate(layer.begin(), layer.end(), std::size_t{0}));
+  }
   auto const device_array = [](std::size_t n) {
     auto* p = static_cast<bf16*>(device::allocate_async(n * sizeof(bf16), {}));
     device::stream_view{}.synchronize();
     return p;
   };
   std::vector<bf16*> ref_params, ref_grads, off_grads;
-  typename Opt::options o;
-  o.chunk_elements = 2048;
-  o.threads        = 2;
   Opt ref({}, o), off({}, o);
-  counting_resource counted(&default_device_memory_resource());  // the device buffers, counted
+  counting_resource counted(&default_device_memory_resource());  // the window's device buffers, counted
   W::options wo;
-  wo.window                = 2;
+  wo.window                = window;
   wo.where                 = location::device;
   wo.persistence_threshold = 64;
   wo.buffers               = &counted;
+  wo.keep_grads            = keep_grads;
   W w(wo);
   for (std::size_t l = 0, t = 0; l < model_sizes.size(); ++l) {
     auto const layer = w.add_layer(std::string("layer").append(std::to_string(l)));
     for (auto const n : model_sizes[l]) { w.add_tensor(layer, tensor_name(t++), n); }
   }
+  bf16* const layer_grads = keep_grads ? device_array(largest) : nullptr;  // the trainer's one buffer
+  device::stream made;  // where it makes them
+  std::size_t const slow_bytes = std::size_t{16} << 20;
+  void* const slow = keep_grads ? device::allocate_async(slow_bytes, {}) : nullptr;
+  std::size_t most = 0;  // tensors in a layer
+  for (auto const& layer : model_sizes) { most = std::max(most, layer.size()); }
+  std::vector<std::vector<bf16>> host_grads(most);
+  std::vector<bf16> const poison(largest, bf16(std::numeric_limits<float>::quiet_NaN()));
   for (std::size_t t = 0; t < sizes.size(); ++t) {
     std::vector<bf16> init(sizes[t]);
     for (std::size_t i = 0; i < sizes[t]; ++i) { init[i] = initial_param<bf16>(t, i); }
@@ -836,27 +926,48 @@ TEST_CASE("offloaded params on the (emulated) device: device buffers, device gra
     ref.add_tensor(tensor_name(t), ref_params[t], sizes[t], location::device);
     w.write(t, 0, init);
     off.add_tensor(w, t);
+    CHECK(off.keeps_gradient(t) == keep_grads);
     ref_grads.push_back(device_array(sizes[t]));
-    off_grads.push_back(device_array(sizes[t]));
+    off_grads.push_back(keep_grads ? nullptr : device_array(sizes[t]));
   }
+  std::size_t const inf_tensor = 4;  // (in layer 2, offloaded)
   for (int s = 0; s < steps; ++s) {
-    std::vector<grad_view<bf16>> rv, ov;
+    std::vector<grad_view<bf16>> rv;
     for (std::size_t t = 0; t < sizes.size(); ++t) {
       gradient_of<bf16, bf16>(std::span<bf16 const>(ref_params[t], sizes[t]), t, s, 0, std::span<bf16>(ref_grads[t], sizes[t]));
+      if (s == inf_step && t == inf_tensor) { ref_grads[t][7] = bf16(std::numeric_limits<float>::infinity()); }
       rv.push_back({ref_grads[t], sizes[t], location::device});
     }
-    REQUIRE(!ref.step(rv).skipped);
+    auto const r = ref.step(rv);
     off.begin_step();
     for (std::size_t l = model_sizes.size(), t = sizes.size(); l-- > 0;) {
       auto const v = w.acquire(l);
       t -= v.size();
-      for (std::size_t i = 0; i < v.size(); ++i) {
-        gradient_of<bf16, bf16>(v.tensor(i), t + i, s, 0, std::span<bf16>(off_grads[t + i], sizes[t + i]));
-        off.grad_ready(t + i, {off_grads[t + i], sizes[t + i], location::device});
+      for (std::size_t i = 0, at = 0; i < v.size(); at += sizes[t + i], ++i) {
+        bf16* const g = keep_grads ? layer_grads + at : off_grads[t + i];
+        if (!keep_grads) {
+          gradient_of<bf16, bf16>(v.tensor(i), t + i, s, 0, std::span<bf16>(g, sizes[t + i]));
+          if (s == inf_step && t + i == inf_tensor) { g[7] = bf16(std::numeric_limits<float>::infinity()); }
+          off.grad_ready(t + i, {g, sizes[t + i], location::device});
+          continue;
+        }
+        auto& h = host_grads[i];  // (made on the host, sent up behind slow work on `made`)
+        h.resize(sizes[t + i]);
+        gradient_of<bf16, bf16>(v.tensor(i), t + i, s, 0, std::span<bf16>(h));
+        if (s == inf_step && t + i == inf_tensor) { h[7] = bf16(std::numeric_limits<float>::infinity()); }
+        device::zero_async(slow, slow_bytes, made);
+        device::copy_async(g, h.data(), h.size() * sizeof(bf16), made);
+        off.grad_ready(t + i, {g, sizes[t + i], location::device}, made);
       }
+      if (keep_grads) { device::copy(layer_grads, poison.data(), largest * sizeof(bf16)); }  // the trainer's next layer
       w.release(l, {});
     }
-    REQUIRE(!off.finish_step().skipped);
+    auto const f = off.finish_step();
+    CHECK(f.skipped == r.skipped);
+    CHECK(f.found_nonfinite == r.found_nonfinite);
+    CHECK(std::memcmp(&f.grad_norm, &r.grad_norm, sizeof(double)) == 0);  // (NaN after an inf reported)
+    CHECK(r.skipped == (s == inf_step && o.on_nonfinite == nonfinite_policy::skip_step));
+    if (s == inf_step) { CHECK(r.found_nonfinite == (o.on_nonfinite != nonfinite_policy::ignore)); }
     w.end_iteration();
   }
   for (std::size_t t = 0; t < sizes.size(); ++t) {
@@ -864,27 +975,82 @@ TEST_CASE("offloaded params on the (emulated) device: device buffers, device gra
     device::copy(a.data(), ref_params[t], sizes[t] * sizeof(bf16));
     w.read(t, 0, b);
     REQUIRE(std::memcmp(a.data(), b.data(), sizes[t] * sizeof(bf16)) == 0);
+    std::vector<float> ma(sizes[t]), mb(sizes[t]);
+    for (auto const sl : {slot::exp_avg, slot::exp_avg_sq, slot::master}) {
+      ref.copy_state(tensor_name(t), sl, ma);
+      off.copy_state(tensor_name(t), sl, mb);
+      REQUIRE(std::memcmp(ma.data(), mb.data(), sizes[t] * sizeof(float)) == 0);
+    }
     device::deallocate_async(ref_params[t], {});
     device::deallocate_async(ref_grads[t], {});
     device::deallocate_async(off_grads[t], {});
   }
+  device::deallocate_async(layer_grads, {});
+  device::deallocate_async(slow, {});
   device::stream_view{}.synchronize();
   auto const st = w.stats();
   // Backward only: the first iteration's guess (forward, then backward) misses twice (at
   // L-1, then at L-2, which it expected after a second L-1); the next ones follow.
   CHECK(st.out_of_order == 2);
   CHECK(st.on_demand <= 2);
-  CHECK(w.buffer_count() == 3);
-  // Device memory: (window + 1) x the largest layer (30011 bf16 -> 15 pages), allocated once.
-  CHECK(counted.allocations == 3);
-  CHECK(counted.peak == 3 * w.buffer_bytes());
+  CHECK(w.buffer_count() == window + 1);
+  // Device memory: (window + 1) x the largest layer (30011 bf16 -> 15 pages), allocated once;
+  // the gradients' is the trainer's: one layer's when kept, else all.
+  CHECK(counted.allocations == window + 1);
+  CHECK(counted.peak == (window + 1) * w.buffer_bytes());
   CHECK(w.buffer_bytes() == 15 * 4096);
+  if (keep_grads) {  // (each element read back once a step, except in a step skipped)
+    CHECK(st.grad_bytes_written > 0);
+    bool const skipped = inf_step >= 0 && o.on_nonfinite == nonfinite_policy::skip_step;
+    CHECK((st.grad_bytes_read == st.grad_bytes_written) == !skipped);
+  } else {
+    CHECK(st.grad_bytes_written == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("offloaded params on the (emulated) device: device buffers, device gradients, CudaOverlapped",
+          "[offload][optimizer][device]")
+{
+  using Opt = OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost, CudaOverlapped<2>>;
+  typename Opt::options o;
+  o.chunk_elements = 2048;
+  o.threads        = 2;
+  SECTION("the trainer keeps every gradient until the step ends") { check_device_parity<Opt>(o, 2, false); }
+  SECTION("each layer's gradients are copied down and kept beside the weights; one device buffer reused")
+  {
+    for (unsigned const window : {1u, 3u}) {
+      CAPTURE(window);
+      check_device_parity<Opt>(o, window, true);
+    }
+    o.max_grad_norm = 0.5;  // the norm from the kept block sums
+    check_device_parity<Opt>(o, 2, true);
+    check_device_parity<Opt>(o, 2, true, 2);  // an inf seen only in a kept gradient skips the step
+    o.on_nonfinite = nonfinite_policy::report;
+    check_device_parity<Opt>(o, 2, true, 1);
+    o.on_nonfinite  = nonfinite_policy::ignore;
+    o.max_grad_norm = 0.0;
+    check_device_parity<Opt>(o, 2, true);
+  }
+  SECTION("state on NVMe, staged")
+  {
+    test::scratch_dir dir;
+    using Nvme = OffloadedOptimizer<AdamW, Bf16Mixed, NvmeFile, CudaOverlapped<2>>;
+    typename Nvme::options n;
+    n.chunk_elements = 2048;
+    n.threads        = 2;
+    n.tier.directory = dir.path;
+    check_device_parity<Nvme>(n, 2, true);
+    n.max_grad_norm = 0.5;
+    check_device_parity<Nvme>(n, 1, true, 3);
+  }
 }
 
 TEST_CASE("offloaded params: writes behind are bounded, read back in order, and a failure is flush()'s", "[offload]")
 {
   int writes_left = 1 << 30;
-  auto o                = options_for<test::memory_tier>(1, 0, {&writes_left});
+  auto o                = options_for<test::memory_tier>(1, 0, {&writes_left, {}});
   o.write_behind_bytes  = 4096;  // most writes wait for room: every one is behind another
   model<offloaded_params<float, test::memory_tier>> m(o);
   m.write_all(0);
@@ -1043,6 +1209,10 @@ TEST_CASE("offloaded params with the optimizer: gradients kept by the source fee
   W::options wo;
   wo.tier.writes_left      = &writes_left;
   wo.persistence_threshold = 100;  // "b" stays in host memory, its gradient too
+  // Kept before grad_ready returns, or written behind (the default).
+  wo.write_behind_bytes = GENERATE(std::size_t{0}, std::size_t{64} << 20);
+  bool const behind     = wo.write_behind_bytes > 0;
+  CAPTURE(behind);
   W w(wo);
   auto const layer = w.add_layer("l");
   std::vector<std::size_t> const sizes = {5000, 70, 4097};
@@ -1114,17 +1284,32 @@ TEST_CASE("offloaded params with the optimizer: gradients kept by the source fee
     CHECK(k.found_nonfinite);
     same_params();
   }
-  SECTION("a keep that fails is grad_ready's error; handed over again, the step is the same; left out, it has none")
+  SECTION("a keep that fails is grad_ready's error (behind: the step's, nothing changed); handed over again, the "
+          "step is the same; left out, it has none")
   {
     for (int s = 0; s < 2; ++s) {
       fill(s);
       auto const r = ref_step();
       fill(s);
       opt.begin_step();
-      if (s == 1) {
+      if (s == 1 && !behind) {
         writes_left = 0;
         CHECK_THROWS_WITH(opt.grad_ready(0, {g[0].data(), g[0].size()}), Catch::Contains("memory_tier: write failed"));
         writes_left = 1 << 30;
+      }
+      if (s == 1 && behind) {  // grad_ready returns; the write fails on the gradients' thread
+        writes_left = 0;
+        opt.grad_ready(0, {g[0].data(), g[0].size()});
+        CHECK_THROWS_WITH(w.wait_grad(0), Catch::Contains("memory_tier: write failed"));
+        CHECK_THROWS_WITH(w.read_grad(0, 0, std::span<float>(g[1].data(), 1)), Catch::Contains("memory_tier: write failed"));
+        writes_left = 1 << 30;
+        opt.grad_ready(2, {g[2].data(), g[2].size()});
+        opt.grad_ready(1, {g[1].data(), g[1].size()});
+        CHECK_THROWS_WITH(opt.finish_step(), Catch::Contains("memory_tier: write failed"));  // before any update
+        CHECK(!opt.state_lost());
+        CHECK(opt.step_count() == 1);
+        fill(s);  // (the trainer's backward, again)
+        opt.begin_step();
       }
       hand_over_all(-1.0f);
       auto const k = opt.finish_step();
@@ -1132,6 +1317,7 @@ TEST_CASE("offloaded params with the optimizer: gradients kept by the source fee
       CHECK(k.grad_norm == r.grad_norm);
       same_params();
     }
+    if (behind) { return; }  // (a keep behind is never grad_ready's error)
     // Kept before, then a keep that fails: none is kept, and the step leaves the tensor out.
     fill(2);
     std::vector<grad_view<float>> v;
@@ -1152,6 +1338,26 @@ TEST_CASE("offloaded params with the optimizer: gradients kept by the source fee
     ref.copy_state(tensor_name(2), slot::exp_avg, a);
     opt.copy_state(tensor_name(2), slot::exp_avg, b);
     CHECK(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
+  }
+  SECTION("no checks: a keep behind that fails is the update's error, and the state is lost")
+  {
+    if (!behind) { return; }  // (the section above: grad_ready's error)
+    o.on_nonfinite  = nonfinite_policy::ignore;
+    o.max_grad_norm = 0.0;
+    Opt fast({}, o);
+    for (std::size_t t = 0; t < sizes.size(); ++t) { fast.add_tensor(w, t); }
+    fill(5);
+    fast.begin_step();
+    writes_left = 0;
+    fast.grad_ready(0, {g[0].data(), g[0].size()});
+    CHECK_THROWS(w.wait_grad(0));
+    writes_left = 1 << 30;
+    fast.grad_ready(1, {g[1].data(), g[1].size()});
+    fast.grad_ready(2, {g[2].data(), g[2].size()});
+    // (backward's order: t2's chunks are updated before the first that needs t0's gradient)
+    CHECK_THROWS_WITH(fast.finish_step(), Catch::Contains("memory_tier: write failed"));
+    CHECK(fast.state_lost());
+    CHECK_THROWS_WITH(fast.begin_step(), Catch::Contains("lost"));
   }
   SECTION("nonfinite_policy::report: the inf is reported, and the step goes on as in memory")
   {

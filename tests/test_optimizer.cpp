@@ -391,7 +391,7 @@ TEST_CASE("a tier failing while the state is made leaves no half-made state", "[
   for (std::size_t i = 0; i < w.size(); ++i) { w[i] = bf16(static_cast<float>(i) * 1e-3f); }
   OffloadedOptimizer<AdamW, Bf16Mixed, test::memory_tier>::options o;
   o.chunk_elements = 2048;
-  o.tier           = {&budget};
+  o.tier           = {&budget, {}};
   OffloadedOptimizer<AdamW, Bf16Mixed, test::memory_tier> opt({}, o);
   opt.add_tensor("w", w.data(), w.size());
   std::vector<grad_view<bf16>> views = {{g.data(), g.size()}};

@@ -88,7 +88,7 @@ TEST_CASE("a user's transfer over a user's tier, and a write that fails: the err
   CHECK(train<Opt>(12, o) == plain);
 
   int budget = 1'000'000;
-  o.tier = {&budget};
+  o.tier = {&budget, {}};
   nvme_model<Bf16Mixed> m;
   Opt opt(schedule<Opt>(1), o);
   register_model(opt, m);

@@ -198,12 +198,12 @@ class OffloadedOptimizer {
   /// step()'s with the same gradients, bit for bit.
   void begin_step(double grad_scale = 1.0, unsigned micro_batches = 1);
   /// Thread-safe. `g` must stay valid and unchanged until finish_step returns, except a final
-  /// host gradient where keeps_gradient(t): written to the tensor's source (and looked at for
-  /// the checks) before this returns, it may be freed at once. A device gradient is read after
-  /// the work queued on `ready` so far (by default the legacy stream).
+  /// gradient where keeps_gradient(t): handed to its source (write_grad; from the device, copied
+  /// down on `ready` first) and looked at for the checks before this returns, it may be reused at
+  /// once. A device gradient is read after the work queued on `ready` so far (default: legacy stream).
   void grad_ready(tensor_id t, grad_view<grad_type> g, device::stream_view ready = {});
-  /// Whether t's params rest in a source that keeps_grads(), under OnHost compute with host
-  /// params (not CudaOverlapped), with one type for gradients and params.
+  /// Whether t's params rest in a source that keeps_grads(), under OnHost compute (host or device
+  /// gradients), with one type for gradients and params.
   [[nodiscard]] bool keeps_gradient(tensor_id t) const;
   step_result finish_step();
   /// The next streaming step's chunk order (empty before the first): the last one's, as they became ready.
@@ -291,7 +291,7 @@ class OffloadedOptimizer {
   using checks       = detail::step_checks<grad_type, Compute, placement>;
   using device_resources = typename store_type::device_resources;
   using tensor_entry = detail::tensor_entry<param_type>;
-  static constexpr bool keeps_grads_in_sources = std::is_same_v<grad_type, param_type> && !placement::device_params;  ///< see keeps_gradient
+  static constexpr bool keeps_grads_in_sources = std::is_same_v<grad_type, param_type> && !placement::on_device;  ///< see keeps_gradient
   /// Makes the state (state/store.hpp) from the tensors registered now; the master is left
   /// unset when `fill_master` is false (load overwrites every chunk).
   void materialize(bool fill_master = true, std::size_t chunk_elements = 0);  ///< 0: opts_'s

@@ -816,6 +816,37 @@ class Parity(unittest.TestCase):
         sd = opt.torch_state_dict()
         self.assertIn("max_exp_avg_sq", sd["state"][0])
 
+    def test_clipping_an_inf_or_nan_norm_as_torch_does(self):
+        """max_grad_norm with on_nonfinite="report" (or "ignore") and an inf or a NaN in a
+        gradient: the step goes on as torch.nn.utils.clip_grad_norm_ (error_if_nonfinite=False)
+        then torch.optim.AdamW would take it: a factor of 0 for an inf norm (the inf element
+        becoming NaN), NaN for a NaN one."""
+        for bad in (float("inf"), float("nan")):
+            for policy in ("report", "ignore"):
+                with self.subTest(bad=bad, policy=policy):
+                    torch.manual_seed(3)
+                    init = [torch.randn(5000), torch.randn(37)]
+                    ref = [x.clone().requires_grad_() for x in init]
+                    ours = [x.clone().requires_grad_() for x in init]
+                    ref_opt = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+                    opt = tierstate_torch.AdamW(ours, lr=1e-2, max_grad_norm=1.0, on_nonfinite=policy)
+                    for step in range(3):
+                        grads = [torch.randn_like(x) * 1e-3 for x in init]
+                        if step == 1:
+                            grads[0][4321] = bad
+                        for p, g in zip(ref, grads):
+                            p.grad = g.clone()
+                        torch.nn.utils.clip_grad_norm_(ref, 1.0)
+                        ref_opt.step()
+                        for p, g in zip(ours, grads):
+                            p.grad = g.clone()
+                        opt.step()
+                        self.assertFalse(opt.last_step.get("skipped"), opt.last_step)
+                        for a, b in zip(ref, ours):
+                            torch.testing.assert_close(b.detach(), a.detach(), equal_nan=True)
+                    self.assertTrue(torch.isnan(ours[0][4321]))
+                    self.assertEqual(bool(torch.isfinite(ours[1]).all()), bad == float("inf"))
+
     def test_bf16_params_with_a_master(self):
         data = batches(10, seed=23)
         model = make_model(torch.bfloat16)

@@ -28,7 +28,8 @@ class param_source {
   /// Whether write_grad and read_grad keep gradients (the default: no).
   [[nodiscard]] virtual bool keeps_grads() const noexcept { return false; }
   /// Keeps tensor `t`'s whole gradient (from.size() is its size), replacing the one before;
-  /// `from` may be reused once it returns. Thread-safe. A failure keeps nothing new.
+  /// `from` may be reused once it returns. Thread-safe. A failure keeps nothing new: this
+  /// call's, or, for a gradient written behind, wait_grad's and read_grad's for `t`.
   virtual void write_grad(std::size_t t, std::span<Param const> from)
   {
     (void)from;
@@ -40,6 +41,9 @@ class param_source {
     (void)offset, (void)to;
     throw logic_error("param_source::read_grad('" + tensor_name(t) + "'): this source keeps no gradients");
   }
+  /// Waits for the write_grads of tensor `t` still going on behind, and throws the last one's
+  /// failure (as read_grad does, until the next write_grad of `t`).
+  virtual void wait_grad(std::size_t t) { (void)t; }
   [[nodiscard]] virtual std::size_t tensor_size(std::size_t t) const = 0;
   [[nodiscard]] virtual std::string const& tensor_name(std::size_t t) const = 0;
 };

@@ -27,7 +27,9 @@
 // takes the last layer of forward without reading it again.
 //
 // Memory: up to write_behind_bytes of writes not yet in the tier (counted in the tier's whole
-// blocks: a 4-byte write on NVMe takes 4 KiB), and (window + 1) buffers
+// blocks: a 4-byte write on NVMe takes 4 KiB), as much again of gradients (write_grad, on a
+// thread of their own, into a second tier; at most two of the largest layer's), and (window +
+// 1) buffers
 // of the largest layer's bytes (4 KiB-aligned), allocated once,
 // from `options::buffers` (std::pmr; aligned operator new by default), whatever the model's
 // size; tensors under `persistence_threshold` elements (norms, biases) are kept in host
@@ -97,14 +99,15 @@ struct offloaded_params_options {
   std::size_t persistence_threshold = 0;
   /// write() copies up to this many bytes (the whole tier blocks a write touches: 4 KiB
   /// ones on NVMe) and returns, the I/O thread writing them behind (flush() waits for them
-  /// and throws a failure); a write beyond it waits for room. 0: every write is done before
-  /// write() returns.
+  /// and throws a failure); a write beyond it waits for room. write_grad as much again (at
+  /// most two of the largest layer's), on a thread of its own. 0: every write is done before
+  /// write() (write_grad) returns.
   std::size_t write_behind_bytes = std::size_t{64} << 20;
   /// Where the buffers are: host memory (the model computes on the CPU), or device memory
   /// (a GPU, or the emulated device without CUDA): the views are then device pointers.
   location where = location::host;
-  /// Gradients: the optimizer's streaming step (OnHost compute, host params' route) hands
-  /// each offloaded tensor's final host gradient to write_grad (ZeRO-3's order), kept in a
+  /// Gradients: the optimizer's streaming step (OnHost compute) hands each offloaded
+  /// tensor's final gradient to write_grad (ZeRO-3's order), kept in a
   /// second tier of the same kind, as large as the params' (made at the first write_grad, with
   /// `tier`'s options; a file_name gets ".grads" appended; resident tensors' in host memory),
   /// so the trainer may free it at once: with NvmeFile, host memory stays flat in the model's
@@ -226,17 +229,19 @@ class offloaded_params final : public param_source<Param> {
   /// buffer of the window's: initial values, checkpoints, export, the optimizer's update.
   void read(tensor_id t, std::size_t offset, std::span<Param> to) override;
   void write(tensor_id t, std::size_t offset, std::span<Param const> from) override;
-  /// Waits for every write behind and throws the first that failed (io_error; the tier then
+  /// Waits for every params' write behind and throws the first that failed (io_error; the tier then
   /// holds some of the values, and the params' next readers see what it holds). The
   /// optimizer calls it at the end of each step.
   void flush() override;
   /// Keeps tensor t's whole gradient (from.size() its size; the caller's memory is free when
-  /// this returns), written before it returns (an io_error leaves no gradient kept for t);
-  /// read_grad reads back what the last write_grad kept (logic_error when there is none).
-  /// Refused (logic_error) with keep_grads false.
+  /// this returns): copied and written behind (write_behind_bytes), or written before it
+  /// returns (0). read_grad reads back what the last write_grad kept, once written; one that
+  /// failed (io_error) keeps none, and is wait_grad's and read_grad's error for t until the
+  /// next write_grad. Refused (logic_error) with keep_grads false.
   [[nodiscard]] bool keeps_grads() const noexcept override { return opts_.keep_grads; }
   void write_grad(tensor_id t, std::span<Param const> from) override;
   void read_grad(tensor_id t, std::size_t offset, std::span<Param> to) override;
+  void wait_grad(tensor_id t) override;
 
   [[nodiscard]] std::size_t layer_count() const noexcept { return layers_.size(); }
   [[nodiscard]] std::size_t tensor_count() const noexcept { return tensors_.size(); }
@@ -274,6 +279,8 @@ class offloaded_params final : public param_source<Param> {
     bool resident      = false;
     std::size_t offset = 0;  ///< in the tier, or (resident) in resident_ elements
     bool grad_kept     = false;  ///< write_grad kept a gradient (at the same offset)
+    unsigned grad_pending = 0;   ///< its write_grads behind not yet done
+    std::exception_ptr grad_failure;  ///< the last one's, once done
   };
   struct layer_entry {
     std::string name;
@@ -317,7 +324,7 @@ class offloaded_params final : public param_source<Param> {
     std::unique_ptr<std::byte, aligned_delete> buffer;
   };
   struct write_job {
-    layer_id layer;
+    std::size_t id;  ///< a layer (params), or a tensor (gradients)
     staged_write bytes;
   };
 
@@ -326,6 +333,7 @@ class offloaded_params final : public param_source<Param> {
   void check_range(tensor_id t, std::size_t offset, std::size_t n, char const* call) const;
   void make_locked();
   void io_loop();
+  void grad_loop();  ///< the gradients' writes behind
   /// On the I/O thread: `bytes` bytes of the tier at `offset` into buffer `b`.
   void fill_buffer(buffer& b, std::size_t offset, std::size_t bytes);
   /// Under mu_: a buffer for a read: a free one, or one holding a layer not in `keep` (with
@@ -362,8 +370,11 @@ class offloaded_params final : public param_source<Param> {
   std::unique_ptr<PinnedHost> staging_;    ///< device buffers, a tier not in host memory: one layer
   std::vector<Param> resident_;  ///< resident tensors' values, then the copies held views show
   std::mutex grad_mu_;                  ///< one call at a time into grad_tier_
+  std::mutex grad_make_mu_;             ///< making it
   std::unique_ptr<Tier> grad_tier_;     ///< kept gradients, laid out as the params
   std::vector<Param> resident_grads_;   ///< resident tensors' kept gradients
+  std::deque<write_job> grad_writes_;   ///< gradients written behind, in order (by grad_io_)
+  std::size_t grad_behind_bytes_ = 0;
   std::deque<read_job> jobs_;
   std::deque<write_job> writes_;         ///< written behind, in order
   std::size_t behind_bytes_ = 0;         ///< theirs, the one being written included
@@ -374,7 +385,7 @@ class offloaded_params final : public param_source<Param> {
   offload_stats stats_;
   bool made_     = false;
   bool stopping_ = false;
-  std::thread io_;
+  std::thread io_, grad_io_;
 };
 
 }  // namespace tierstate

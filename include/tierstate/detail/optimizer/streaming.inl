@@ -19,6 +19,11 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::await_ch
     k, store_.pieces(k), stats,
     [this](std::span<grad_view<grad_type> const> views, double grad_scale,
            std::vector<coefficients_type>& coefficients, step_result& result, std::optional<bool> host_found) {
+      if constexpr (keeps_grads_in_sources) {  // kept gradients written behind: a failure refuses the step here, unchanged
+        for (std::size_t t = 0; t < tensors_.size(); ++t) {
+          if (streaming_.stashed(t)) { tensors_[t].source->wait_grad(tensors_[t].source_tensor); }
+        }
+      }
       if (!check_and_clip(views, grad_scale, coefficients, result, host_found)) { return false; }
       reduce_tensors(views, coefficients);
       return true;
@@ -86,16 +91,28 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::grad_rea
   auto const& e  = tensors_[t];
   auto const who = "grad_ready: the gradient of tensor " + std::to_string(t) + " ('" + e.name + "')";
   checks::check_view(who, g, e);
-  // An offloaded tensor's final host gradient goes to its source (ZeRO-3's order), looked at
-  // first for what the checks need: the trainer's memory is free once this returns.
-  bool const stash = g.where == location::host && g.data != nullptr && keeps_gradient(t);
+  // An offloaded tensor's final gradient goes to its source (ZeRO-3's order), looked at first
+  // for what the checks need: the trainer's memory (host or device) is free once this returns.
+  bool const stash = g.data != nullptr && keeps_gradient(t);
   using kept = typename decltype(streaming_)::kept;
   streaming_.hand_over(t, g, who, ready, stash, [&](grad_view<grad_type> const& v) {
     kept k;
     if constexpr (keeps_grads_in_sources) {
-      if (opts_.on_nonfinite != nonfinite_policy::ignore) { k.nonfinite = host::any_nonfinite(v.data, v.size); }
-      if (opts_.max_grad_norm > 0.0) { k.sums = checks::block_sums(v.data, v.size); }
-      e.source->write_grad(e.source_tensor, std::span<param_type const>(v.data, v.size));
+      grad_type const* data = v.data;
+      std::vector<grad_type> down;  // a device gradient, copied down on `ready`, after the work that made it
+      if constexpr (placement::device_params) {
+        if (v.where == location::device) {
+          down.resize(v.size);
+          device::event copied;
+          device::copy_async(down.data(), v.data, v.size * sizeof(grad_type), ready);
+          copied.record(ready);
+          copied.synchronize();  // (only this copy and the work before it on `ready`)
+          data = down.data();
+        }
+      }
+      if (opts_.on_nonfinite != nonfinite_policy::ignore) { k.nonfinite = host::any_nonfinite(data, v.size); }
+      if (opts_.max_grad_norm > 0.0) { k.sums = checks::block_sums(data, v.size); }
+      e.source->write_grad(e.source_tensor, std::span<param_type const>(data, v.size));
     }
     return k;
   });

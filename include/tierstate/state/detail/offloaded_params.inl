@@ -39,6 +39,7 @@ offloaded_params<Param, Tier>::~offloaded_params()
   }
   cv_.notify_all();
   if (io_.joinable()) { io_.join(); }
+  if (grad_io_.joinable()) { grad_io_.join(); }
   for (auto& b : buffers_) { resource_->deallocate(b.data, buffer_bytes_, tier_alignment); }
 }
 

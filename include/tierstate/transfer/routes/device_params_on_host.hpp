@@ -9,7 +9,8 @@
 // the updated params host to device (the h2d stream). in[b] marks a chunk's gradients landed,
 // out[b] its params gone: a later chunk's gradients come into buffer b only after that. In a
 // streaming step a chunk's gradients are copied once they are final: at its compute, or
-// earlier, when a retire finds the chunks ahead ready.
+// earlier, when a retire finds the chunks ahead ready; those that grad_ready kept in the
+// params' sources (offloaded params) are read back into the ring then.
 #pragma once
 
 #include <tierstate/core/device_runtime.hpp>
@@ -146,6 +147,16 @@ class device_params_on_host : public detail::route_base<Optimizer> {
     if (j >= B) { d_.out[b].synchronize(); }  // position j - B's params have left this buffer
     for (auto const& pc : o_.store_.pieces(k)) {
       auto const& g  = grads_[pc.tensor];
+      if constexpr (Optimizer::keeps_grads_in_sources) {
+        if (o_.streaming_.stashed(pc.tensor)) {  // kept in its source by grad_ready: read back
+          auto const& e  = o_.tensors_[pc.tensor];
+          auto const t0 = std::chrono::steady_clock::now();
+          e.source->read_grad(e.source_tensor, pc.tensor_begin,
+                              std::span<grad_type>(grad_ring_ + b * ce_ + pc.chunk_begin, pc.count));
+          stats_.wait_seconds += tierstate::detail::seconds_since(t0);
+          continue;
+        }
+      }
       if (g.data == nullptr) { continue; }  // no gradient
       if (g.where == location::device) {
         device::copy_async(grad_ring_ + b * ce_ + pc.chunk_begin, g.data + pc.tensor_begin,
