@@ -13,11 +13,13 @@
 #include "row_column_rule.hpp"
 #include "rule_references.hpp"
 #include "throttled.hpp"
+#include <tierstate/state/offloaded_params.hpp>
 
 #include <catch2/catch.hpp>
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <cstdlib>
 #include <limits>
 #include <memory>
@@ -930,3 +932,102 @@ TEMPLATE_LIST_TEST_CASE("a failed first read of a device step changes nothing, a
 }
 
 #endif  // !TIERSTATE_TEST_DEVICE_KERNEL_ONLY
+
+TEMPLATE_TEST_CASE("offloaded params in device buffers, device gradients kept beside them: CudaOverlapped gives the "
+                   "bits of params in device memory",
+                   "[device][offload]", PinnedHost, NvmeFile)
+{
+  // The trainer's weights rest in a host tier (PinnedHost: copied up from it; NvmeFile:
+  // through pinned staging) and come into device buffers a window at a time, small tensors
+  // (resident) into device copies of their own. Each layer's gradients are made in one
+  // device buffer, on the trainer's own stream, handed over (copied down on that stream,
+  // kept beside the weights) and the buffer reused at once. The reference keeps its params
+  // in device memory. All device memory is read and written through copies, so that this
+  // runs on a GPU as it does on the emulated device.
+  using Opt = OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost, CudaOverlapped<2>>;
+  using W   = offloaded_params<bf16, TestType>;
+  std::vector<std::vector<std::size_t>> const layers = {{4097, 7, 63}, {1}, {2048, 2049}, {30011}, {5, 3}};
+  scratch_dir dir;
+  typename W::options wo;
+  if constexpr (std::is_same_v<TestType, NvmeFile>) { wo.tier = in(dir); }
+  wo.window                = 2;
+  wo.where                 = location::device;
+  wo.persistence_threshold = 64;
+  W w(wo);
+  typename Opt::options o;
+  o.chunk_elements = 2048;
+  o.threads        = 2;
+  o.max_grad_norm  = 0.5;
+  Opt ref({}, o), off({}, o);
+  std::vector<std::size_t> sizes;
+  std::size_t largest = 0;
+  for (std::size_t l = 0; l < layers.size(); ++l) {
+    auto const id = w.add_layer(std::string("layer").append(std::to_string(l)));
+    for (auto const n : layers[l]) {
+      w.add_tensor(id, std::string("t").append(std::to_string(sizes.size())), n);
+      sizes.push_back(n);
+    }
+    largest = std::max(largest, std::accumulate(layers[l].begin(), layers[l].end(), std::size_t{0}));
+  }
+  auto const gradient = [](std::vector<bf16> const& p, std::size_t t, int step) {
+    std::vector<bf16> g(p.size());
+    for (std::size_t i = 0; i < p.size(); ++i) {
+      g[i] = bf16(std::sin(static_cast<float>(p[i]) * 3.0f + static_cast<float>(i % 97) * 0.01f +
+                           static_cast<float>(t + static_cast<std::size_t>(step))) * 0.1f);
+    }
+    return g;
+  };
+  std::vector<std::unique_ptr<mirrored<bf16>>> ref_params, ref_grads;
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    std::vector<bf16> init(sizes[t]);
+    for (std::size_t i = 0; i < sizes[t]; ++i) { init[i] = bf16(static_cast<float>((t * 37 + i * 11) % 2000) * 1e-3f - 1.0f); }
+    ref_params.push_back(std::make_unique<mirrored<bf16>>(init));
+    ref_grads.push_back(std::make_unique<mirrored<bf16>>(std::vector<bf16>(sizes[t])));
+    ref.add_tensor(std::string("t").append(std::to_string(t)), ref_params[t]->device, sizes[t], location::device);
+    w.write(t, 0, init);
+    off.add_tensor(w, t);
+    CHECK(off.keeps_gradient(t));
+  }
+  mirrored<bf16> layer_grads{std::vector<bf16>(largest)};  // the trainer's one gradient buffer
+  device::stream made;                                     // and its stream
+  for (int step = 0; step < 4; ++step) {
+    std::vector<grad_view<bf16>> rv;
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      ref_grads[t]->host = gradient(ref_params[t]->download(), t, step);
+      ref_grads[t]->upload();
+      rv.push_back({ref_grads[t]->device, sizes[t], location::device});
+    }
+    auto const r = ref.step(rv);
+    REQUIRE(!r.skipped);
+    off.begin_step();
+    for (std::size_t l = layers.size(), t = sizes.size(); l-- > 0;) {
+      auto const v = w.acquire(l);
+      t -= v.size();
+      std::vector<std::vector<bf16>> up(v.size());  // (the uploads' sources, alive until their grad_ready)
+      for (std::size_t i = 0, at = 0; i < v.size(); at += sizes[t + i], ++i) {
+        std::vector<bf16> p(sizes[t + i]);
+        device::copy(p.data(), v.tensor(i).data(), p.size() * sizeof(bf16));  // (a device pointer, resident or not)
+        up[i] = gradient(p, t + i, step);
+        device::copy_async(layer_grads.device + at, up[i].data(), p.size() * sizeof(bf16), made);
+        off.grad_ready(t + i, {layer_grads.device + at, sizes[t + i], location::device}, made);
+      }
+      w.release(l, made);
+      layer_grads.host.assign(largest, bf16(std::numeric_limits<float>::quiet_NaN()));  // reused: poisoned
+      layer_grads.upload();
+    }
+    auto const k = off.finish_step();
+    REQUIRE(!k.skipped);
+    CHECK(k.grad_norm == r.grad_norm);
+    w.end_iteration();
+  }
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    std::vector<bf16> b(sizes[t]);
+    w.read(t, 0, b);
+    REQUIRE(std::memcmp(ref_params[t]->download().data(), b.data(), b.size() * sizeof(bf16)) == 0);
+  }
+  auto const st = w.stats();
+  CHECK(st.grad_bytes_written > 0);
+  CHECK(st.grad_bytes_read == st.grad_bytes_written);
+  CHECK(st.on_demand <= 2);
+  CHECK(dir.entries().empty());  // (nothing left behind)
+}

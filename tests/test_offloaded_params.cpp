@@ -28,6 +28,7 @@
 #include <numeric>
 #include <stdexcept>
 #include <thread>
+#include <utility>
 #include <vector>
 
 using namespace tierstate;
@@ -64,16 +65,23 @@ class slow_tier {
   options o_;
 };
 
-/// Counts the bytes the window's buffers take.
+/// Counts the bytes the window's buffers take, and says whether a pointer is in them.
 class counting_resource : public std::pmr::memory_resource {
  public:
   std::size_t live = 0, peak = 0, allocations = 0;
+  std::vector<std::pair<std::byte const*, std::size_t>> blocks;
+  [[nodiscard]] bool holds(void const* p) const
+  {
+    auto const* b = static_cast<std::byte const*>(p);
+    return std::any_of(blocks.begin(), blocks.end(), [&](auto const& k) { return b >= k.first && b < k.first + k.second; });
+  }
   explicit counting_resource(std::pmr::memory_resource* upstream = std::pmr::new_delete_resource()) : up_(upstream) {}
 
  private:
   void* do_allocate(std::size_t bytes, std::size_t align) override
   {
     void* p = up_->allocate(bytes, align);
+    blocks.emplace_back(static_cast<std::byte const*>(p), bytes);
     live += bytes;
     peak = std::max(peak, live);
     ++allocations;
@@ -82,6 +90,7 @@ class counting_resource : public std::pmr::memory_resource {
   void do_deallocate(void* p, std::size_t bytes, std::size_t align) override
   {
     live -= bytes;
+    std::erase_if(blocks, [&](auto const& k) { return k.first == p; });
     up_->deallocate(p, bytes, align);
   }
   [[nodiscard]] bool do_is_equal(memory_resource const& o) const noexcept override { return this == &o; }
@@ -943,6 +952,7 @@ void check_device_parity(typename Opt::options const& o, unsigned window, bool k
     for (std::size_t l = model_sizes.size(), t = sizes.size(); l-- > 0;) {
       auto const v = w.acquire(l);
       t -= v.size();
+      for (std::size_t i = 0; i < v.size(); ++i) { REQUIRE(counted.holds(v.tensor(i).data())); }  // (device memory, resident or not)
       for (std::size_t i = 0, at = 0; i < v.size(); at += sizes[t + i], ++i) {
         bf16* const g = keep_grads ? layer_grads + at : off_grads[t + i];
         if (!keep_grads) {
@@ -994,10 +1004,14 @@ void check_device_parity(typename Opt::options const& o, unsigned window, bool k
   CHECK(st.out_of_order == 2);
   CHECK(st.on_demand <= 2);
   CHECK(w.buffer_count() == window + 1);
-  // Device memory: (window + 1) x the largest layer (30011 bf16 -> 15 pages), allocated once;
-  // the gradients' is the trainer's: one layer's when kept, else all.
-  CHECK(counted.allocations == window + 1);
-  CHECK(counted.peak == (window + 1) * w.buffer_bytes());
+  // Device memory: (window + 1) x the largest layer (30011 bf16 -> 15 pages), and what views
+  // of the resident tensors show (each rounded up to 64 elements), allocated once; the
+  // gradients' is the trainer's: one layer's when kept, else all.
+  std::size_t resident = 0;
+  for (auto const n : sizes) { resident += n < 64 ? 64 * sizeof(bf16) : 0; }
+  CHECK(resident == 6 * 64 * sizeof(bf16));
+  CHECK(counted.allocations == window + 2);
+  CHECK(counted.peak == (window + 1) * w.buffer_bytes() + resident);
   CHECK(w.buffer_bytes() == 15 * 4096);
   if (keep_grads) {  // (each element read back once a step, except in a step skipped)
     CHECK(st.grad_bytes_written > 0);

@@ -104,7 +104,8 @@ struct offloaded_params_options {
   /// write() (write_grad) returns.
   std::size_t write_behind_bytes = std::size_t{64} << 20;
   /// Where the buffers are: host memory (the model computes on the CPU), or device memory
-  /// (a GPU, or the emulated device without CUDA): the views are then device pointers.
+  /// (a GPU, or the emulated device without CUDA): the views are then device pointers, the
+  /// resident tensors' too (their values rest in host memory, copied up at each acquire).
   location where = location::host;
   /// Gradients: the optimizer's streaming step (OnHost compute) hands each offloaded
   /// tensor's final gradient to write_grad (ZeRO-3's order), kept in a
@@ -294,6 +295,7 @@ class offloaded_params final : public param_source<Param> {
     bool wanted        = false;  ///< an acquire waits for it
     std::exception_ptr failure;  ///< its last read's, until an acquire throws it
     std::vector<std::span<Param const>> views;
+    std::unique_ptr<device::event> resident_released;  ///< device buffers, resident tensors: at release
   };
   enum class buffer_state : std::uint8_t { free, reading, ready, acquired };
   struct buffer {
@@ -369,6 +371,7 @@ class offloaded_params final : public param_source<Param> {
   std::optional<device::stream> stream_;  ///< device buffers: the copies up
   std::unique_ptr<PinnedHost> staging_;    ///< device buffers, a tier not in host memory: one layer
   std::vector<Param> resident_;  ///< resident tensors' values, then the copies held views show
+  Param* resident_device_ = nullptr;  ///< device buffers: the copies held views show, device memory
   std::mutex grad_mu_;                  ///< one call at a time into grad_tier_
   std::mutex grad_make_mu_;             ///< making it
   std::unique_ptr<Tier> grad_tier_;     ///< kept gradients, laid out as the params

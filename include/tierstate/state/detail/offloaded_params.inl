@@ -41,6 +41,9 @@ offloaded_params<Param, Tier>::~offloaded_params()
   if (io_.joinable()) { io_.join(); }
   if (grad_io_.joinable()) { grad_io_.join(); }
   for (auto& b : buffers_) { resource_->deallocate(b.data, buffer_bytes_, tier_alignment); }
+  if (resident_device_ != nullptr) {
+    resource_->deallocate(resident_device_, resident_count_ * sizeof(Param), tier_alignment);
+  }
 }
 
 template <class Param, tier Tier>
@@ -156,11 +159,17 @@ template <class Param, tier Tier>
 void offloaded_params<Param, Tier>::fill_views(layer_entry& l, std::byte const* data)
 {
   l.views.clear();
+  // Device buffers: the work that read the last copies (queued on release's stream) is done.
+  if (l.resident_released) { l.resident_released->synchronize(); }
   for (auto const t : l.tensors) {
     auto const& e = tensors_[t];
     if (e.resident) {  // a copy of its own: a write does not change a view while it is held
-      Param* held = resident_.data() + resident_count_ + e.offset;
-      std::copy_n(resident_.data() + e.offset, e.count, held);
+      Param* held = resident_device_ != nullptr ? resident_device_ + e.offset : resident_.data() + resident_count_ + e.offset;
+      if (resident_device_ != nullptr) {
+        device::copy(held, resident_.data() + e.offset, e.count * sizeof(Param));
+      } else {
+        std::copy_n(resident_.data() + e.offset, e.count, held);
+      }
       l.views.emplace_back(held, e.count);
     } else {
       l.views.emplace_back(reinterpret_cast<Param const*>(data + (e.offset - l.offset)), e.count);
@@ -268,6 +277,7 @@ void offloaded_params<Param, Tier>::release(layer_id layer, device::stream_view 
   TIERSTATE_EXPECTS(l.acquired, "offloaded_params::release(" + detail::layer_text(layer, l.name) +
                                   "): it is not acquired");
   l.acquired = false;
+  if (l.resident_released) { l.resident_released->record(done); }
   if (l.buffer >= 0) {
     auto& b = buffers_[l.buffer];
     if (b.released) { b.released->record(done); }

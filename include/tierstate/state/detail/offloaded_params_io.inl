@@ -37,6 +37,7 @@ void offloaded_params<Param, Tier>::make_locked()
   if (tier_bytes > 0) { tier = std::make_unique<Tier>(tier_bytes, opts_.tier); }
   std::vector<buffer> buffers(buffer_bytes > 0 ? opts_.window + 1 : 0);
   std::vector<Param> resident;
+  Param* resident_device = nullptr;
   std::vector<layer_id> expected;
   std::thread io;
   try {
@@ -47,6 +48,13 @@ void offloaded_params<Param, Tier>::make_locked()
       for (auto& b : buffers) { b.released = std::make_unique<device::event>(); }
       if constexpr (!addressable_tier<Tier>) { staging_ = std::make_unique<PinnedHost>(buffer_bytes); }
     }
+    if (opts_.where == location::device && resident_count > 0) {  // what views of resident tensors show
+      resident_device = static_cast<Param*>(resource_->allocate(resident_count * sizeof(Param), tier_alignment));
+      for (auto& l : layers_) {
+        bool const any = std::any_of(l.tensors.begin(), l.tensors.end(), [&](tensor_id t) { return tensors_[t].resident; });
+        if (any && !l.resident_released) { l.resident_released = std::make_unique<device::event>(); }
+      }
+    }
     // The first iteration: forward, then backward.
     for (layer_id l = 0; l < layers_.size(); ++l) { expected.push_back(l); }
     for (layer_id l = layers_.size(); l-- > 0;) { expected.push_back(l); }
@@ -56,11 +64,15 @@ void offloaded_params<Param, Tier>::make_locked()
     for (auto& b : buffers) {
       if (b.data != nullptr) { resource_->deallocate(b.data, buffer_bytes, tier_alignment); }
     }
+    if (resident_device != nullptr) {
+      resource_->deallocate(resident_device, resident_count * sizeof(Param), tier_alignment);
+    }
     throw;
   }
   tier_           = std::move(tier);
   buffers_        = std::move(buffers);
   resident_       = std::move(resident);
+  resident_device_ = resident_device;
   tier_bytes_     = tier_bytes;
   buffer_bytes_   = buffer_bytes;
   resident_count_ = resident_count;
