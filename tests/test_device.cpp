@@ -931,8 +931,6 @@ TEMPLATE_LIST_TEST_CASE("a failed first read of a device step changes nothing, a
   CHECK(run.opt->step_count() == 2);
 }
 
-#endif  // !TIERSTATE_TEST_DEVICE_KERNEL_ONLY
-
 TEMPLATE_TEST_CASE("offloaded params in device buffers, device gradients kept beside them: CudaOverlapped gives the "
                    "bits of params in device memory",
                    "[device][offload]", PinnedHost, NvmeFile)
@@ -990,9 +988,25 @@ TEMPLATE_TEST_CASE("offloaded params in device buffers, device gradients kept be
   }
   mirrored<bf16> layer_grads{std::vector<bf16>(largest)};  // the trainer's one gradient buffer
   device::stream made;                                     // and its stream
+  std::size_t const slow_bytes = std::size_t{16} << 20;    // work that keeps it busy
+  void* const slow = device::allocate_async(slow_bytes, made);
+  std::vector<std::vector<bf16>> seen(sizes.size());       // what forward read from each view
   for (int step = 0; step < 4; ++step) {
+    // Forward: each view read on `made` behind slow work, and released at once with it: a
+    // buffer (or resident copy) is refilled only once that read is done.
+    for (std::size_t l = 0, t = 0; l < layers.size(); ++l) {
+      auto const v = w.acquire(l);
+      for (std::size_t i = 0; i < v.size(); ++i, ++t) {
+        seen[t].resize(sizes[t]);
+        device::zero_async(slow, slow_bytes, made);
+        device::copy_async(seen[t].data(), v.tensor(i).data(), sizes[t] * sizeof(bf16), made);
+      }
+      w.release(l, made);
+    }
+    made.synchronize();
     std::vector<grad_view<bf16>> rv;
     for (std::size_t t = 0; t < sizes.size(); ++t) {
+      REQUIRE(std::memcmp(seen[t].data(), ref_params[t]->download().data(), sizes[t] * sizeof(bf16)) == 0);
       ref_grads[t]->host = gradient(ref_params[t]->download(), t, step);
       ref_grads[t]->upload();
       rv.push_back({ref_grads[t]->device, sizes[t], location::device});
@@ -1030,4 +1044,8 @@ TEMPLATE_TEST_CASE("offloaded params in device buffers, device gradients kept be
   CHECK(st.grad_bytes_read == st.grad_bytes_written);
   CHECK(st.on_demand <= 2);
   CHECK(dir.entries().empty());  // (nothing left behind)
+  device::deallocate_async(slow, made);
+  made.synchronize();
 }
+
+#endif  // !TIERSTATE_TEST_DEVICE_KERNEL_ONLY

@@ -33,7 +33,8 @@
 // of the largest layer's bytes (4 KiB-aligned), allocated once,
 // from `options::buffers` (std::pmr; aligned operator new by default), whatever the model's
 // size; tensors under `persistence_threshold` elements (norms, biases) are kept in host
-// memory instead, as ZeRO-3's param_persistence_threshold does, and need no buffer. The
+// memory instead, as ZeRO-3's param_persistence_threshold does, and need no buffer (with
+// device buffers, one more allocation from `buffers` holds their device copies). The
 // tier holds every other tensor, each layer's contiguous and 4 KiB-aligned, so a layer is
 // one read.
 //
@@ -296,6 +297,7 @@ class offloaded_params final : public param_source<Param> {
     std::exception_ptr failure;  ///< its last read's, until an acquire throws it
     std::vector<std::span<Param const>> views;
     std::unique_ptr<device::event> resident_released;  ///< device buffers, resident tensors: at release
+    bool resident_stale = true;  ///< device buffers: its resident values changed since their device copies
   };
   enum class buffer_state : std::uint8_t { free, reading, ready, acquired };
   struct buffer {

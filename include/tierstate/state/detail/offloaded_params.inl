@@ -40,6 +40,15 @@ offloaded_params<Param, Tier>::~offloaded_params()
   cv_.notify_all();
   if (io_.joinable()) { io_.join(); }
   if (grad_io_.joinable()) { grad_io_.join(); }
+  try {  // (device memory: the trainer's work queued at release is done with it)
+    for (auto& b : buffers_) {
+      if (b.released) { b.released->synchronize(); }
+    }
+    for (auto& l : layers_) {
+      if (l.resident_released) { l.resident_released->synchronize(); }
+    }
+  } catch (...) {  // a failure was the trainer's work's to report
+  }
   for (auto& b : buffers_) { resource_->deallocate(b.data, buffer_bytes_, tier_alignment); }
   if (resident_device_ != nullptr) {
     resource_->deallocate(resident_device_, resident_count_ * sizeof(Param), tier_alignment);
@@ -158,23 +167,33 @@ void offloaded_params<Param, Tier>::drop(int b)
 template <class Param, tier Tier>
 void offloaded_params<Param, Tier>::fill_views(layer_entry& l, std::byte const* data)
 {
-  l.views.clear();
-  // Device buffers: the work that read the last copies (queued on release's stream) is done.
-  if (l.resident_released) { l.resident_released->synchronize(); }
+  std::vector<std::span<Param const>> views;
+  // Device buffers: the resident tensors' device copies are made again only when a write
+  // changed their values, on the object's stream once the work that read the last copies
+  // (queued on release's stream) is done, and waited for.
+  bool const copy_up = resident_device_ != nullptr && l.resident_released && l.resident_stale;
+  if (copy_up) { stream_->wait(*l.resident_released); }
   for (auto const t : l.tensors) {
     auto const& e = tensors_[t];
     if (e.resident) {  // a copy of its own: a write does not change a view while it is held
       Param* held = resident_device_ != nullptr ? resident_device_ + e.offset : resident_.data() + resident_count_ + e.offset;
-      if (resident_device_ != nullptr) {
-        device::copy(held, resident_.data() + e.offset, e.count * sizeof(Param));
-      } else {
+      if (copy_up) {
+        device::copy_async(held, resident_.data() + e.offset, e.count * sizeof(Param), *stream_);
+      } else if (resident_device_ == nullptr) {
         std::copy_n(resident_.data() + e.offset, e.count, held);
       }
-      l.views.emplace_back(held, e.count);
+      views.emplace_back(held, e.count);
     } else {
-      l.views.emplace_back(reinterpret_cast<Param const*>(data + (e.offset - l.offset)), e.count);
+      views.emplace_back(reinterpret_cast<Param const*>(data + (e.offset - l.offset)), e.count);
     }
   }
+  if (copy_up) {
+    device::event up;
+    up.record(*stream_);
+    up.synchronize();
+    l.resident_stale = false;
+  }
+  l.views = std::move(views);  // (nothing changed if a copy failed)
 }
 
 template <class Param, tier Tier>
@@ -205,8 +224,8 @@ auto offloaded_params<Param, Tier>::acquire(layer_id layer) -> layer_view
     if (at != expected_.end()) { cursor_ = static_cast<std::size_t>(at - expected_.begin()) + 1; }
   }
   if (l.bytes == 0) {  // every tensor resident
-    l.acquired = true;
     fill_views(l, nullptr);
+    l.acquired = true;
     read_ahead();
     layer_view v;
     v.layer_   = layer;
@@ -259,7 +278,13 @@ auto offloaded_params<Param, Tier>::acquire(layer_id layer) -> layer_view
     ++stats_.ready;
   }
   stats_.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  fill_views(l, b.data);
+  try {
+    fill_views(l, b.data);
+  } catch (...) {  // (a resident copy's device error: not acquired)
+    b.state    = buffer_state::ready;
+    l.acquired = false;
+    throw;
+  }
   read_ahead();
   layer_view v;
   v.layer_   = layer;
@@ -276,11 +301,11 @@ void offloaded_params<Param, Tier>::release(layer_id layer, device::stream_view 
   auto& l = layers_[layer];
   TIERSTATE_EXPECTS(l.acquired, "offloaded_params::release(" + detail::layer_text(layer, l.name) +
                                   "): it is not acquired");
-  l.acquired = false;
   if (l.resident_released) { l.resident_released->record(done); }
+  if (l.buffer >= 0 && buffers_[l.buffer].released) { buffers_[l.buffer].released->record(done); }
+  l.acquired = false;
   if (l.buffer >= 0) {
     auto& b = buffers_[l.buffer];
-    if (b.released) { b.released->record(done); }
     if (b.version != l.version) {
       drop(l.buffer);  // written while acquired: its bytes are old
     } else {

@@ -43,7 +43,7 @@ void offloaded_params<Param, Tier>::make_locked()
   try {
     for (auto& b : buffers) { b.data = static_cast<std::byte*>(resource_->allocate(buffer_bytes, tier_alignment)); }
     resident.assign(2 * resident_count, Param{});  // the values, then what held views show
-    if (opts_.where == location::device && !buffers.empty()) {
+    if (opts_.where == location::device && (!buffers.empty() || resident_count > 0)) {
       if (!stream_) { stream_.emplace(); }
       for (auto& b : buffers) { b.released = std::make_unique<device::event>(); }
       if constexpr (!addressable_tier<Tier>) { staging_ = std::make_unique<PinnedHost>(buffer_bytes); }
@@ -217,6 +217,7 @@ void offloaded_params<Param, Tier>::write(tensor_id t, std::size_t offset, std::
   auto& l       = layers_[e.layer];
   if (e.resident) {  // (a view held shows its own copy, made at acquire)
     std::copy_n(from.data(), from.size(), resident_.data() + e.offset + offset);
+    l.resident_stale = true;  // (device buffers: copied up again at the next acquire)
     return;
   }
   std::size_t const at = e.offset + offset * sizeof(Param);
