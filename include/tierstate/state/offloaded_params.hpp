@@ -397,3 +397,4 @@ class offloaded_params final : public param_source<Param> {
 
 #include <tierstate/state/detail/offloaded_params.inl>
 #include <tierstate/state/detail/offloaded_params_io.inl>
+#include <tierstate/state/detail/offloaded_params_grads.inl>
