@@ -991,6 +991,8 @@ TEMPLATE_TEST_CASE("offloaded params in device buffers, device gradients kept be
   std::size_t const slow_bytes = std::size_t{16} << 20;    // work that keeps it busy
   void* const slow = device::allocate_async(slow_bytes, made);
   std::vector<std::vector<bf16>> seen(sizes.size());       // what forward read from each view
+  std::vector<std::vector<bf16>> up(sizes.size());         // what backward sends up (until the step ends)
+  std::vector<bf16> const poison(largest, bf16(std::numeric_limits<float>::quiet_NaN()));
   for (int step = 0; step < 4; ++step) {
     // Forward: each view read on `made` behind slow work, and released at once with it: a
     // buffer (or resident copy) is refilled only once that read is done.
@@ -1017,17 +1019,16 @@ TEMPLATE_TEST_CASE("offloaded params in device buffers, device gradients kept be
     for (std::size_t l = layers.size(), t = sizes.size(); l-- > 0;) {
       auto const v = w.acquire(l);
       t -= v.size();
-      std::vector<std::vector<bf16>> up(v.size());  // (the uploads' sources, alive until their grad_ready)
       for (std::size_t i = 0, at = 0; i < v.size(); at += sizes[t + i], ++i) {
         std::vector<bf16> p(sizes[t + i]);
         device::copy(p.data(), v.tensor(i).data(), p.size() * sizeof(bf16));  // (a device pointer, resident or not)
-        up[i] = gradient(p, t + i, step);
-        device::copy_async(layer_grads.device + at, up[i].data(), p.size() * sizeof(bf16), made);
+        up[t + i] = gradient(p, t + i, step);
+        device::zero_async(slow, slow_bytes, made);  // (grad_ready does not wait for it)
+        device::copy_async(layer_grads.device + at, up[t + i].data(), p.size() * sizeof(bf16), made);
         off.grad_ready(t + i, {layer_grads.device + at, sizes[t + i], location::device}, made);
       }
       w.release(l, made);
-      layer_grads.host.assign(largest, bf16(std::numeric_limits<float>::quiet_NaN()));  // reused: poisoned
-      layer_grads.upload();
+      device::copy_async(layer_grads.device, poison.data(), largest * sizeof(bf16), made);  // reused at once: poisoned
     }
     auto const k = off.finish_step();
     REQUIRE(!k.skipped);

@@ -923,9 +923,7 @@ void check_device_parity(typename Opt::options const& o, unsigned window, bool k
   device::stream made;  // where it makes them
   std::size_t const slow_bytes = std::size_t{16} << 20;
   void* const slow = keep_grads ? device::allocate_async(slow_bytes, {}) : nullptr;
-  std::size_t most = 0;  // tensors in a layer
-  for (auto const& layer : model_sizes) { most = std::max(most, layer.size()); }
-  std::vector<std::vector<bf16>> host_grads(most);
+  std::vector<std::vector<bf16>> host_grads(sizes.size());  // (sources of copies on `made`: kept until the step ends)
   std::vector<bf16> const poison(largest, bf16(std::numeric_limits<float>::quiet_NaN()));
   for (std::size_t t = 0; t < sizes.size(); ++t) {
     std::vector<bf16> init(sizes[t]);
@@ -961,7 +959,7 @@ void check_device_parity(typename Opt::options const& o, unsigned window, bool k
           off.grad_ready(t + i, {g, sizes[t + i], location::device});
           continue;
         }
-        auto& h = host_grads[i];  // (made on the host, sent up behind slow work on `made`)
+        auto& h = host_grads[t + i];  // (made on the host, sent up behind slow work on `made`)
         h.resize(sizes[t + i]);
         gradient_of<bf16, bf16>(v.tensor(i), t + i, s, 0, std::span<bf16>(h));
         if (s == inf_step && t + i == inf_tensor) { h[7] = bf16(std::numeric_limits<float>::infinity()); }
@@ -969,7 +967,7 @@ void check_device_parity(typename Opt::options const& o, unsigned window, bool k
         device::copy_async(g, h.data(), h.size() * sizeof(bf16), made);
         off.grad_ready(t + i, {g, sizes[t + i], location::device}, made);
       }
-      if (keep_grads) { device::copy(layer_grads, poison.data(), largest * sizeof(bf16)); }  // the trainer's next layer
+      if (keep_grads) { device::copy_async(layer_grads, poison.data(), largest * sizeof(bf16), made); }  // the next layer's
       w.release(l, {});
     }
     auto const f = off.finish_step();
@@ -980,6 +978,7 @@ void check_device_parity(typename Opt::options const& o, unsigned window, bool k
     if (s == inf_step) { CHECK(r.found_nonfinite == (o.on_nonfinite != nonfinite_policy::ignore)); }
     w.end_iteration();
   }
+  made.synchronize();  // (the last poisoning copy, before its buffer is freed)
   for (std::size_t t = 0; t < sizes.size(); ++t) {
     std::vector<bf16> a(sizes[t]), b(sizes[t]);
     device::copy(a.data(), ref_params[t], sizes[t] * sizeof(bf16));
@@ -1059,6 +1058,130 @@ TEST_CASE("offloaded params on the (emulated) device: device buffers, device gra
     n.max_grad_norm = 0.5;
     check_device_parity<Nvme>(n, 1, true, 3);
   }
+}
+
+TEST_CASE("offloaded params on the (emulated) device: a device gradient goes to its source behind grad_ready, which "
+          "waits for none of its copy, checks and write; a failure there is finish_step's, with nothing changed",
+          "[offload][optimizer][device]")
+{
+  using Opt = OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost, CudaOverlapped<2>>;
+  using W   = offloaded_params<bf16, test::memory_tier>;
+  std::mutex m;
+  std::condition_variable cv;
+  bool armed = false, hold = false, fail = false, timed_out = false;
+  int entered = 0;  // writes begun since armed
+  W::options wo;
+  wo.where                 = location::device;
+  wo.write_behind_bytes    = 0;  // (each gradient written before write_grad returns: on the keeper's thread)
+  wo.tier.before_write = [&] {
+    std::unique_lock lk(m);
+    if (!armed) { return; }
+    ++entered;
+    cv.notify_all();
+    timed_out = timed_out || !cv.wait_for(lk, std::chrono::seconds(5), [&] { return !hold; });
+    if (fail) { throw std::runtime_error("memory_tier: the gradient's write failed"); }
+  };
+  W w(wo);
+  auto const layer             = w.add_layer("l");
+  std::vector<std::size_t> const sizes = {5000, 3000};
+  typename Opt::options o;
+  o.chunk_elements = 2048;
+  o.max_grad_norm  = 0.5;
+  Opt opt({}, o), ref({}, o);
+  std::vector<bf16*> ref_params;
+  for (std::size_t t = 0; t < sizes.size(); ++t) { w.add_tensor(layer, tensor_name(t), sizes[t]); }
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    std::vector<bf16> init(sizes[t]);
+    for (std::size_t i = 0; i < sizes[t]; ++i) { init[i] = initial_param<bf16>(t, i); }
+    w.write(t, 0, init);
+    opt.add_tensor(w, t);
+    ref_params.push_back(static_cast<bf16*>(device::allocate_async(sizes[t] * sizeof(bf16), {})));
+    device::copy(ref_params[t], init.data(), sizes[t] * sizeof(bf16));
+    ref.add_tensor(tensor_name(t), ref_params[t], sizes[t], location::device);
+  }
+  w.flush();
+  device::stream made;  // the trainer's stream, and its one gradient buffer, reused
+  auto* const buffer = static_cast<bf16*>(device::allocate_async(8000 * sizeof(bf16), made));
+  std::vector<bf16> const poison(8000, bf16(std::numeric_limits<float>::quiet_NaN()));
+  std::vector<std::vector<bf16>> host(sizes.size()), ref_grads(sizes.size());
+  auto const backward = [&](int s) {  // each gradient made in the buffer on `made`, handed over, then the buffer poisoned
+    opt.begin_step();
+    for (std::size_t t = sizes.size(); t-- > 0;) {
+      host[t].resize(sizes[t]);
+      std::vector<bf16> p(sizes[t]);
+      w.read(t, 0, p);
+      gradient_of<bf16, bf16>(std::span<bf16 const>(p), t, s, 0, std::span<bf16>(host[t]));
+      ref_grads[t] = host[t];
+      device::copy_async(buffer, host[t].data(), sizes[t] * sizeof(bf16), made);
+      opt.grad_ready(t, {buffer, sizes[t], location::device}, made);
+      device::copy_async(buffer, poison.data(), sizes[t] * sizeof(bf16), made);
+    }
+  };
+  auto const reference_step = [&] {
+    std::vector<bf16*> d;
+    std::vector<grad_view<bf16>> views;
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      d.push_back(static_cast<bf16*>(device::allocate_async(sizes[t] * sizeof(bf16), {})));
+      device::copy(d[t], ref_grads[t].data(), sizes[t] * sizeof(bf16));
+      views.push_back({d[t], sizes[t], location::device});
+    }
+    auto const r = ref.step(views);
+    for (auto* p : d) { device::deallocate_async(p, {}); }
+    return r;
+  };
+  auto const same_as_reference = [&] {
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      std::vector<bf16> a(sizes[t]), b(sizes[t]);
+      device::copy(a.data(), ref_params[t], sizes[t] * sizeof(bf16));
+      w.read(t, 0, b);
+      REQUIRE(std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)) == 0);
+      std::vector<float> ma(sizes[t]), mb(sizes[t]);
+      ref.copy_state(tensor_name(t), slot::exp_avg_sq, ma);
+      opt.copy_state(tensor_name(t), slot::exp_avg_sq, mb);
+      REQUIRE(std::memcmp(ma.data(), mb.data(), ma.size() * sizeof(float)) == 0);
+    }
+  };
+  {
+    std::lock_guard lk(m);
+    armed = hold = true;
+  }
+  backward(0);  // returns while the first gradient's write is held
+  {
+    std::unique_lock lk(m);
+    CHECK(cv.wait_for(lk, std::chrono::seconds(5), [&] { return entered == 1; }));
+    CHECK(hold);
+    hold  = false;
+    armed = false;
+  }
+  cv.notify_all();
+  auto const r0 = opt.finish_step();
+  CHECK(!timed_out);  // (grad_ready writing before it returns would have waited the 5 s out)
+  CHECK(r0.grad_norm == reference_step().grad_norm);
+  same_as_reference();
+  // A write that fails behind: finish_step's error; the checks wait for every gradient, so
+  // nothing changed, and the step can be taken again.
+  {
+    std::lock_guard lk(m);
+    armed = fail = true;
+  }
+  backward(1);
+  CHECK_THROWS_WITH(opt.finish_step(), Catch::Contains("the gradient's write failed"));
+  CHECK(!opt.state_lost());
+  CHECK(opt.step_count() == 1);
+  same_as_reference();
+  {
+    std::lock_guard lk(m);
+    armed = fail = false;
+  }
+  backward(1);
+  auto const r1 = opt.finish_step();
+  CHECK(r1.grad_norm == reference_step().grad_norm);
+  CHECK(opt.step_count() == 2);
+  same_as_reference();
+  device::deallocate_async(buffer, made);
+  made.synchronize();
+  for (auto* p : ref_params) { device::deallocate_async(p, {}); }
+  device::stream_view{}.synchronize();
 }
 
 TEST_CASE("offloaded params: writes behind are bounded, read back in order, and a failure is flush()'s", "[offload]")

@@ -41,6 +41,7 @@
 #include <tierstate/state/store.hpp>
 #include <tierstate/step/checks.hpp>
 #include <tierstate/step/delayed_update.hpp>
+#include <tierstate/step/grad_keeper.hpp>
 #include <tierstate/step/streaming_gate.hpp>
 #include <tierstate/step/tensor_phase.hpp>
 #include <tierstate/tiers/device.hpp>
@@ -96,9 +97,8 @@ class OffloadedOptimizer {
                 "rule, in the order of the rule's `slots`; their numbers differ.");
 
  public:
-  /// The composition's route and what it needs (transfer/routes/route.hpp): the one place
-  /// that looks at the tier's kind, the compute and the transfer's traits, and refuses a
-  /// combination that has no route.
+  /// The composition's route and what it needs (transfer/routes/route.hpp): the one place that
+  /// looks at the tier's kind, the compute and the transfer's traits, and refuses what has none.
   using placement = routes::placement<StateTier, Compute, Transfer>;
 
   using precision_type  = Precision;
@@ -109,8 +109,7 @@ class OffloadedOptimizer {
   using state_type      = typename Precision::state_type;
   using hyperparameters = typename rule_type::hyperparameters;
   using compute_type    = Compute;
-  /// The xsimd architecture of the host work (OnHost's Arch).
-  using arch            = typename detail::compute_arch<Compute>::type;
+  using arch            = typename detail::compute_arch<Compute>::type;  ///< the host work's xsimd arch (OnHost's)
   /// The largest codec block of the rule's slots (1 with element codecs only): tensors start,
   /// and the host threads' parts of a chunk begin, on multiples of it.
   static constexpr std::size_t state_block =
@@ -127,8 +126,7 @@ class OffloadedOptimizer {
   /// that moves them (CudaOverlapped, or one of yours with params_on_device = true).
   static constexpr bool takes_device_params = placement::device_params;
 
-  /// See optimizer_options.hpp.
-  using options = optimizer_options<typename StateTier::options>;
+  using options = optimizer_options<typename StateTier::options>;  ///< see optimizer_options.hpp
 
   /// Group 0 holds every tensor not placed in another group, with `defaults`.
   explicit OffloadedOptimizer(hyperparameters const& defaults = {}, options const& opts = {});
@@ -198,9 +196,9 @@ class OffloadedOptimizer {
   /// step()'s with the same gradients, bit for bit.
   void begin_step(double grad_scale = 1.0, unsigned micro_batches = 1);
   /// Thread-safe. `g` must stay valid and unchanged until finish_step returns, except a final
-  /// gradient where keeps_gradient(t): handed to its source (write_grad; from the device, copied
-  /// down on `ready` first) and looked at for the checks before this returns, it may be reused at
-  /// once. A device gradient is read after the work queued on `ready` so far (default: legacy stream).
+  /// gradient where keeps_gradient(t), which goes to its source: a host one before this returns
+  /// (reuse it at once), a device one behind (reuse it in work queued on `ready` next; a failure
+  /// is finish_step's). Device gradients are read after the work on `ready` so far (default: legacy stream).
   void grad_ready(tensor_id t, grad_view<grad_type> g, device::stream_view ready = {});
   /// Whether t's params rest in a source that keeps_grads(), under OnHost compute (host or device
   /// gradients), with one type for gradients and params.
@@ -382,8 +380,10 @@ class OffloadedOptimizer {
 
   /// The delayed update (step/delayed_update.hpp); the destructor waits for its worker first.
   detail::delayed_update<grad_type, param_type, coefficients_type, placement::device_params> delayed_;
-  /// The streaming gate (step/streaming_gate.hpp), declared last: its driver stops first.
+  /// The streaming gate (step/streaming_gate.hpp), and the keeper of device gradients kept in
+  /// sources (step/grad_keeper.hpp), declared last: it hands on what it holds, then the driver stops.
   detail::streaming_gate<grad_type, coefficients_type, placement::device_params> streaming_;
+  [[no_unique_address]] detail::grad_keeper_if<grad_type, keeps_grads_in_sources && placement::device_params> keeper_;
 };
 
 }  // namespace tierstate

@@ -84,6 +84,8 @@ class streaming_gate {
     stashed_.assign(T, 0);
     sums_.assign(T, {});
     kept_found_ = false;
+    keep_error_ = nullptr;
+    keeping_    = 0;
     finishing_  = false;
     arrivals_.assign(T, 0);
     final_.assign(T, 0);
@@ -124,7 +126,9 @@ class streaming_gate {
   /// micro_batches-th call). `who` names it in a refusal. With `stash`, a final gradient is
   /// handed to keep(g), outside the lock, which keeps it elsewhere (the tensor's param_source)
   /// and returns what the checks need of it (its non-finite look and its norm's block sums):
-  /// the gate then holds no pointer to it. A keep that throws hands nothing over.
+  /// the gate then holds no pointer to it. A keep that throws hands nothing over. A keep that
+  /// returns nullopt keeps it behind, on another thread, which then calls kept_behind(t, ...)
+  /// or keep_failed(t, ...): the tensor is final then, and finish() waits for it.
   template <class Keep>
   void hand_over(std::size_t t, grad_view<Grad> g, std::string const& who, device::stream_view ready, bool stash,
                  Keep&& keep)
@@ -133,35 +137,38 @@ class streaming_gate {
       std::unique_lock lock(m_);
       if (!open_) { throw logic_error("grad_ready: no streaming step is in progress (call begin_step)"); }
       if (lay_->tensors()[t].count == 0) { return; }  // nothing to update: final from the start
-      if (final_[t] != 0) {
+      if (final_[t] != 0) {  // (3, kept behind: handed over, counted in arrivals_)
         throw logic_error(who + (final_[t] == 2 ? " is being handed over by another thread"
                                                 : " was already handed over " + std::to_string(arrivals_[t]) +
                                                     " time(s), and micro_batches is " + std::to_string(micro_batches_)));
       }
       if (stash && arrivals_[t] + 1 == micro_batches_) {
         final_[t] = 2;  // (being kept: a second hand-over is refused meanwhile)
+        ++keeping_;
         lock.unlock();
-        kept k;
+        std::optional<kept> k;
         try {
           k = keep(g);
         } catch (...) {
           lock.lock();
           final_[t] = 0;
+          --keeping_;
           if (finishing_) {  // finish_step ran meanwhile: no gradient, as for any not handed over
             views_[t] = grad_view<Grad>{};
             mark_final(t);
-            cv_.notify_all();
           }
+          cv_.notify_all();
           throw;
         }
         lock.lock();
-        final_[t]   = 0;
-        views_[t]   = grad_view<Grad>{nullptr, g.size, location::host};
-        stashed_[t] = 1;
-        kept_found_ = kept_found_ || k.nonfinite;
-        sums_[t]    = std::move(k.sums);
+        if (!k) {  // kept behind: final once kept_behind or keep_failed says so
+          if (final_[t] == 2) { final_[t] = 3; }  // (unless that happened already)
+          ++arrivals_[t];
+          return;
+        }
+        --keeping_;
+        stash_kept(t, g.size, std::move(*k));
         ++arrivals_[t];
-        mark_final(t);
       } else {
         views_[t] = g;
         if constexpr (DeviceEvents) {
@@ -181,6 +188,30 @@ class streaming_gate {
     bool nonfinite = false;    ///< an inf or a NaN (when the step looks for them)
     std::vector<double> sums;  ///< its norm's block sums (when the step clips)
   };
+  /// From the thread a keep went on to: tensor t's gradient, of n elements, is kept, and `k`
+  /// is what the checks need of it.
+  void kept_behind(std::size_t t, std::size_t n, kept k)
+  {
+    {
+      std::lock_guard lock(m_);
+      --keeping_;
+      stash_kept(t, n, std::move(k));
+    }
+    cv_.notify_all();
+  }
+  /// ...or it could not be kept: the step fails with `failure` (before it changes anything,
+  /// where the checks wait for every gradient; else at the next chunk it reaches).
+  void keep_failed(std::size_t t, std::exception_ptr failure)
+  {
+    {
+      std::lock_guard lock(m_);
+      --keeping_;
+      if (!keep_error_) { keep_error_ = std::move(failure); }
+      views_[t] = grad_view<Grad>{};
+      mark_final(t);
+    }
+    cv_.notify_all();
+  }
   /// Whether tensor t's gradient was kept elsewhere (its view then has no data), in this step.
   [[nodiscard]] bool stashed(std::size_t t) const noexcept { return open_ && stashed_[t] != 0; }
   /// Whether any kept gradient held an inf or a NaN.
@@ -227,6 +258,7 @@ class streaming_gate {
         looking += seconds_since(l0);
         lock.lock();
       }
+      if (keep_error_) { std::rethrow_exception(keep_error_); }  // (checks not run: the step can be taken again)
       checked_ = true;
       lock.unlock();
       stats.grad_wait_seconds += seconds_since(t0) - looking;
@@ -242,6 +274,7 @@ class streaming_gate {
     }
     cv_.wait(lock, [&] { return abandoned_ || ready_[k] != 0; });
     if (abandoned_) { throw logic_error("the optimizer was destroyed during a streaming step"); }
+    if (keep_error_) { std::rethrow_exception(keep_error_); }
     lock.unlock();
     stats.grad_wait_seconds += seconds_since(t0);
     if constexpr (DeviceEvents) {  // the device work that made these gradients comes first
@@ -272,15 +305,16 @@ class streaming_gate {
   step_result finish()
   {
     {
-      std::lock_guard lock(m_);
+      std::unique_lock lock(m_);
       finishing_ = true;  // (a gradient being kept now becomes final when its keep ends)
       for (std::size_t t = 0; t < views_.size(); ++t) {
         if (final_[t] != 0) { continue; }
         views_[t] = grad_view<Grad>{};
         mark_final(t);
       }
+      cv_.notify_all();
+      cv_.wait(lock, [&] { return keeping_ == 0; });  // (the driver may have left early: no keep outlives the step)
     }
-    cv_.notify_all();
     driver_.join();
     {
       std::lock_guard lock(m_);
@@ -294,6 +328,15 @@ class streaming_gate {
   }
 
  private:
+  /// Tensor t's gradient (n elements) was kept elsewhere and is final. Under m_.
+  void stash_kept(std::size_t t, std::size_t n, kept&& k)
+  {
+    views_[t]   = grad_view<Grad>{nullptr, n, location::host};
+    stashed_[t] = 1;
+    kept_found_ = kept_found_ || k.nonfinite;
+    sums_[t]    = std::move(k.sums);
+    mark_final(t);
+  }
   /// Tensor t's gradient is final (or absent): its chunks may become ready. Under m_.
   void mark_final(std::size_t t)
   {
@@ -326,9 +369,11 @@ class streaming_gate {
   std::vector<char> stashed_;           ///< per tensor: its gradient was kept elsewhere
   std::vector<std::vector<double>> sums_;  ///< per tensor: a kept gradient's norm block sums
   bool kept_found_ = false;             ///< a kept gradient held an inf or a NaN
+  std::size_t keeping_ = 0;             ///< keeps not ended (on a grad_ready's thread, or behind)
+  std::exception_ptr keep_error_;       ///< the first keep behind that failed: the step's error
   bool finishing_  = false;             ///< finish() has marked what was not handed over
   std::vector<unsigned> arrivals_;      ///< per tensor: grad_ready calls so far
-  std::vector<char> final_;             ///< per tensor: gradient final (or absent); 2: being kept
+  std::vector<char> final_;             ///< per tensor: gradient final (or absent); 2: being kept; 3: kept behind
   std::size_t finals_ = 0;
   std::vector<std::size_t> finished_;   ///< tensors in the order they became final
   std::vector<std::size_t> pending_;     ///< per chunk: its tensors not yet final

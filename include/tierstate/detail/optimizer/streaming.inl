@@ -77,6 +77,11 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::begin_st
   // The checks, and a rule's tensor phase, need every gradient before the first update.
   bool const checks = opts_.on_nonfinite != nonfinite_policy::ignore || opts_.max_grad_norm > 0.0 ||
                       has_tensor_phase<rule_type>;
+  if constexpr (keeps_grads_in_sources && placement::device_params) {  // the keeper's ring: two of the largest
+    std::size_t largest = 0;
+    for (std::size_t t = 0; t < tensors_.size(); ++t) { largest = std::max(largest, keeps_gradient(t) ? tensors_[t].count : 0); }
+    keeper_.size_for(largest);
+  }
   streaming_.begin(store_.layout(), std::move(pending), checks, micro_batches, grad_scale, std::move(coefficients),
                    [this] { drive_streaming_step(); });
 }
@@ -95,26 +100,32 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::grad_rea
   // for what the checks need: the trainer's memory (host or device) is free once this returns.
   bool const stash = g.data != nullptr && keeps_gradient(t);
   using kept = typename decltype(streaming_)::kept;
-  streaming_.hand_over(t, g, who, ready, stash, [&](grad_view<grad_type> const& v) {
-    kept k;
+  streaming_.hand_over(t, g, who, ready, stash, [&](grad_view<grad_type> const& v) -> std::optional<kept> {
     if constexpr (keeps_grads_in_sources) {
-      grad_type const* data = v.data;
-      std::vector<grad_type> down;  // a device gradient, copied down on `ready`, after the work that made it
+      auto keep = [this, t](std::span<grad_type const> h) {  // looked at for the checks, then to the source
+        kept k;
+        if (opts_.on_nonfinite != nonfinite_policy::ignore) { k.nonfinite = host::any_nonfinite(h.data(), h.size()); }
+        if (opts_.max_grad_norm > 0.0) { k.sums = checks::block_sums(h.data(), h.size()); }
+        tensors_[t].source->write_grad(tensors_[t].source_tensor, h);
+        return k;
+      };
       if constexpr (placement::device_params) {
-        if (v.where == location::device) {
-          down.resize(v.size);
-          device::event copied;
-          device::copy_async(down.data(), v.data, v.size * sizeof(grad_type), ready);
-          copied.record(ready);
-          copied.synchronize();  // (only this copy and the work before it on `ready`)
-          data = down.data();
+        if (v.where == location::device) {  // copied down on `ready` and kept behind (step/grad_keeper.hpp)
+          keeper_.submit(v.data, v.size, ready, [this, t, n = v.size, keep](std::span<grad_type const> h, std::exception_ptr failed) {
+            try {
+              if (failed) { std::rethrow_exception(failed); }
+              streaming_.kept_behind(t, n, keep(h));
+            } catch (...) {
+              streaming_.keep_failed(t, std::current_exception());
+            }
+          });
+          return std::nullopt;
         }
       }
-      if (opts_.on_nonfinite != nonfinite_policy::ignore) { k.nonfinite = host::any_nonfinite(data, v.size); }
-      if (opts_.max_grad_norm > 0.0) { k.sums = checks::block_sums(data, v.size); }
-      e.source->write_grad(e.source_tensor, std::span<param_type const>(data, v.size));
+      return keep({v.data, v.size});
+    } else {
+      return kept{};
     }
-    return k;
   });
 }
 
