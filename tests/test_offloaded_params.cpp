@@ -1009,6 +1009,7 @@ void check_device_parity(typename Opt::options const& o, unsigned window, bool k
   std::size_t resident = 0;
   for (auto const n : sizes) { resident += n < 64 ? 64 * sizeof(bf16) : 0; }
   CHECK(resident == 6 * 64 * sizeof(bf16));
+  CHECK(w.resident_bytes() == (keep_grads ? 2 : 1) * resident);  // (the values, and the kept gradients; no host copy for views)
   CHECK(counted.allocations == window + 2);
   CHECK(counted.peak == (window + 1) * w.buffer_bytes() + resident);
   CHECK(w.buffer_bytes() == 15 * 4096);

@@ -257,12 +257,12 @@ class offloaded_params final : public param_source<Param> {
   /// One buffer's bytes (the largest layer's tier bytes), and how many there are.
   [[nodiscard]] std::size_t buffer_bytes() const noexcept { return buffer_bytes_; }
   [[nodiscard]] std::size_t buffer_count() const noexcept { return opts_.window + 1; }
-  /// The tier's bytes, and the host memory of the resident tensors (the values, what a held
-  /// view shows, and with keep_grads their gradients). Set when the tier is made.
+  /// The tier's bytes, and the host memory of the resident tensors (the values, with host
+  /// buffers what a held view shows, and with keep_grads their gradients). Set when made.
   [[nodiscard]] std::size_t tier_bytes() const noexcept { return tier_bytes_; }
   [[nodiscard]] std::size_t resident_bytes() const noexcept
   {
-    return (2 * resident_count_ + resident_grads_.size()) * sizeof(Param);
+    return (resident_.size() + resident_grads_.size()) * sizeof(Param);
   }
   /// The order the next acquires are expected in (layer ids).
   [[nodiscard]] std::vector<layer_id> expected_order() const;
@@ -372,7 +372,7 @@ class offloaded_params final : public param_source<Param> {
   std::vector<buffer> buffers_;
   std::optional<device::stream> stream_;  ///< device buffers: the copies up
   std::unique_ptr<PinnedHost> staging_;    ///< device buffers, a tier not in host memory: one layer
-  std::vector<Param> resident_;  ///< resident tensors' values, then the copies held views show
+  std::vector<Param> resident_;  ///< resident tensors' values, then (host buffers) the copies held views show
   Param* resident_device_ = nullptr;  ///< device buffers: the copies held views show, device memory
   std::mutex grad_mu_;                  ///< one call at a time into grad_tier_
   std::mutex grad_make_mu_;             ///< making it

@@ -43,7 +43,8 @@ void offloaded_params<Param, Tier>::make_locked()
   std::thread io;
   try {
     for (auto& b : buffers) { b.data = static_cast<std::byte*>(resource_->allocate(buffer_bytes, tier_alignment)); }
-    resident.assign(2 * resident_count, Param{});  // the values, then what held views show
+    // The values, then what held views show (with device buffers, device copies instead).
+    resident.assign((opts_.where == location::device ? 1 : 2) * resident_count, Param{});
     if (opts_.where == location::device && (!buffers.empty() || resident_count > 0)) {
       if (!stream_) { stream_.emplace(); }
       for (auto& b : buffers) { b.released = std::make_unique<device::event>(); }
