@@ -1146,9 +1146,24 @@ TEST_CASE("offloaded params on the (emulated) device: a device gradient goes to 
     std::lock_guard lk(m);
     armed = hold = true;
   }
-  backward(0);  // returns while the first gradient's write is held
+  // The trainer's stream held first (the emulated device's: a task that waits), so that
+  // neither the gradients' copies up nor their copies down have run when backward returns.
+  bool stream_held = true, stream_timed_out = false;
+#if !defined(TIERSTATE_ENABLE_CUDA)
+  made.native()->enqueue([&] {
+    std::unique_lock lk(m);
+    stream_timed_out = !cv.wait_for(lk, std::chrono::seconds(5), [&] { return !stream_held; });
+  });
+#endif
+  backward(0);  // returns while the stream is held
   {
     std::unique_lock lk(m);
+    CHECK(entered == 0);  // (no copy down yet, so nothing looked at or written)
+    stream_held = false;
+  }
+  cv.notify_all();
+  {
+    std::unique_lock lk(m);  // now the first gradient's write begins, and is held
     CHECK(cv.wait_for(lk, std::chrono::seconds(5), [&] { return entered == 1; }));
     CHECK(hold);
     hold  = false;
@@ -1156,7 +1171,8 @@ TEST_CASE("offloaded params on the (emulated) device: a device gradient goes to 
   }
   cv.notify_all();
   auto const r0 = opt.finish_step();
-  CHECK(!timed_out);  // (grad_ready writing before it returns would have waited the 5 s out)
+  CHECK(!stream_timed_out);  // (grad_ready waiting for its copy down would have waited the 5 s out)
+  CHECK(!timed_out);         // (...or writing before it returns)
   CHECK(r0.grad_norm == reference_step().grad_norm);
   same_as_reference();
   // A write that fails behind: finish_step's error; the checks wait for every gradient, so
@@ -1183,6 +1199,74 @@ TEST_CASE("offloaded params on the (emulated) device: a device gradient goes to 
   made.synchronize();
   for (auto* p : ref_params) { device::deallocate_async(p, {}); }
   device::stream_view{}.synchronize();
+}
+
+TEST_CASE("grad_keeper: its ring is used in order and wraps, a submit waits for room, a gradient over its size "
+          "is refused, and it grows between uses",
+          "[offload][device]")
+{
+  detail::grad_keeper<float> k;
+  std::mutex m;
+  std::condition_variable cv;
+  bool hold_first = true;
+  std::vector<float> seen_first;          // each job's first element, in the order handed on
+  int bad = 0;                            // jobs whose copy was not their source's
+  auto* const src = static_cast<float*>(device::allocate_async(1000 * sizeof(float), {}));
+  auto fill = [&](float v, std::size_t n) {  // (stream_view{}: copies at once, on this thread)
+    std::vector<float> h(n, v);
+    device::copy(src, h.data(), n * sizeof(float));
+  };
+  auto then = [&](float v, bool first) {
+    return [&, v, first](std::span<float const> h, std::exception_ptr failed) {
+      std::unique_lock lk(m);
+      if (first) { cv.wait(lk, [&] { return !hold_first; }); }
+      bad += failed != nullptr || std::any_of(h.begin(), h.end(), [&](float x) { return x != v; }) ? 1 : 0;
+      seen_first.push_back(h.empty() ? -1.0f : h[0]);
+      cv.notify_all();
+    };
+  };
+  k.size_for(1000);  // a ring of 2 x 4096 bytes
+  CHECK(k.ring_bytes() == 0);
+  CHECK_THROWS_WITH(k.submit(src, 1001, {}, then(0, false)), Catch::Contains("more than the 1000"));
+  for (int j = 0; j < 3; ++j) {  // 600 floats (2560 bytes) each: at 0, 2560 and 5120, the first held
+    fill(static_cast<float>(j + 1), 600);
+    k.submit(src, 600, {}, then(static_cast<float>(j + 1), j == 0));
+  }
+  CHECK(k.ring_bytes() == 8192);
+  std::atomic<bool> fourth_in{false};
+  std::thread fourth([&] {  // no room after 7680, none before the first's end: waits for it
+    fill(4, 600);
+    k.submit(src, 600, {}, then(4, false));
+    fourth_in = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  CHECK(!fourth_in);
+  {
+    std::lock_guard lk(m);
+    hold_first = false;
+  }
+  cv.notify_all();
+  fourth.join();  // (at 0 now: the ring wrapped)
+  fill(5, 1000);
+  k.submit(src, 1000, {}, then(5, false));  // (waits for the second and third)
+  {
+    std::unique_lock lk(m);
+    cv.wait(lk, [&] { return seen_first.size() == 5; });
+  }
+  k.size_for(3000);  // grows at the next submit, nothing being queued
+  auto* const big = static_cast<float*>(device::allocate_async(3000 * sizeof(float), {}));
+  std::vector<float> h(3000, 6.0f);
+  device::copy(big, h.data(), h.size() * sizeof(float));
+  k.submit(big, 3000, {}, then(6, false));
+  CHECK(k.ring_bytes() == 2 * 12032);
+  {
+    std::unique_lock lk(m);
+    cv.wait(lk, [&] { return seen_first.size() == 6; });
+  }
+  CHECK(bad == 0);
+  CHECK(seen_first == std::vector<float>{1, 2, 3, 4, 5, 6});  // in the order submitted
+  device::deallocate_async(src, {});
+  device::deallocate_async(big, {});
 }
 
 TEST_CASE("offloaded params: writes behind are bounded, read back in order, and a failure is flush()'s", "[offload]")

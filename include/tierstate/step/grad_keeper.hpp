@@ -56,7 +56,8 @@ class grad_keeper {
   void size_for(std::size_t elements)
   {
     std::lock_guard lock(m_);
-    wanted_ = 2 * rounded(elements * sizeof(Grad));
+    largest_ = elements;
+    wanted_  = 2 * rounded(elements * sizeof(Grad));
   }
   /// The ring's bytes (0 before the first submit).
   [[nodiscard]] std::size_t ring_bytes() const
@@ -73,9 +74,9 @@ class grad_keeper {
   {
     std::size_t const bytes = rounded(n * sizeof(Grad));
     std::unique_lock lock(m_);
-    if (2 * bytes > wanted_) {
+    if (n > largest_) {
       throw logic_error("grad_keeper: a gradient of " + std::to_string(n) + " elements, more than the " +
-                        std::to_string(wanted_ / 2 / sizeof(Grad)) + " it was sized for");
+                        std::to_string(largest_) + " it was sized for");
     }
     cv_.wait(lock, [&] { return jobs_.empty() || (ring_->size() >= wanted_ && place(bytes).has_value()); });
     if (!ring_ || ring_->size() < wanted_) {  // (nothing queued: it may be replaced)
@@ -90,11 +91,19 @@ class grad_keeper {
       copied = std::move(spare_.back());
       spare_.pop_back();
     }
+    bool queued = false;
     try {
-      device::copy_async(ring_->data() + at, from, n * sizeof(Grad), ready);
-      copied->record(ready);
       if (!thread_.joinable()) { thread_ = std::thread([this] { loop(); }); }
+      device::copy_async(ring_->data() + at, from, n * sizeof(Grad), ready);
+      queued = true;
+      copied->record(ready);
     } catch (...) {
+      if (queued) {  // (a copy no event marks: done before its bytes may be given to another)
+        try {
+          ready.synchronize();
+        } catch (...) {
+        }
+      }
       spare_.push_back(std::move(copied));
       throw;
     }
@@ -156,7 +165,8 @@ class grad_keeper {
 
   mutable std::mutex m_;
   std::condition_variable cv_;
-  std::size_t wanted_ = 0;  ///< the ring's bytes, from size_for
+  std::size_t largest_ = 0;  ///< elements, from size_for
+  std::size_t wanted_  = 0;  ///< the ring's bytes, from size_for
   std::unique_ptr<PinnedHost> ring_;
   std::deque<job> jobs_;  ///< queued, in order; the first is being handed on
   std::vector<std::unique_ptr<device::event>> spare_;  ///< events of jobs done, for reuse

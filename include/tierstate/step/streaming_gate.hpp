@@ -91,6 +91,7 @@ class streaming_gate {
     final_.assign(T, 0);
     finals_  = 0;
     finished_.clear();
+    finished_.reserve(T);  // (mark_final allocates nothing: a keep behind's ending cannot fail)
     pending_ = std::move(pending);
     ready_.assign(n, 0);
     arrival_.clear();
@@ -144,7 +145,8 @@ class streaming_gate {
       }
       if (stash && arrivals_[t] + 1 == micro_batches_) {
         final_[t] = 2;  // (being kept: a second hand-over is refused meanwhile)
-        ++keeping_;
+        ++arrivals_[t];
+        keeping_ += 2;  // this call's share, and a keep behind's (kept_behind or keep_failed gives it back)
         lock.unlock();
         std::optional<kept> k;
         try {
@@ -152,7 +154,8 @@ class streaming_gate {
         } catch (...) {
           lock.lock();
           final_[t] = 0;
-          --keeping_;
+          --arrivals_[t];
+          keeping_ -= 2;
           if (finishing_) {  // finish_step ran meanwhile: no gradient, as for any not handed over
             views_[t] = grad_view<Grad>{};
             mark_final(t);
@@ -163,12 +166,12 @@ class streaming_gate {
         lock.lock();
         if (!k) {  // kept behind: final once kept_behind or keep_failed says so
           if (final_[t] == 2) { final_[t] = 3; }  // (unless that happened already)
-          ++arrivals_[t];
+          --keeping_;  // (finish() waits for this too: nothing here outlives the step)
+          cv_.notify_all();  // (under the lock: once it is released, finish() may return and the gate go)
           return;
         }
-        --keeping_;
+        keeping_ -= 2;
         stash_kept(t, g.size, std::move(*k));
-        ++arrivals_[t];
       } else {
         views_[t] = g;
         if constexpr (DeviceEvents) {
@@ -179,8 +182,8 @@ class streaming_gate {
         }
         if (++arrivals_[t] == micro_batches_) { mark_final(t); }
       }
+      cv_.notify_all();
     }
-    cv_.notify_all();
   }
 
   /// What keep() found in a gradient it kept.
@@ -189,27 +192,23 @@ class streaming_gate {
     std::vector<double> sums;  ///< its norm's block sums (when the step clips)
   };
   /// From the thread a keep went on to: tensor t's gradient, of n elements, is kept, and `k`
-  /// is what the checks need of it.
-  void kept_behind(std::size_t t, std::size_t n, kept k)
+  /// is what the checks need of it. (Nothing here allocates: begin() reserved it.)
+  void kept_behind(std::size_t t, std::size_t n, kept k) noexcept
   {
-    {
-      std::lock_guard lock(m_);
-      --keeping_;
-      stash_kept(t, n, std::move(k));
-    }
-    cv_.notify_all();
+    std::lock_guard lock(m_);
+    --keeping_;
+    stash_kept(t, n, std::move(k));
+    cv_.notify_all();  // (under the lock, as in hand_over)
   }
   /// ...or it could not be kept: the step fails with `failure` (before it changes anything,
   /// where the checks wait for every gradient; else at the next chunk it reaches).
-  void keep_failed(std::size_t t, std::exception_ptr failure)
+  void keep_failed(std::size_t t, std::exception_ptr failure) noexcept
   {
-    {
-      std::lock_guard lock(m_);
-      --keeping_;
-      if (!keep_error_) { keep_error_ = std::move(failure); }
-      views_[t] = grad_view<Grad>{};
-      mark_final(t);
-    }
+    std::lock_guard lock(m_);
+    --keeping_;
+    if (!keep_error_) { keep_error_ = std::move(failure); }
+    views_[t] = grad_view<Grad>{};
+    mark_final(t);
     cv_.notify_all();
   }
   /// Whether tensor t's gradient was kept elsewhere (its view then has no data), in this step.
@@ -329,7 +328,7 @@ class streaming_gate {
 
  private:
   /// Tensor t's gradient (n elements) was kept elsewhere and is final. Under m_.
-  void stash_kept(std::size_t t, std::size_t n, kept&& k)
+  void stash_kept(std::size_t t, std::size_t n, kept&& k) noexcept
   {
     views_[t]   = grad_view<Grad>{nullptr, n, location::host};
     stashed_[t] = 1;
@@ -338,7 +337,7 @@ class streaming_gate {
     mark_final(t);
   }
   /// Tensor t's gradient is final (or absent): its chunks may become ready. Under m_.
-  void mark_final(std::size_t t)
+  void mark_final(std::size_t t) noexcept
   {
     final_[t] = 1;
     ++finals_;
