@@ -521,18 +521,26 @@ struct references {
   ds_io_result ds_io;
 };
 
-template <unsigned Depth, class P = Bf16Mixed>
-void run_config(options const& o, std::string const& dir, std::vector<bf16>& params, std::vector<bf16> const& grads,
-                bool is_default, references& refs)
+/// The optimizer's options from the command line's, its state in `dir`.
+template <class Opt>
+typename Opt::options options_for(options const& o, std::string const& dir)
 {
-  using Opt = OffloadedOptimizer<AdamW, P, NvmeFile, Pipelined<Depth>>;
-  reset_peak_rss();
   typename Opt::options opt_options;
   opt_options.threads        = o.threads;
   opt_options.tier.directory = dir;
   if (o.block_size != 0) { opt_options.tier.io.block_size = o.block_size; }
   if (o.queue_depth != 0) { opt_options.tier.io.queue_depth = o.queue_depth; }
   opt_options.chunk_elements = o.chunk_elements;
+  return opt_options;
+}
+
+template <unsigned Depth, class P = Bf16Mixed>
+void run_config(options const& o, std::string const& dir, std::vector<bf16>& params, std::vector<bf16> const& grads,
+                bool is_default, references& refs)
+{
+  using Opt = OffloadedOptimizer<AdamW, P, NvmeFile, Pipelined<Depth>>;
+  reset_peak_rss();
+  auto const opt_options = options_for<Opt>(o, dir);
   is_default = is_default && o.block_size == 0 && o.queue_depth == 0 && o.chunk_elements == 0;
   typename Opt::hyperparameters h;
   h.lr = 1e-4;
@@ -708,16 +716,10 @@ contender make_contender(options const& o, std::string const& dir, std::vector<b
                          std::vector<bf16> const& grads, std::vector<std::shared_ptr<void>>& keep)
 {
   using Opt = OffloadedOptimizer<AdamW, P, NvmeFile, Pipelined<2>>;
-  typename Opt::options opt_options;
-  opt_options.threads        = o.threads;
-  opt_options.tier.directory = dir;
-  if (o.block_size != 0) { opt_options.tier.io.block_size = o.block_size; }
-  if (o.queue_depth != 0) { opt_options.tier.io.queue_depth = o.queue_depth; }
-  opt_options.chunk_elements = o.chunk_elements;
   typename Opt::hyperparameters h;
   h.lr        = 1e-4;
   auto params = std::make_shared<std::vector<bf16>>(init);
-  auto opt    = std::make_shared<Opt>(h, opt_options);
+  auto opt    = std::make_shared<Opt>(h, options_for<Opt>(o, dir));
   opt->add_tensor("w", params->data(), params->size());
   std::vector<grad_view<bf16>> const views = {{grads.data(), grads.size()}};
   opt->step(views);  // warm-up; also builds and reserves the state
