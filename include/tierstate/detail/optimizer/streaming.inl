@@ -97,7 +97,8 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::grad_rea
   auto const who = "grad_ready: the gradient of tensor " + std::to_string(t) + " ('" + e.name + "')";
   checks::check_view(who, g, e);
   // An offloaded tensor's final gradient goes to its source (ZeRO-3's order), looked at first
-  // for what the checks need: the trainer's memory (host or device) is free once this returns.
+  // for what the checks need: the trainer's memory is free once this returns (host), or for
+  // the work queued on `ready` next (device: copied down and kept behind, by the keeper).
   bool const stash = g.data != nullptr && keeps_gradient(t);
   using kept = typename decltype(streaming_)::kept;
   streaming_.hand_over(t, g, who, ready, stash, [&](grad_view<grad_type> const& v) -> std::optional<kept> {
