@@ -644,7 +644,12 @@ TEST_CASE("offloaded params with the optimizer: compositions that cannot take th
   CHECK(delayed.tensor_count() == 0);
   Opt fine;
   CHECK(fine.add_tensor(w, t) == 0);
-  CHECK_THROWS_WITH(fine.add_tensor(w, t), Catch::Contains("already registered"));
+  CHECK_THROWS_WITH(fine.add_tensor(w, t), Catch::Contains("registered already, as 'w'"));
+  CHECK_THROWS_WITH(fine.add_tensor(w, t, "again"), Catch::Contains("registered already, as 'w'"));
+  Opt named;  // (one source, an optimizer's own names: tierstate_torch's "p0", "p1", ...)
+  CHECK(named.add_tensor(w, t, "p0") == 0);
+  CHECK(named.step_count("p0") == 0);
+  CHECK_THROWS_AS(named.step_count("w"), tierstate::logic_error);  // (the source's name is not the optimizer's)
   CHECK_THROWS_AS(fine.add_tensor(w, 7), tierstate::logic_error);
   OffloadedOptimizer<Adafactor, Bf16Mixed, PinnedHost> factored;
   CHECK_THROWS_WITH(factored.add_tensor(w, t), Catch::Contains("tensor phase"));

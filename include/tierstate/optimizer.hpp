@@ -147,11 +147,11 @@ class OffloadedOptimizer {
   /// is one row. Refused (logic_error) where rows x columns overflows.
   tensor_id add_tensor(std::string name, param_type* param, tensor_shape shape,
                        location where = location::host);
-  /// Registers tensor `id` of `source` (offloaded_params: weights in a tier) by name and size: the
-  /// master comes from it, each update reads and writes params through it (and, in a streaming
+  /// Registers tensor `id` of `source` (offloaded_params: weights in a tier) by its size and name
+  /// (or `name`, when not empty: one source, several optimizers' names): the master comes from it, each update reads and writes params through it (and, in a streaming
   /// step, the gradient grad_ready gave it where it keeps_grads(): see begin_step). OnHost compute
   /// only, without delayed_update or a tensor phase (else logic_error); `source` must outlive it.
-  tensor_id add_tensor(param_source<param_type>& source, std::size_t id);
+  tensor_id add_tensor(param_source<param_type>& source, std::size_t id, std::string name = {});
 
   /// A parameter group: moves the named tensors (from group 0) into a new group with its
   /// own hyper-parameters, as torch.optim's param_groups do.

@@ -58,10 +58,11 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tens
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tensor(param_source<param_type>& source,
-    std::size_t id) -> tensor_id
+    std::size_t id, std::string name) -> tensor_id
 {
   detail::gate_entry const gate(gate_, "add_tensor");
-  std::string name = source.tensor_name(id);  // (refuses an id the source does not have)
+  std::string const& own = source.tensor_name(id);  // (refuses an id the source does not have)
+  if (name.empty()) { name = own; }
   auto const who   = "add_tensor('" + name + "', offloaded)";
   if constexpr (placement::on_device) {
     throw logic_error(who + ": OnDevice compute updates params in device memory, and offloaded params rest in "
@@ -74,6 +75,11 @@ auto OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::add_tens
   if constexpr (has_tensor_phase<rule_type>) {
     throw logic_error(who + ": rule " + std::string(rule_type::name) +
                       " reads whole tensors in its tensor phase, which offloaded params do not offer yet");
+  }
+  for (auto const& e : tensors_) {  // (under another name, it would be updated twice a step)
+    if (e.source == &source && e.source_tensor == id) {
+      throw logic_error(who + ": tensor '" + own + "' of this source is registered already, as '" + e.name + "'");
+    }
   }
   std::size_t const count = source.tensor_size(id);
   return register_tensor(std::move(name), nullptr, tensor_shape::of_vector(count), location::host, &source, id);
