@@ -164,7 +164,7 @@ def extension_spec(cuda: bool, emulated: bool, static_liburing: bool = False, di
     # their kernels at -O3 in the units)
     default_host = "-O2 -march=x86-64" if dispatch else "-O3 -march=native"
     host = shlex.split(os.environ.get("TIERSTATE_TORCH_CFLAGS", default_host))
-    sources = [_CSRC / "bindings.cpp", _CSRC / "rules.cpp"] + [_CSRC / f"shards_{r}.cpp" for r in _UNITS]
+    sources = [_CSRC / "bindings.cpp", _CSRC / "rules.cpp", _CSRC / "param_store.cpp"] + [_CSRC / f"shards_{r}.cpp" for r in _UNITS]
     sources += [_CSRC / f"shards_{r}_compact.cpp" for r in _COMPACT_RULES]
     cflags = common + host + ["-Wno-deprecated-declarations"]
     kernel_units: list[tuple[str, list[str]]] = []

@@ -5,6 +5,7 @@
 //
 // The GIL is released while the optimizer works: its threads never call into Python, and
 // autograd's threads may hand over gradients (grad_ready) meanwhile.
+#include "param_store.hpp"
 #include "shard.hpp"
 
 #include <tierstate/kernels/host/finite.hpp>
@@ -69,6 +70,130 @@ namespace {
   return d;
 }
 
+/// tierstate_torch._C.ParamStore: offloaded_params for offload_parameters (_offload.py),
+/// which copies a layer's tensors into the params' own storage at each fetch.
+class py_param_store {
+ public:
+  explicit py_param_store(store_config c) : dtype_(c.param), store_(make_param_store(c)) {}
+
+  std::size_t add_layer(std::string const& name) { return store_->add_layer(name); }
+  std::size_t add_tensor(std::size_t layer, std::string const& name, std::size_t count)
+  {
+    return store_->add_tensor(layer, name, count);
+  }
+  void materialize()
+  {
+    py::gil_scoped_release nogil;
+    store_->materialize();
+  }
+
+  /// Acquires `layer` and copies its tensors into `into` (one per tensor, in order, each of
+  /// the tensor's elements and the store's dtype, on the buffers' device), in work queued on
+  /// the current stream (`stream`, which a failure's release names); the layer stays
+  /// acquired until release().
+  void fetch(std::size_t layer, std::vector<at::Tensor> const& into, std::uintptr_t stream)
+  {
+    for (auto const& t : into) {
+      if (t.scalar_type() != to_scalar(dtype_) || !t.is_contiguous()) {
+        throw std::invalid_argument("tierstate_torch: ParamStore.fetch: a destination of " +
+                                    std::string(c10::toString(t.scalar_type())) +
+                                    (t.is_contiguous() ? "" : ", not contiguous,") + " for a store of " +
+                                    std::string(c10::toString(to_scalar(dtype_))));
+      }
+    }
+    py::gil_scoped_release nogil;
+    auto const spans = store_->acquire(layer);
+    try {
+      if (spans.size() != into.size()) {
+        throw std::invalid_argument("tierstate_torch: ParamStore.fetch: layer " + std::to_string(layer) + " has " +
+                                    std::to_string(spans.size()) + " tensors, and " + std::to_string(into.size()) +
+                                    " destinations were given");
+      }
+      for (std::size_t i = 0; i < spans.size(); ++i) {
+        auto const n = static_cast<std::int64_t>(spans[i].size() / into[i].element_size());
+        if (n != into[i].numel()) {
+          throw std::invalid_argument("tierstate_torch: ParamStore.fetch: tensor " + std::to_string(i) + " of layer " +
+                                      std::to_string(layer) + " has " + std::to_string(n) +
+                                      " elements, its destination " + std::to_string(into[i].numel()));
+        }
+        // (from_blob: the buffer's memory, read by the copy queued now, before release)
+        auto const from = torch::from_blob(const_cast<std::byte*>(spans[i].data()), {n}, into[i].options());
+        into[i].view({n}).copy_(from);
+      }
+    } catch (...) {
+      store_->release(layer, stream);
+      throw;
+    }
+  }
+
+  void release(std::size_t layer, std::uintptr_t stream)
+  {
+    py::gil_scoped_release nogil;
+    store_->release(layer, stream);
+  }
+  void end_iteration() { store_->end_iteration(); }
+
+  /// Replaces tensor `t`'s values with `value`'s (its elements, any shape and device).
+  void write(std::size_t t, at::Tensor const& value)
+  {
+    at::Tensor const v = host_values(t, value, "write");
+    py::gil_scoped_release nogil;
+    store_->write(t, 0, {static_cast<std::byte const*>(v.data_ptr()), static_cast<std::size_t>(v.nbytes())});
+  }
+  /// Tensor `t`'s values, as a 1-D CPU tensor.
+  at::Tensor read(std::size_t t)
+  {
+    auto out = at::empty({static_cast<std::int64_t>(store_->tensor_size(t))}, to_scalar(dtype_));
+    py::gil_scoped_release nogil;
+    store_->read(t, 0, {static_cast<std::byte*>(out.data_ptr()), static_cast<std::size_t>(out.nbytes())});
+    return out;
+  }
+  void flush()
+  {
+    py::gil_scoped_release nogil;
+    store_->flush();
+  }
+  [[nodiscard]] bool resident(std::size_t t) const { return store_->resident(t); }
+  [[nodiscard]] py::dict stats() const
+  {
+    auto const s = store_->stats();
+    py::dict d;
+    d["acquires"]           = s.acquires;
+    d["ready"]              = s.ready;
+    d["waited"]             = s.waited;
+    d["on_demand"]          = s.on_demand;
+    d["out_of_order"]       = s.out_of_order;
+    d["reads"]              = s.reads;
+    d["bytes_read"]         = s.bytes_read;
+    d["bytes_written"]      = s.bytes_written;
+    d["grad_bytes_written"] = s.grad_bytes_written;
+    d["grad_bytes_read"]    = s.grad_bytes_read;
+    d["wait_seconds"]       = s.wait_seconds;
+    d["buffer_bytes"]       = s.buffer_bytes;
+    d["buffer_count"]       = s.buffer_count;
+    d["tier_bytes"]         = s.tier_bytes;
+    d["resident_bytes"]     = s.resident_bytes;
+    return d;
+  }
+  [[nodiscard]] param_store& store() noexcept { return *store_; }
+  [[nodiscard]] dtype param_dtype() const noexcept { return dtype_; }
+
+ private:
+  at::Tensor host_values(std::size_t t, at::Tensor const& value, char const* call) const
+  {
+    std::size_t const n = store_->tensor_size(t);
+    if (static_cast<std::size_t>(value.numel()) != n) {
+      throw std::invalid_argument("tierstate_torch: ParamStore." + std::string(call) + ": tensor " + std::to_string(t) +
+                                  " has " + std::to_string(n) + " elements, the value " +
+                                  std::to_string(value.numel()));
+    }
+    return value.detach().to(at::kCPU, to_scalar(dtype_)).contiguous();
+  }
+
+  dtype dtype_;
+  std::unique_ptr<param_store> store_;
+};
+
 class py_shard {
  public:
   explicit py_shard(config c) : dtype_(c.param), device_params_(c.device_params), shard_(make_shard(c)) {}
@@ -80,6 +205,21 @@ class py_shard {
     for (auto const d : p.sizes()) { dims.push_back(static_cast<std::size_t>(d)); }
     std::size_t const t = shard_->add_tensor(name, p.data_ptr(), dims);
     tensors_.push_back({name, p.data_ptr(), static_cast<std::size_t>(p.numel())});
+    live_.emplace_back();
+    return t;
+  }
+
+  /// Tensor `id` of `store` (offload_parameters), updated through the store.
+  std::size_t add_offloaded(std::string const& name, py_param_store& store, std::size_t id)
+  {
+    if (store.param_dtype() != dtype_) {
+      throw std::invalid_argument("tierstate_torch: offloaded parameter '" + name + "' is " +
+                                  std::string(c10::toString(to_scalar(store.param_dtype()))) + "; this shard holds " +
+                                  std::string(c10::toString(to_scalar(dtype_))));
+    }
+    std::size_t const count = store.store().tensor_size(id);
+    std::size_t const t     = shard_->add_offloaded(name, store.store(), id);
+    tensors_.push_back({name, nullptr, count});
     live_.emplace_back();
     return t;
   }
@@ -132,6 +272,17 @@ class py_shard {
     // over, which the step still reads.
     std::lock_guard lock(live_mutex_);
     live_[t] = std::move(held);
+  }
+
+  /// After the final grad_ready of an offloaded tensor whose source kept the (host)
+  /// gradient before that call returned: the gradient is no longer held for the step, and
+  /// true; otherwise (a device gradient, copied behind; params not offloaded) false.
+  bool drop_grad(std::size_t t)
+  {
+    if (t >= tensors_.size() || device_params_ || !shard_->keeps_gradient(t)) { return false; }
+    std::lock_guard lock(live_mutex_);
+    live_[t].reset();
+    return true;
   }
 
   py::dict finish_step()
@@ -387,6 +538,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     },
     "A rule's hyper-parameter table (names in order, defaults) and slots");
 
+  py::class_<tt::py_param_store>(m, "ParamStore")
+    .def(py::init([](at::ScalarType param, std::string tier, std::string directory, unsigned window,
+                     std::size_t persistence_threshold, std::size_t write_behind_bytes, bool device_buffers) {
+           tt::store_config c;
+           c.param                 = tt::to_dtype(param, "an offloaded parameter");
+           c.tier                  = std::move(tier);
+           c.directory             = std::move(directory);
+           c.window                = window;
+           c.persistence_threshold = persistence_threshold;
+           c.write_behind_bytes    = write_behind_bytes;
+           c.device_buffers        = device_buffers;
+           return std::make_unique<tt::py_param_store>(std::move(c));
+         }),
+         py::arg("param_dtype"), py::arg("tier"), py::arg("directory"), py::arg("window"),
+         py::arg("persistence_threshold"), py::arg("write_behind_bytes"), py::arg("device_buffers"))
+    .def("add_layer", &tt::py_param_store::add_layer)
+    .def("add_tensor", &tt::py_param_store::add_tensor)
+    .def("materialize", &tt::py_param_store::materialize)
+    .def("fetch", &tt::py_param_store::fetch)
+    .def("release", &tt::py_param_store::release)
+    .def("end_iteration", &tt::py_param_store::end_iteration)
+    .def("write", &tt::py_param_store::write)
+    .def("read", &tt::py_param_store::read)
+    .def("flush", &tt::py_param_store::flush)
+    .def("resident", &tt::py_param_store::resident)
+    .def("stats", &tt::py_param_store::stats);
   py::class_<tt::py_shard>(m, "Shard")
     .def(py::init([](std::string rule, at::ScalarType param, at::ScalarType state, std::string master,
                      std::string tier, std::string compute, bool device_params, std::string directory,
@@ -414,11 +591,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
          py::arg("tier"), py::arg("compute"), py::arg("device_params"), py::arg("directory"), py::arg("chunk_elements"), py::arg("threads"),
          py::arg("max_grad_norm"), py::arg("on_nonfinite"), py::arg("delayed_update"), py::arg("defaults"))
     .def("add_tensor", &tt::py_shard::add_tensor)
+    .def("add_offloaded", &tt::py_shard::add_offloaded, py::keep_alive<1, 3>())  // (the store outlives the shard)
     .def("add_group", &tt::py_shard::add_group)
     .def("set_hyperparameters", &tt::py_shard::set_hyperparameters)
     .def("step", &tt::py_shard::step)
     .def("begin_step", &tt::py_shard::begin_step)
     .def("grad_ready", &tt::py_shard::grad_ready)
+    .def("drop_grad", &tt::py_shard::drop_grad)
     .def("finish_step", &tt::py_shard::finish_step)
     .def("flush", &tt::py_shard::flush)
     .def("save", &tt::py_shard::save)

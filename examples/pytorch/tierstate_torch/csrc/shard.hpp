@@ -77,12 +77,17 @@ struct result {
   double total_seconds   = 0;
 };
 
+class param_store;  // param_store.hpp
+
 class shard {
  public:
   virtual ~shard() = default;
   /// `param` points at a tensor of these dimensions (torch's `p.shape`) of the shard's dtype,
   /// updated in place.
   virtual std::size_t add_tensor(std::string name, void* param, std::span<std::size_t const> dims) = 0;
+  /// Tensor `id` of `store` (offloaded parameters, of this shard's dtype), named `name`:
+  /// updated through the store (OffloadedOptimizer::add_tensor(source, id, name)).
+  virtual std::size_t add_offloaded(std::string name, param_store& store, std::size_t id) = 0;
   virtual std::size_t add_group(hyper const& h, std::vector<std::string> const& names) = 0;
   virtual void set_hyperparameters(std::size_t group, hyper const& h) = 0;
   /// `stream`: device gradients are read after the work queued on it so far.
@@ -91,6 +96,8 @@ class shard {
   /// Thread-safe.
   virtual void grad_ready(std::size_t tensor, grad_in g) = 0;
   virtual result finish_step() = 0;
+  /// Whether tensor t's final gradient goes to its source in grad_ready (offloaded params).
+  [[nodiscard]] virtual bool keeps_gradient(std::size_t tensor) const = 0;
   virtual result flush() = 0;
   [[nodiscard]] virtual bool in_step() const = 0;
   virtual void save(std::string const& path) = 0;

@@ -4,6 +4,7 @@
 // OnHost, device_shards_<rule>.cpp for OnDevice, which includes on_device.hpp first).
 #pragma once
 
+#include "param_store.hpp"
 #include "shard.hpp"
 
 #include <tierstate/tierstate.hpp>
@@ -36,6 +37,11 @@ namespace detail {
 #else
   return {};  // the emulated device: gradients are ready when handed over
 #endif
+}
+
+[[nodiscard]] inline std::string dtype_name(dtype d)
+{
+  return d == dtype::f32 ? "float32" : d == dtype::bf16 ? "bfloat16" : d == dtype::f16 ? "float16" : "int8";
 }
 
 [[nodiscard]] inline result to_result(tierstate::step_result const& r)
@@ -107,6 +113,17 @@ class shard_impl final : public shard {
   {
     return opt_.add_tensor(std::move(name), static_cast<param_t*>(param), tierstate::tensor_shape::of(dims), where);
   }
+  std::size_t add_offloaded(std::string name, param_store& store, std::size_t id) override
+  {
+    constexpr dtype mine = std::is_same_v<param_t, float>             ? dtype::f32
+                           : std::is_same_v<param_t, tierstate::bf16> ? dtype::bf16
+                                                                      : dtype::f16;
+    if (store.param() != mine) {
+      throw std::invalid_argument("tierstate_torch: offloaded parameter '" + name + "': the store holds " +
+                                  dtype_name(store.param()) + " and this shard " + dtype_name(mine));
+    }
+    return opt_.add_tensor(*static_cast<tierstate::param_source<param_t>*>(store.source()), id, std::move(name));
+  }
   std::size_t add_group(hyper const& h, std::vector<std::string> const& names) override
   {
     return opt_.add_group(to_rule(h), names);
@@ -131,6 +148,7 @@ class shard_impl final : public shard {
     opt_.grad_ready(tensor, view(g), to_stream(g.stream));
   }
   result finish_step() override { return to_result(opt_.finish_step()); }
+  [[nodiscard]] bool keeps_gradient(std::size_t tensor) const override { return opt_.keeps_gradient(tensor); }
   result flush() override { return to_result(opt_.flush()); }
   [[nodiscard]] bool in_step() const override { return opt_.in_step(); }
   void save(std::string const& path) override { opt_.save(path); }
