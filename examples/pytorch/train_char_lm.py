@@ -4,6 +4,7 @@
     python examples/pytorch/train_char_lm.py                      # state in host memory
     python examples/pytorch/train_char_lm.py --tier nvme --path /mnt/nvme
     python examples/pytorch/train_char_lm.py --overlap --micro-batches 2
+    python examples/pytorch/train_char_lm.py --tier nvme --offload-params --overlap  # weights on NVMe too
 
 What changes against a torch.optim.AdamW loop is the line that makes the optimizer; the
 scheduler, GradScaler, zero_grad, step and checkpoints are PyTorch's own.
@@ -49,6 +50,8 @@ def main() -> int:
     ap.add_argument("--micro-batches", type=int, default=1)
     ap.add_argument("--width", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--offload-params", action="store_true",
+                    help="the weights in the tier too (offload_parameters), fetched layer by layer")
     args = ap.parse_args()
 
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
@@ -63,6 +66,7 @@ def main() -> int:
     if args.tier == "nvme" and path is None:
         scratch = tempfile.TemporaryDirectory(prefix="tierstate-")
         path = scratch.name
+    off = tierstate_torch.offload_parameters(model, args.tier, path) if args.offload_params else None
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n != "pos"]
     other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and n != "pos")]
     opt = tierstate_torch.AdamW(
@@ -92,6 +96,14 @@ def main() -> int:
                   f"tier read {s['tier_bytes_read'] / 1e6:.1f} MB  update {s['total_seconds'] * 1e3:.1f} ms")
     took = time.perf_counter() - start
     print(f"{args.steps} steps in {took:.1f} s; state after {opt.step_count()} steps in {args.tier}")
+    if off is not None:
+        s = off.stats()
+        print(f"weights in {args.tier}: {s['tier_bytes'] / 1e6:.1f} MB, a window of {s['buffer_count']} x "
+              f"{s['buffer_bytes'] / 1e6:.2f} MB; {s['acquires']} fetches ({s['ready']} read ahead), "
+              f"{s['bytes_read'] / 1e6:.0f} MB read, {s['grad_bytes_written'] / 1e6:.0f} MB of gradients written")
+        opt.close()
+        off.close()
+        del off, opt
     if scratch:
         scratch.cleanup()
     return 0

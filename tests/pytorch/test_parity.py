@@ -1451,6 +1451,159 @@ class Parity(unittest.TestCase):
         opt = tierstate_torch.AdamW(model.parameters(), lr=1e-3)
         self.assertEqual(len(opt.composition()), 2)
 
+    def test_awkward_graphs_give_torchs_gradients(self):
+        """Gradients through offloaded params equal the model's in memory, bit for bit, where the
+        hooks' bookkeeping is tested hardest: a layer run twice before one backward with a frozen
+        base (LoRA, DPO's chosen and rejected), two backward passes over one graph
+        (retain_graph), a Sequential with an in-place ReLU, reentrant checkpointing, a 0-dim
+        parameter; and a forward interrupted (KeyboardInterrupt) midway, after which the layers
+        are fetched again."""
+        class Lora(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.base = nn.Linear(8, 8)
+                self.base.requires_grad_(False)
+                self.a = nn.Linear(8, 2, bias=False)
+                self.b = nn.Linear(2, 8, bias=False)
+                self.scale = nn.Parameter(torch.tensor(1.5))
+                self.boom = False
+
+            def forward(self, x):
+                if self.boom:
+                    raise KeyboardInterrupt
+                return torch.tanh(self.base(x) + self.b(self.a(x))) * self.scale
+
+        class Net(nn.Module):
+            def __init__(self, reentrant=False):
+                super().__init__()
+                self.embed = nn.Linear(8, 8)
+                self.blocks = nn.ModuleList([Lora(), Lora(), nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True),
+                                                                          nn.Linear(8, 8))])
+                self.reentrant = reentrant
+
+            def forward(self, x):
+                x = self.embed(x)
+                for b in self.blocks:
+                    x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=True) if self.reentrant else b(x)
+                return x.sum()
+
+        a, b = torch.randn(3, 8), torch.randn(3, 8)
+
+        def twice(m):  # two forwards, one backward
+            (m(a) - 2 * m(b)).backward()
+
+        def retained(m):  # two backward passes over one graph
+            loss = m(a)
+            x = a.clone().requires_grad_(True)
+            loss2 = m(x)
+            gx, = torch.autograd.grad(loss2, x, retain_graph=True)
+            loss2.backward()
+            loss.backward()
+            m.gx = gx
+
+        def grads(m):
+            return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+        for what, make, fn in (("twice", Net, twice), ("retain_graph", Net, retained),
+                               ("reentrant checkpointing", lambda: Net(reentrant=True), twice)):
+            with self.subTest(what):
+                torch.manual_seed(3)
+                ref = make()
+                torch.manual_seed(3)
+                ours = make()
+                off = tierstate_torch.offload_parameters(ours, window=1)
+                for _ in range(2):
+                    fn(ref)
+                    fn(ours)
+                    g_ref, g_ours = grads(ref), grads(ours)
+                    self.assertEqual(sorted(g_ref), sorted(g_ours))
+                    for k in g_ref:
+                        self.assertTrue(torch.equal(g_ref[k], g_ours[k]), f"{what}: {k}")
+                    if what == "retain_graph":
+                        self.assertTrue(torch.equal(ref.gx, ours.gx))
+                    self.assertEqual([layer.holds for layer in off._layers()], [0] * len(off._layers()))
+                    self.assertTrue(all(p.data.stride() == (0,) * p.dim() for p in ours.parameters()))
+        # interrupted: what the interrupted forward held is let go at the next forward, and
+        # the values fetched then are the store's, written meanwhile
+        torch.manual_seed(3)
+        ref = Net()
+        torch.manual_seed(3)
+        ours = Net()
+        off = tierstate_torch.offload_parameters(ours, window=2)
+        ours.blocks[1].boom = True
+        with self.assertRaises(KeyboardInterrupt):
+            ours(a)
+        ours.blocks[1].boom = False
+        self.assertEqual(ours(a).item(), ref(a).item())
+        off.write("blocks.1.b.weight", torch.zeros(8, 2))
+        ref.blocks[1].b.weight.data.zero_()
+        self.assertEqual(ours(a).item(), ref(a).item())
+        # a gradient penalty (create_graph) is refused by name
+        with self.assertRaisesRegex(RuntimeError, "create_graph=True"):
+            x = a.clone().requires_grad_(True)
+            g, = torch.autograd.grad(ours(x), x, create_graph=True)
+        ours(a)  # (and the next forward starts clean)
+        self.assertEqual([layer.holds for layer in off._layers()], [0] * len(off._layers()))
+
+    def test_refusals_leave_the_model_as_it_was(self):
+        class Rope(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+
+        class WithRope(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+                self.rope = Rope()
+
+        with torch.device("meta"):
+            model = WithRope()
+        sd = {"lin.weight": torch.ones(4, 4), "lin.bias": torch.zeros(4)}
+        with self.assertRaisesRegex(ValueError, r"buffer 'rope.inv_freq' is on the meta device and nothing gives it"):
+            tierstate_torch.offload_parameters(model, state_dict=sd)
+        self.assertTrue(all(p.is_meta for p in model.parameters()) and model.rope.inv_freq.is_meta)
+        with self.assertRaisesRegex(ValueError, "layers= must name nn.Module classes"):
+            tierstate_torch.offload_parameters(model, layers=[3])
+        self.assertTrue(all(p.is_meta for p in model.parameters()))
+
+        def init(m):
+            if isinstance(m, Rope):
+                m.inv_freq.copy_(torch.arange(4.0))
+        off = tierstate_torch.offload_parameters(model, state_dict=sd, init=init)
+        self.assertTrue(torch.equal(model.rope.inv_freq, torch.arange(4.0)))
+        self.assertTrue(torch.equal(off.read("lin.weight"), torch.ones(4, 4)))
+        # refused midway, after some params went to the store: a meta model's params are meta again,
+        # and a model in memory keeps its params' own memory and values
+        with torch.device("meta"):
+            model2 = WithRope()
+        with self.assertRaisesRegex(KeyError, "state_dict has no entry for 'lin.bias'"):
+            tierstate_torch.offload_parameters(model2, state_dict={"lin.weight": torch.ones(4, 4)}, init=init)
+        self.assertTrue(all(p.is_meta for p in model2.parameters()) and model2.rope.inv_freq.is_meta)
+        cpu = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        before = [(p.data_ptr(), p.detach().clone()) for p in cpu.parameters()]
+        real = tierstate_torch._offload.OffloadedParameters._empty
+        calls = []
+
+        def failing(self, u):
+            calls.append(u)
+            if len(calls) == 2:
+                raise OSError("a planted failure")
+            real(self, u)
+
+        tierstate_torch._offload.OffloadedParameters._empty = failing
+        try:
+            with self.assertRaisesRegex(OSError, "a planted failure"):
+                tierstate_torch.offload_parameters(cpu)
+        finally:
+            tierstate_torch._offload.OffloadedParameters._empty = real
+        for p, (ptr, value) in zip(cpu.parameters(), before):
+            self.assertEqual(p.data_ptr(), ptr)
+            self.assertTrue(torch.equal(p.detach(), value))
+            self.assertIsNone(getattr(p, "_tierstate_offload", None))
+        # a submodule's own state_dict reads the store too
+        self.assertTrue(torch.equal(model.lin.state_dict()["weight"], torch.ones(4, 4)))
+
     def test_bad_input_is_refused_by_name(self):
         model = make_model()
         with self.assertRaisesRegex(ValueError, "tier must be one of"):
@@ -1497,6 +1650,340 @@ class Parity(unittest.TestCase):
         model.head.weight.data = model.head.weight.data.clone()
         with self.assertRaisesRegex(RuntimeError, "no longer the memory"):
             opt.step()
+
+
+class TiedLM(TinyLM):
+    """TinyLM with its head's weight the embedding's (tied), its blocks optionally under
+    activation checkpointing."""
+
+    def __init__(self, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.head.weight = self.embed.weight
+        self.checkpointed = checkpointed
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return self.head(self.norm(x))
+
+
+class OffloadedParams(unittest.TestCase):
+    """offload_parameters: the weights in a tier, fetched layer by layer by hooks; trained
+    with tierstate's AdamW, bit for bit as the same optimizer over the model in memory."""
+
+    def run_case(self, make, data, offload=None, micro_batches=1, overlap=True, evaluate=False):
+        torch.manual_seed(5)
+        model = make()
+        off = tierstate_torch.offload_parameters(model, **offload) if offload is not None else None
+        opt = tierstate_torch.AdamW(groups(model), lr=LR, overlap_backward=overlap, micro_batches=micro_batches,
+                                    max_grad_norm=1.0 if overlap else None)
+        losses = train(model, opt, data, schedule(opt), micro_batches=micro_batches)
+        if evaluate:  # a no-grad pass between steps, then more steps
+            with torch.no_grad():
+                losses.append(loss_of(model, *data[0]).item())
+            losses += train(model, opt, data[:3], micro_batches=micro_batches)
+        return losses, {k: v.clone() for k, v in model.state_dict().items()}, off, opt
+
+    def assert_same(self, ref, got, what):
+        self.assertEqual(ref[0], got[0], f"{what}: the losses differ")
+        self.assertEqual(sorted(ref[1]), sorted(got[1]))
+        for k in ref[1]:
+            self.assertTrue(torch.equal(ref[1][k], got[1][k]), f"{what}: {k} differs")
+
+    def test_bit_for_bit_with_and_without_offload(self):
+        data = batches(12, seed=7)
+        with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+            cases = [
+                ("pinned, window 1", make_model, dict(tier="pinned", window=1), 1, True),
+                ("nvme, window 3", make_model, dict(tier="nvme", path=d, window=3), 1, True),
+                ("nvme, window 1, tied, checkpointed", lambda: TiedLM(checkpointed=True),
+                 dict(tier="nvme", path=d, window=1), 1, True),
+                ("pinned, tied, accumulation", TiedLM, dict(tier="pinned", window=2), 2, True),
+                ("nvme, without overlap_backward", make_model, dict(tier="nvme", path=d), 1, False),
+            ]
+            for what, make, offload, micro, overlap in cases:
+                with self.subTest(what):
+                    ref = self.run_case(make, data, None, micro, overlap, evaluate=True)
+                    got = self.run_case(make, data, offload, micro, overlap, evaluate=True)
+                    self.assert_same(ref, got, what)
+                    stats = got[2].stats()
+                    self.assertGreater(stats["acquires"], 0)
+                    if overlap:  # each gradient went to the store as backward made it
+                        self.assertGreater(stats["grad_bytes_written"], 0)
+                    for p in got[3]._params():  # between uses: a placeholder, its values in the store
+                        self.assertEqual(p.data.stride(), (0,) * p.dim())
+                        self.assertIsNone(p.grad) if overlap else None
+                    del got
+                    gc.collect()
+            self.assertEqual(os.listdir(d), [], "the stores' files outlived them")
+
+    def test_gpu_compositions_on_the_emulated_device(self):
+        data = batches(8, seed=8)
+        ref = self.run_case(TiedLM, data, None)
+        os.environ["TIERSTATE_TORCH_EMULATED_DEVICE"] = "1"
+        try:
+            with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+                for offload in (dict(tier="pinned"), dict(tier="nvme", path=d, window=1)):
+                    with self.subTest(offload["tier"]):
+                        got = self.run_case(TiedLM, data, offload)
+                        self.assertIn("CudaOverlapped<2>", got[3].composition()[0])
+                        self.assert_same(ref, got, offload["tier"])
+        finally:
+            del os.environ["TIERSTATE_TORCH_EMULATED_DEVICE"]
+
+    def test_a_model_made_on_the_meta_device(self):
+        data = batches(6, seed=9)
+        ref = self.run_case(TiedLM, data, None)
+        torch.manual_seed(5)
+        initial = TiedLM().state_dict()
+        with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+            path = os.path.join(d, "initial.pt")
+            torch.save(initial, path)
+            for source in (initial, path):
+                with self.subTest(type(source).__name__):
+                    with torch.device("meta"):
+                        model = TiedLM()
+                    off = tierstate_torch.offload_parameters(model, "nvme", d, state_dict=source)
+                    self.assertIs(model.head.weight, model.embed.weight)  # still tied
+                    self.assertTrue(all(not p.is_meta for p in model.parameters()))
+                    opt = tierstate_torch.AdamW(groups(model), lr=LR, overlap_backward=True, max_grad_norm=1.0)
+                    losses = train(model, opt, data, schedule(opt))
+                    self.assertEqual(ref[0], losses)
+                    for k, v in model.state_dict().items():
+                        self.assertTrue(torch.equal(ref[1][k], v), k)
+                    del off, opt, model
+                    gc.collect()
+            # init=: each layer's modules made empty and initialized in turn
+            with torch.device("meta"):
+                model = TinyLM()
+            with self.assertRaisesRegex(ValueError, r"parameter 'pos' belongs to a TinyLM, which has no "
+                                                    r"reset_parameters\(\)"):
+                tierstate_torch.offload_parameters(model)
+            self.assertTrue(all(p.is_meta for p in model.parameters()), "a refusal changed the model")
+
+            def init(m):
+                if isinstance(m, TinyLM):
+                    nn.init.normal_(m.pos, std=0.02)
+                elif hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+
+            off = tierstate_torch.offload_parameters(model, "nvme", d, init=init)
+            sd = model.state_dict()
+            for name, v in sd.items():
+                self.assertTrue(bool(torch.isfinite(v).all()), name)
+            self.assertTrue(torch.equal(sd["norm.weight"], torch.ones(WIDTH)))
+            w = sd["blocks.0.q.weight"]
+            self.assertLessEqual(w.abs().max().item(), 1 / math.sqrt(WIDTH))
+            self.assertGreater(w.std().item(), 0.2 / math.sqrt(WIDTH))
+            del off, model
+            gc.collect()
+            self.assertEqual(os.listdir(d), ["initial.pt"])
+
+    def test_state_dict_round_trip_and_values(self):
+        data = batches(6, seed=10)
+        torch.manual_seed(5)
+        model = TiedLM()
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        off = tierstate_torch.offload_parameters(model, "pinned")
+        sd = model.state_dict()
+        self.assertEqual(sorted(sd), sorted(before))
+        for k in before:
+            self.assertTrue(torch.equal(before[k], sd[k]), k)
+        self.assertTrue(torch.isnan(model.embed.weight).all())  # a placeholder between uses
+        with self.assertRaises(RuntimeError):
+            with torch.no_grad():
+                model.embed.weight.add_(1)  # (refused by torch: one element broadcast)
+        # Trained, saved, then loaded into another offloaded model: the same values and losses.
+        opt = tierstate_torch.AdamW(groups(model), lr=LR, overlap_backward=True)
+        train(model, opt, data[:3])
+        saved, opt_saved = model.state_dict(), opt.state_dict()
+        torch.manual_seed(77)
+        other = TiedLM()
+        off2 = tierstate_torch.offload_parameters(other, "pinned", window=1)
+        missing = other.load_state_dict(saved)
+        self.assertEqual((missing.missing_keys, missing.unexpected_keys), ([], []))
+        opt2 = tierstate_torch.AdamW(groups(other), lr=LR, overlap_backward=True)
+        opt2.load_state_dict(opt_saved)
+        self.assertEqual(train(model, opt, data[3:]), train(other, opt2, data[3:]))
+        self.assertTrue(torch.equal(off.read("blocks.1.q.weight"), off2.read("blocks.1.q.weight")))
+        with self.assertRaisesRegex(KeyError, "no offloaded parameter named 'nope'"):
+            off.read("nope")
+        with self.assertRaisesRegex(ValueError, "has shape"):
+            off.write("pos", torch.zeros(3))
+
+    def test_awkward_graphs_give_torchs_gradients(self):
+        """Gradients through offloaded params equal the model's in memory, bit for bit, where the
+        hooks' bookkeeping is tested hardest: a layer run twice before one backward with a frozen
+        base (LoRA, DPO's chosen and rejected), two backward passes over one graph
+        (retain_graph), a Sequential with an in-place ReLU, reentrant checkpointing, a 0-dim
+        parameter; and a forward interrupted (KeyboardInterrupt) midway, after which the layers
+        are fetched again."""
+        class Lora(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.base = nn.Linear(8, 8)
+                self.base.requires_grad_(False)
+                self.a = nn.Linear(8, 2, bias=False)
+                self.b = nn.Linear(2, 8, bias=False)
+                self.scale = nn.Parameter(torch.tensor(1.5))
+                self.boom = False
+
+            def forward(self, x):
+                if self.boom:
+                    raise KeyboardInterrupt
+                return torch.tanh(self.base(x) + self.b(self.a(x))) * self.scale
+
+        class Net(nn.Module):
+            def __init__(self, reentrant=False):
+                super().__init__()
+                self.embed = nn.Linear(8, 8)
+                self.blocks = nn.ModuleList([Lora(), Lora(), nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True),
+                                                                          nn.Linear(8, 8))])
+                self.reentrant = reentrant
+
+            def forward(self, x):
+                x = self.embed(x)
+                for b in self.blocks:
+                    x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=True) if self.reentrant else b(x)
+                return x.sum()
+
+        a, b = torch.randn(3, 8), torch.randn(3, 8)
+
+        def twice(m):  # two forwards, one backward
+            (m(a) - 2 * m(b)).backward()
+
+        def retained(m):  # two backward passes over one graph
+            loss = m(a)
+            x = a.clone().requires_grad_(True)
+            loss2 = m(x)
+            gx, = torch.autograd.grad(loss2, x, retain_graph=True)
+            loss2.backward()
+            loss.backward()
+            m.gx = gx
+
+        def grads(m):
+            return {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+
+        for what, make, fn in (("twice", Net, twice), ("retain_graph", Net, retained),
+                               ("reentrant checkpointing", lambda: Net(reentrant=True), twice)):
+            with self.subTest(what):
+                torch.manual_seed(3)
+                ref = make()
+                torch.manual_seed(3)
+                ours = make()
+                off = tierstate_torch.offload_parameters(ours, window=1)
+                for _ in range(2):
+                    fn(ref)
+                    fn(ours)
+                    g_ref, g_ours = grads(ref), grads(ours)
+                    self.assertEqual(sorted(g_ref), sorted(g_ours))
+                    for k in g_ref:
+                        self.assertTrue(torch.equal(g_ref[k], g_ours[k]), f"{what}: {k}")
+                    if what == "retain_graph":
+                        self.assertTrue(torch.equal(ref.gx, ours.gx))
+                    self.assertEqual([layer.holds for layer in off._layers()], [0] * len(off._layers()))
+                    self.assertTrue(all(p.data.stride() == (0,) * p.dim() for p in ours.parameters()))
+        # interrupted: what the interrupted forward held is let go at the next forward, and
+        # the values fetched then are the store's, written meanwhile
+        torch.manual_seed(3)
+        ref = Net()
+        torch.manual_seed(3)
+        ours = Net()
+        off = tierstate_torch.offload_parameters(ours, window=2)
+        ours.blocks[1].boom = True
+        with self.assertRaises(KeyboardInterrupt):
+            ours(a)
+        ours.blocks[1].boom = False
+        self.assertEqual(ours(a).item(), ref(a).item())
+        off.write("blocks.1.b.weight", torch.zeros(8, 2))
+        ref.blocks[1].b.weight.data.zero_()
+        self.assertEqual(ours(a).item(), ref(a).item())
+        # a gradient penalty (create_graph) is refused by name
+        with self.assertRaisesRegex(RuntimeError, "create_graph=True"):
+            x = a.clone().requires_grad_(True)
+            g, = torch.autograd.grad(ours(x), x, create_graph=True)
+        ours(a)  # (and the next forward starts clean)
+        self.assertEqual([layer.holds for layer in off._layers()], [0] * len(off._layers()))
+
+    def test_refusals_leave_the_model_as_it_was(self):
+        class Rope(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+
+        class WithRope(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+                self.rope = Rope()
+
+        with torch.device("meta"):
+            model = WithRope()
+        sd = {"lin.weight": torch.ones(4, 4), "lin.bias": torch.zeros(4)}
+        with self.assertRaisesRegex(ValueError, r"buffer 'rope.inv_freq' is on the meta device and nothing gives it"):
+            tierstate_torch.offload_parameters(model, state_dict=sd)
+        self.assertTrue(all(p.is_meta for p in model.parameters()) and model.rope.inv_freq.is_meta)
+        with self.assertRaisesRegex(ValueError, "layers= must name nn.Module classes"):
+            tierstate_torch.offload_parameters(model, layers=[3])
+        self.assertTrue(all(p.is_meta for p in model.parameters()))
+
+        def init(m):
+            if isinstance(m, Rope):
+                m.inv_freq.copy_(torch.arange(4.0))
+        off = tierstate_torch.offload_parameters(model, state_dict=sd, init=init)
+        self.assertTrue(torch.equal(model.rope.inv_freq, torch.arange(4.0)))
+        self.assertTrue(torch.equal(off.read("lin.weight"), torch.ones(4, 4)))
+        # refused midway, after some params went to the store: a meta model's params are meta again,
+        # and a model in memory keeps its params' own memory and values
+        with torch.device("meta"):
+            model2 = WithRope()
+        with self.assertRaisesRegex(KeyError, "state_dict has no entry for 'lin.bias'"):
+            tierstate_torch.offload_parameters(model2, state_dict={"lin.weight": torch.ones(4, 4)}, init=init)
+        self.assertTrue(all(p.is_meta for p in model2.parameters()) and model2.rope.inv_freq.is_meta)
+        cpu = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        before = [(p.data_ptr(), p.detach().clone()) for p in cpu.parameters()]
+        real = tierstate_torch._offload.OffloadedParameters._empty
+        calls = []
+
+        def failing(self, u):
+            calls.append(u)
+            if len(calls) == 2:
+                raise OSError("a planted failure")
+            real(self, u)
+
+        tierstate_torch._offload.OffloadedParameters._empty = failing
+        try:
+            with self.assertRaisesRegex(OSError, "a planted failure"):
+                tierstate_torch.offload_parameters(cpu)
+        finally:
+            tierstate_torch._offload.OffloadedParameters._empty = real
+        for p, (ptr, value) in zip(cpu.parameters(), before):
+            self.assertEqual(p.data_ptr(), ptr)
+            self.assertTrue(torch.equal(p.detach(), value))
+            self.assertIsNone(getattr(p, "_tierstate_offload", None))
+        # a submodule's own state_dict reads the store too
+        self.assertTrue(torch.equal(model.lin.state_dict()["weight"], torch.ones(4, 4)))
+
+    def test_bad_input_is_refused_by_name(self):
+        model = make_model()
+        with self.assertRaisesRegex(ValueError, "tier must be one of"):
+            tierstate_torch.offload_parameters(model, "disk")
+        with self.assertRaisesRegex(ValueError, "tier='nvme' needs path="):
+            tierstate_torch.offload_parameters(model, "nvme")
+        with self.assertRaisesRegex(ValueError, "window must be an int in 1..64"):
+            tierstate_torch.offload_parameters(model, window=0)
+        with self.assertRaisesRegex(ValueError, "init= and state_dict= build a model made on the meta device"):
+            tierstate_torch.offload_parameters(model, init=lambda m: None)
+        self.assertTrue(all(p.data.stride() != (0,) * p.dim() or p.dim() == 0 for p in model.parameters()))
+        tierstate_torch.offload_parameters(model)
+        with self.assertRaisesRegex(ValueError, "is offloaded already"):
+            tierstate_torch.offload_parameters(model)
+        with self.assertRaisesRegex(ValueError, "delayed_update keeps its own copy"):
+            tierstate_torch.AdamW(model.parameters(), delayed_update=True).step()
+        compiled = torch.compile(model, backend="eager")
+        with self.assertRaisesRegex(Exception, "runs eagerly"):
+            compiled(batches(1)[0][0])
 
 
 class TestPackage(unittest.TestCase):

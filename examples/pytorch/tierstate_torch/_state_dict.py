@@ -218,7 +218,9 @@ class _StateDicts:
             shard = self._shards[key]
             with _on(key[1]):
                 if "master" in shard.slot_names():
-                    shard.set_state(f"p{i}", "master", p.detach().reshape(-1))
+                    off = getattr(p, "_tierstate_offload", None)  # (offload_parameters: its values are the store's)
+                    shard.set_state(f"p{i}", "master", off.read(off.source(p)[2]).reshape(-1) if off is not None
+                                    else p.detach().reshape(-1))
                 if "compensation" in shard.slot_names():  # (torch keeps none: the param is exact)
                     shard.set_state(f"p{i}", "compensation", torch.zeros(p.numel()))
                 for slot in slots:

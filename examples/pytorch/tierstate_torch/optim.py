@@ -71,6 +71,11 @@ from ._ownership import _Ownership
 from ._state_dict import _StateDicts
 
 
+def _offload_of(p: torch.Tensor) -> Any:
+    """The OffloadedParameters holding `p` (offload_parameters), or None."""
+    return getattr(p, "_tierstate_offload", None)
+
+
 def _one_format_hint(shards: dict[tuple, Any], demoted: bool) -> str:
     """Where min_8bit_size alone split the params (two shards, one of 8-bit state, the other
     of the small tensors it left in fp32): how to keep them in one."""
@@ -301,8 +306,12 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         group_of = [g for g in self.param_groups for _ in g["params"]]
         demoted = False  # (where min_8bit_size keeps a tensor's state in fp32)
         for i, p in enumerate(params):
-            if not p.is_contiguous():
+            off = _offload_of(p)
+            if off is None and not p.is_contiguous():
                 raise ValueError(f"{name}: parameter {i} is not contiguous")
+            if off is not None and self._options["delayed_update"]:
+                raise ValueError(f"{name}: delayed_update keeps its own copy of every parameter; parameter {i} is "
+                                 "offloaded (offload_parameters): use delayed_update=False")
             if p.is_cuda and C.device_is_emulated():
                 raise ValueError(f"{name}: parameter {i} is on {p.device}, but the extension was built "
                                  "without CUDA (TIERSTATE_TORCH_CUDA=0, or torch.cuda was not available)")
@@ -320,7 +329,11 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                         defaults=list(defaults), **self._options)
                 members[key] = []
             with _on(p.device):
-                t = shards[key].add_tensor(f"p{i}", p.detach())
+                if off is not None:
+                    store, tid, _ = off.source(p)
+                    t = shards[key].add_offloaded(f"p{i}", store, tid)
+                else:
+                    t = shards[key].add_tensor(f"p{i}", p.detach())
             self._where.append((key, t))
             members[key].append(i)
         self._group_ids: dict[tuple[tuple, int], int] = {}
@@ -349,6 +362,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         if self._overlap:  # (the hooks: _install_hooks, once the params are this optimizer's)
             self._arrivals = [0] * len(params)
             self._grad_versions: list[int | None] = [None] * len(params)
+            self._dropped: set[int] = set()
 
     def _push_hyperparameters(self, force: bool = False) -> None:
         """Hands the groups' hyper-parameters to the shards when they changed (schedulers)."""
@@ -372,6 +386,17 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         param is exact as it is."""
         params = self._params()
         for i, p in enumerate(params):
+            off = _offload_of(p)
+            if off is not None:  # written through the store (its write(), the model's load_state_dict)
+                if off.take_edited(p):
+                    key, _ = self._where[i]
+                    shard = self._shards[key]
+                    _, _, pname = off.source(p)
+                    if "master" in shard.slot_names():
+                        shard.set_state(f"p{i}", "master", off.read(pname).reshape(-1).float())
+                    if "compensation" in shard.slot_names():
+                        shard.set_state(f"p{i}", "compensation", torch.zeros(p.numel()))
+                continue
             if p._version != self._versions[i]:
                 key, _ = self._where[i]
                 shard = self._shards[key]
@@ -393,6 +418,8 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
     def _check_memory(self) -> None:
         for i, p in enumerate(self._params()):
             key, t = self._where[i]
+            if _offload_of(p) is not None:
+                continue  # (its memory comes and goes with its layer's fetches)
             if (p.dtype, p.device) != key[:2] or not self._shards[key].same_memory(t, p):
                 raise RuntimeError(
                     f"{type(self).__name__}: parameter {i} is no longer the memory it was registered with "
@@ -430,6 +457,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
             self._push_hyperparameters()
             self._arrivals = [0] * len(self._arrivals)
             self._grad_versions = [None] * len(self._grad_versions)
+            self._dropped = set()
             for key2, shard in self._shards.items():
                 with _on(key2[1]):
                     shard.begin_step(scale, self._micro_batches)
@@ -438,6 +466,10 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
             self._shards[key].grad_ready(t, p.grad, _stream(key[1]))
         self._arrivals[i] += 1
         self._grad_versions[i] = p.grad._version
+        if self._arrivals[i] == self._micro_batches and _offload_of(p) is not None and \
+                self._shards[key].drop_grad(t):
+            p.grad = None  # kept by the store (written behind): backward's memory stays flat
+            self._dropped.add(i)
 
     def _combine(self, results: list[dict[str, Any]]) -> dict[str, Any]:
         out = dict(results[0])
@@ -526,7 +558,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                         while self._arrivals[i] < self._micro_batches:
                             self._shards[key].grad_ready(t, p.grad, _stream(key[1]))
                             self._arrivals[i] += 1
-                elif self._grad_versions[i] is not None and (p.grad is None or
+                elif self._grad_versions[i] is not None and i not in self._dropped and (p.grad is None or
                                                              p.grad._version != self._grad_versions[i]):
                     problems.append(i)
         except Exception as e:  # ended below all the same, then raised
