@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,20 @@ _TIERS = ("pinned", "nvme", "device")
 _COMPUTES = ("host", "device")
 _POLICIES = ("skip_step", "report", "ignore")
 _FORMAT = "tierstate_torch/1"
+
+
+def _check_tier(name: str, tier: str, path: Any, tiers: tuple[str, ...]) -> None:
+    """A tier among `tiers`, with path= (an existing directory) for "nvme" only; ValueError
+    naming `name`'s option otherwise."""
+    if tier not in tiers:
+        raise ValueError(f"{name}: tier must be one of {tiers}, not {tier!r}")
+    if tier == "nvme":
+        if path is None:
+            raise ValueError(f"{name}: tier='nvme' needs path=, a directory for the scratch files")
+        if not Path(path).is_dir():
+            raise ValueError(f"{name}: path={str(path)!r} is not a directory")
+    elif path is not None:
+        raise ValueError(f"{name}: path= is for tier='nvme' (tier is {tier!r})")
 
 
 def _number(x: Any, what: str) -> float:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from ._common import _DTYPES, _ext
+from ._common import _DTYPES, _check_tier, _ext
 
 _STORE_TIERS = ("pinned", "nvme")
 _DYNAMO_FRAME = os.path.join("_dynamo", "eval_frame.py")  # (torch.compile's wrapper frames)
@@ -91,15 +91,7 @@ class OffloadedParameters:
         name = "offload_parameters"
         if not isinstance(model, nn.Module):
             raise TypeError(f"{name}: model must be a torch.nn.Module, not {type(model).__name__}")
-        if tier not in _STORE_TIERS:
-            raise ValueError(f"{name}: tier must be one of {_STORE_TIERS}, not {tier!r}")
-        if tier == "nvme":
-            if path is None:
-                raise ValueError(f"{name}: tier='nvme' needs path=, a directory for the scratch files")
-            if not Path(path).is_dir():
-                raise ValueError(f"{name}: path={str(path)!r} is not a directory")
-        elif path is not None:
-            raise ValueError(f"{name}: path= is for tier='nvme' (tier is {tier!r})")
+        _check_tier(name, tier, path, _STORE_TIERS)
         if not (isinstance(window, int) and 1 <= window <= 64):
             raise ValueError(f"{name}: window must be an int in 1..64 (layers read ahead), not {window!r}")
         if not (isinstance(persistence_threshold, int) and persistence_threshold >= 0):

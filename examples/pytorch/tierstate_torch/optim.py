@@ -59,13 +59,12 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
 from ._build import _COMPACT_RULES
-from ._common import (_COMPUTES, _DTYPES, _POLICIES, _TIERS, _checked_format, _ext, _key_name, _number, _on, _stream,
+from ._common import (_COMPUTES, _check_tier, _DTYPES, _POLICIES, _TIERS, _checked_format, _ext, _key_name, _number, _on, _stream,
                       _table_values)
 from ._ownership import _Ownership
 from ._state_dict import _StateDicts
@@ -154,15 +153,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         grad_scaler: "torch.amp.GradScaler | None" = None,
     ) -> None:
         name = type(self).__name__
-        if tier not in _TIERS:
-            raise ValueError(f"{name}: tier must be one of {_TIERS}, not {tier!r}")
-        if tier == "nvme":
-            if path is None:
-                raise ValueError(f"{name}: tier='nvme' needs path=, a directory for the scratch file")
-            if not Path(path).is_dir():
-                raise ValueError(f"{name}: path={str(path)!r} is not a directory")
-        elif path is not None:
-            raise ValueError(f"{name}: path= is for tier='nvme' (tier is {tier!r})")
+        _check_tier(name, tier, path, _TIERS)
         if compute not in _COMPUTES:
             raise ValueError(f"{name}: compute must be one of {_COMPUTES}, not {compute!r}")
         if tier == "device" and compute != "device":
