@@ -18,6 +18,7 @@ import copy
 import functools
 import gc
 import io
+import json
 import math
 import os
 import sys
@@ -1658,6 +1659,95 @@ class OffloadedParams(unittest.TestCase):
             off.read("nope")
         with self.assertRaisesRegex(ValueError, "has shape"):
             off.write("pos", torch.zeros(3))
+
+    def test_safetensors_export_shard_by_shard_and_import(self):
+        from safetensors import safe_open  # (CI's environment has it: tests/run-all.sh's torch_venv)
+        from unittest import mock
+
+        data = batches(6, seed=11)
+        torch.manual_seed(5)
+        model = TiedLM()
+        off = tierstate_torch.offload_parameters(model, "pinned")
+        opt = tierstate_torch.AdamW(groups(model), lr=LR, overlap_backward=True)
+        train(model, opt, data[:3])
+        expected = {k: v.clone() for k, v in model.state_dict().items()}
+        sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+        with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+            one, many = os.path.join(d, "one"), os.path.join(d, "many")
+            os.mkdir(one)
+            os.mkdir(many)
+            self.assertEqual([f.name for f in off.save_safetensors(one)], ["model.safetensors"])
+            limit = max(sizes.values())
+            files = off.save_safetensors(many, max_shard_bytes=limit)
+            self.assertGreater(len(files), 3)
+            self.assertEqual(files[-1].name, "model.safetensors.index.json")
+            self.assertEqual(sorted(os.listdir(many)), sorted(f.name for f in files))  # no temporary left
+            index = json.loads(files[-1].read_text())
+            self.assertEqual(index["metadata"]["total_size"], sum(sizes.values()))
+            for f in files[:-1]:
+                with safe_open(str(f), framework="pt") as h:
+                    keys = list(h.keys())
+                    self.assertLessEqual(sum(sizes[k] for k in keys), limit, f.name)
+                    for k in keys:
+                        self.assertEqual(index["weight_map"][k], f.name)
+                        self.assertTrue(torch.equal(h.get_tensor(k), expected[k]), k)
+            # a tied weight once, under its first name (as safetensors' save_model)
+            self.assertIn("embed.weight", index["weight_map"])
+            self.assertNotIn("head.weight", index["weight_map"])
+            self.assertEqual(sorted(index["weight_map"]), sorted(k for k in expected if k != "head.weight"))
+            # Read back into a model made on the meta device: from the file, the index, the directory.
+            for source in (os.path.join(one, "model.safetensors"), str(files[-1]), many, one):
+                with self.subTest(source=os.path.relpath(source, d)):
+                    with torch.device("meta"):
+                        other = TiedLM()
+                    off2 = tierstate_torch.offload_parameters(other, "nvme", d, state_dict=source)
+                    self.assertIs(other.head.weight, other.embed.weight)
+                    got = other.state_dict()
+                    for k, v in expected.items():
+                        self.assertTrue(torch.equal(got[k], v), k)
+                    del off2, other
+                    gc.collect()
+            # An error part way (a full disk, say) leaves what was there, and no temporary file.
+            before = {n: (Path(many) / n).read_bytes() for n in os.listdir(many)}
+            import safetensors.torch
+            real, calls = safetensors.torch.save_file, []
+
+            def failing(tensors, filename, metadata=None):
+                calls.append(filename)
+                if len(calls) == 2:
+                    raise OSError(28, "No space left on device")
+                real(tensors, filename, metadata=metadata)
+
+            with torch.no_grad():
+                off.write("pos", torch.zeros_like(expected["pos"]))
+            with mock.patch.object(safetensors.torch, "save_file", failing):
+                with self.assertRaisesRegex(OSError, "No space left"):
+                    off.save_safetensors(many, max_shard_bytes=limit)
+            self.assertEqual({n: (Path(many) / n).read_bytes() for n in os.listdir(many)}, before)
+            # Refusals, by name.
+            with self.assertRaisesRegex(ValueError, "is not a directory"):
+                off.save_safetensors(os.path.join(d, "nowhere"))
+            with self.assertRaisesRegex(ValueError, "max_shard_bytes must be a positive int"):
+                off.save_safetensors(one, max_shard_bytes=0)
+            broken = os.path.join(d, "broken.json")
+            Path(broken).write_text(json.dumps({"weight_map": {"embed.weight": "gone.safetensors"}}))
+            bad = os.path.join(d, "bad.safetensors")
+            Path(bad).write_bytes(b"not safetensors")
+            empty = os.path.join(d, "empty")
+            os.mkdir(empty)
+            for source, message in ((broken, "names 'gone.safetensors' for 'embed.weight', and there is no such file"),
+                                    (bad, "is not a readable safetensors file"),
+                                    (os.path.join(d, "absent.safetensors"), "does not exist"),
+                                    (os.path.join(d, "absent"), "is not a file"),
+                                    (empty, "no model.safetensors.index.json and no .safetensors file")):
+                with self.subTest(source=source):
+                    with torch.device("meta"):
+                        other = TiedLM()
+                    with self.assertRaisesRegex(ValueError, message):
+                        tierstate_torch.offload_parameters(other, "pinned", state_dict=source)
+                    self.assertTrue(all(p.is_meta for p in other.parameters()))
+            del off, opt, model
+            gc.collect()
 
     def test_awkward_graphs_give_torchs_gradients(self):
         """Gradients through offloaded params equal the model's in memory, bit for bit, where the

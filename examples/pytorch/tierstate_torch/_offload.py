@@ -6,7 +6,8 @@ and its backward, by module hooks; the tierstate optimizers update the offloaded
 Between uses a parameter keeps its shape, dtype and device, but its data is a placeholder of
 one NaN broadcast to its shape (reads give NaN, writes are refused by torch): its values are
 in the store. Read and write them with `read()`, `write()`, the model's own `state_dict()` and
-`load_state_dict()` (both hooked), or `export_state_dict()`.
+`load_state_dict()` (both hooked), `export_state_dict()`, or `save_safetensors()` (shard by
+shard, for export).
 
 Fetching copies a layer from the store's window (read ahead on the store's I/O thread) into
 storage of the parameter's own, which is freed again when the layer's forward, or its
@@ -14,6 +15,7 @@ backward, is done: views of a parameter that autograd saved see the values again
 backward fetches the layer (the storage is resized in place, as FSDP2's is)."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 import weakref
@@ -576,6 +578,72 @@ class OffloadedParameters:
         model = self._model()
         return model.state_dict() if model is not None else {}
 
+    def save_safetensors(self, directory: str | os.PathLike, *, max_shard_bytes: int = 5 << 30) -> list[Path]:
+        """Writes the model's state_dict to `directory` as safetensors, one shard at a time, so
+        that no more than one shard is ever in memory: each offloaded weight read from its store,
+        a tied weight once (under its first name, as safetensors' own save_model does), the other
+        params and the persistent buffers as they are. Shards hold at most `max_shard_bytes`
+        (a larger tensor alone in its own); one shard is model.safetensors, several are
+        model-0000k-of-0000n.safetensors with model.safetensors.index.json (Hugging Face's
+        layout, which offload_parameters(state_dict=directory) and transformers read). Each file
+        is written under a temporary name and renamed when all are written: an error (a full
+        disk) leaves what was there before. Returns the files."""
+        from safetensors.torch import save_file  # (PyPI's safetensors: needed for this alone)
+
+        model = self._model()
+        if model is None:
+            raise RuntimeError("save_safetensors: the model is gone")
+        if not (isinstance(max_shard_bytes, int) and max_shard_bytes > 0):
+            raise ValueError(f"save_safetensors: max_shard_bytes must be a positive int, not {max_shard_bytes!r}")
+        out = Path(directory)
+        if not out.is_dir():
+            raise ValueError(f"save_safetensors: {str(out)!r} is not a directory")
+        entries: list[tuple[str, Any, int]] = []  # (name, tensor or param, bytes)
+        seen: set[int] = set()
+        for prefix, m in model.named_modules():
+            dot = prefix + "." if prefix else ""
+            for k, p in m._parameters.items():
+                if p is not None and id(p) not in seen:
+                    seen.add(id(p))
+                    entries.append((dot + k, p, p.numel() * p.element_size()))
+            for k, b in m._buffers.items():
+                if b is not None and k not in m._non_persistent_buffers_set and id(b) not in seen:
+                    seen.add(id(b))
+                    entries.append((dot + k, b, b.numel() * b.element_size()))
+        shards: list[list[tuple[str, Any, int]]] = [[]]
+        for e in entries:
+            if shards[-1] and sum(x[2] for x in shards[-1]) + e[2] > max_shard_bytes:
+                shards.append([])
+            shards[-1].append(e)
+        n = len(shards)
+        names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        temps: list[Path] = []
+        try:
+            for name, shard in zip(names, shards):
+                values = {}
+                for key, t, _ in shard:
+                    if id(t) in self._where:
+                        store, tid, _ = self._where[id(t)]
+                        values[key] = store.read(tid).view(t.shape)
+                    else:
+                        values[key] = t.detach().to("cpu").contiguous()
+                temps.append(out / f".{name}.tmp")
+                save_file(values, temps[-1], metadata={"format": "pt"})
+                del values
+            if n > 1:
+                index = {"metadata": {"total_size": sum(e[2] for e in entries)},
+                         "weight_map": {key: name for name, shard in zip(names, shards) for key, _, _ in shard}}
+                temps.append(out / ".model.safetensors.index.json.tmp")
+                temps[-1].write_text(json.dumps(index, indent=2))
+                names.append("model.safetensors.index.json")
+        except BaseException:
+            for t in temps:
+                t.unlink(missing_ok=True)
+            raise
+        for t, name in zip(temps, names):
+            os.replace(t, out / name)
+        return [out / name for name in names]
+
     def flush(self) -> None:
         for store in self._stores.values():
             store.flush()
@@ -635,14 +703,81 @@ class _LazyFile(Mapping):
         return len(self._sd)
 
 
+class _Safetensors(Mapping):
+    """safetensors files' tensors (a file, or the shards an index names): each read when asked for."""
+
+    def __init__(self, file_of: dict[str, Path]) -> None:
+        self._file_of = file_of
+        self._open: dict[Path, Any] = {}
+
+    def __getitem__(self, k):
+        from safetensors import safe_open
+
+        path = self._file_of[k]
+        if path not in self._open:
+            self._open[path] = safe_open(str(path), framework="pt")
+        return self._open[path].get_tensor(k)
+
+    def __iter__(self):
+        return iter(self._file_of)
+
+    def __len__(self):
+        return len(self._file_of)
+
+
+def _safetensors(path: Path) -> _Safetensors:
+    """A .safetensors file, an index (.json, Hugging Face's weight_map), or a directory that
+    holds model.safetensors.index.json or *.safetensors files."""
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise ImportError(f"offload_parameters: state_dict={str(path)!r} is safetensors, and reading it needs the "
+                          "safetensors package (pip install safetensors)") from None
+    if path.is_dir():
+        index = path / "model.safetensors.index.json"
+        files = [index] if index.is_file() else sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"offload_parameters: state_dict={str(path)!r} is a directory with no "
+                             "model.safetensors.index.json and no .safetensors file")
+    else:
+        files = [path]
+    file_of: dict[str, Path] = {}
+    for f in files:
+        if f.suffix == ".json":
+            try:
+                weight_map = json.loads(f.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"offload_parameters: {str(f)!r} is not a safetensors index (a JSON object with "
+                                 f"a weight_map): {e}") from None
+            for k, shard in weight_map.items():
+                if not (f.parent / shard).is_file():
+                    raise ValueError(f"offload_parameters: {str(f)!r} names {shard!r} for {k!r}, and there is no "
+                                     "such file beside it")
+                file_of[k] = f.parent / shard
+        else:
+            try:
+                with safe_open(str(f), framework="pt") as h:
+                    keys = list(h.keys())
+            except Exception as e:  # noqa: BLE001 (safetensors' own error types vary by version)
+                raise ValueError(f"offload_parameters: {str(f)!r} is not a readable safetensors file: {e}") from None
+            file_of.update((k, f) for k in keys)
+    return _Safetensors(file_of)
+
+
 def _lazy_state_dict(sd: Any) -> Mapping:
     if isinstance(sd, Mapping):
         return sd
     if isinstance(sd, (str, os.PathLike)):
-        if not Path(sd).is_file():
+        path = Path(sd)
+        if path.is_dir() or path.suffix in (".safetensors", ".json"):
+            if not path.exists():
+                raise ValueError(f"offload_parameters: state_dict={str(sd)!r} does not exist")
+            return _safetensors(path)
+        if not path.is_file():
             raise ValueError(f"offload_parameters: state_dict={str(sd)!r} is not a file")
         return _LazyFile(sd)
-    raise TypeError(f"offload_parameters: state_dict= is a mapping of tensors or a torch.save file's path, "
+    raise TypeError(f"offload_parameters: state_dict= is a mapping of tensors, a torch.save file's path, or "
+                    "safetensors (a .safetensors file, an index .json, or a directory of them), "
                     f"not {type(sd).__name__}")
 
 
@@ -660,7 +795,8 @@ def offload_parameters(model: nn.Module, tier: str = "pinned", path: str | os.Pa
     layers: the classes whose modules are layers (default: the children of each ModuleList and
     Sequential); every other module that owns parameters is a layer of its own.
     A model made on the meta device is built layer by layer in the tier, never whole in memory:
-    from `state_dict` (a mapping, or a torch.save file, read memory-mapped) or `init` (called
+    from `state_dict` (a mapping; a torch.save file, read memory-mapped; or safetensors: a
+    .safetensors file, an index .json, or a directory of them, read tensor by tensor) or `init` (called
     on each module of a layer, made empty; default: the module's reset_parameters), its params
     then computed on `device` (default: the CPU)."""
     return OffloadedParameters(model, tier=tier, path=path, window=window, layers=layers,
