@@ -1724,6 +1724,18 @@ class OffloadedParams(unittest.TestCase):
                 with self.assertRaisesRegex(OSError, "No space left"):
                     off.save_safetensors(many, max_shard_bytes=limit)
             self.assertEqual({n: (Path(many) / n).read_bytes() for n in os.listdir(many)}, before)
+            # A later export replaces an earlier one whole, whatever their shard counts: no reader
+            # finds the earlier weights (pos is zeros now).
+            for folder, shard_bytes in ((many, 1 << 30), (one, limit), (one, 2 * limit)):
+                with self.subTest(reexport=os.path.basename(folder), shard_bytes=shard_bytes):
+                    files = off.save_safetensors(folder, max_shard_bytes=shard_bytes)
+                    self.assertEqual(sorted(os.listdir(folder)), sorted(f.name for f in files))
+                    with torch.device("meta"):
+                        other = TiedLM()
+                    off2 = tierstate_torch.offload_parameters(other, "pinned", state_dict=folder)
+                    self.assertTrue(torch.equal(off2.read("pos"), torch.zeros_like(expected["pos"])))
+                    self.assertTrue(torch.equal(off2.read("blocks.1.q.weight"), expected["blocks.1.q.weight"]))
+                    del off2, other
             # Refusals, by name.
             with self.assertRaisesRegex(ValueError, "is not a directory"):
                 off.save_safetensors(os.path.join(d, "nowhere"))
@@ -1731,12 +1743,15 @@ class OffloadedParams(unittest.TestCase):
                 off.save_safetensors(one, max_shard_bytes=0)
             broken = os.path.join(d, "broken.json")
             Path(broken).write_text(json.dumps({"weight_map": {"embed.weight": "gone.safetensors"}}))
+            not_a_map = os.path.join(d, "list.json")
+            Path(not_a_map).write_text(json.dumps({"weight_map": ["model.safetensors"]}))
             bad = os.path.join(d, "bad.safetensors")
             Path(bad).write_bytes(b"not safetensors")
             empty = os.path.join(d, "empty")
             os.mkdir(empty)
             for source, message in ((broken, "names 'gone.safetensors' for 'embed.weight', and there is no such file"),
                                     (bad, "is not a readable safetensors file"),
+                                    (not_a_map, "is not a safetensors index .* weight_map is not an object"),
                                     (os.path.join(d, "absent.safetensors"), "does not exist"),
                                     (os.path.join(d, "absent"), "is not a file"),
                                     (empty, "no model.safetensors.index.json and no .safetensors file")):

@@ -126,6 +126,8 @@ class OffloadedParameters:
             device = next(iter(params.values())).device
         self.device = device
         self._model = weakref.ref(model)
+        # (a bad state_dict= is refused before any store or file is made)
+        source = _lazy_state_dict(state_dict) if state_dict is not None else None
         self._options = dict(tier=tier, directory=str(path) if path is not None else "", window=window,
                              persistence_threshold=persistence_threshold, write_behind_bytes=write_behind_bytes,
                              device_buffers=device.type == "cuda" or self._emulated)
@@ -143,7 +145,7 @@ class OffloadedParameters:
             self._register(model)
             for store in self._stores.values():
                 store.materialize()
-            self._fill(model, meta, init, state_dict)
+            self._fill(model, meta, init, source)
         except BaseException:
             self._undo(model, meta, originals)
             self._stores.clear()  # (their files go with them)
@@ -250,7 +252,7 @@ class OffloadedParameters:
         placeholder: from the param itself, or, for a model on the meta device, from
         `state_dict` (a mapping, or a torch.save file read lazily) or `init` (each module of the
         unit made on the device empty, then init(module); default: its reset_parameters())."""
-        source = _lazy_state_dict(state_dict) if state_dict is not None else None
+        source = state_dict  # (a Mapping: __init__'s _lazy_state_dict)
         names_of: dict[int, list[str]] = {}
         for n, p in self._names.items():
             names_of.setdefault(id(p), []).append(n)
@@ -315,7 +317,7 @@ class OffloadedParameters:
                         full = f"{n}.{bn}" if n else bn
                         self._meta_buffers.append((m, bn, b))
                         if source is not None and full in source:
-                            m._buffers[bn] = source[full].to(self.device)
+                            m._buffers[bn] = source[full].to(self.device, copy=True)
                         else:
                             m._buffers[bn] = torch.empty_like(b, device=self.device)
                             missing.append(full)
@@ -578,16 +580,19 @@ class OffloadedParameters:
         model = self._model()
         return model.state_dict() if model is not None else {}
 
-    def save_safetensors(self, directory: str | os.PathLike, *, max_shard_bytes: int = 5 << 30) -> list[Path]:
-        """Writes the model's state_dict to `directory` as safetensors, one shard at a time, so
-        that no more than one shard is ever in memory: each offloaded weight read from its store,
-        a tied weight once (under its first name, as safetensors' own save_model does), the other
-        params and the persistent buffers as they are. Shards hold at most `max_shard_bytes`
-        (a larger tensor alone in its own); one shard is model.safetensors, several are
+    def save_safetensors(self, directory: str | os.PathLike, *, max_shard_bytes: int = 1 << 30) -> list[Path]:
+        """Writes the model's parameters and persistent buffers to `directory` as safetensors,
+        one shard at a time: each offloaded weight read from its store, a tied weight once (under
+        its first name in the model's module order), the other params and the buffers as they
+        are. Shards hold at most `max_shard_bytes` (a larger tensor alone in its own); while one
+        is written, about twice that is in memory (safetensors' save_file copies each tensor
+        into its bytes). One shard is model.safetensors, several are
         model-0000k-of-0000n.safetensors with model.safetensors.index.json (Hugging Face's
         layout, which offload_parameters(state_dict=directory) and transformers read). Each file
-        is written under a temporary name and renamed when all are written: an error (a full
-        disk) leaves what was there before. Returns the files."""
+        is written under a temporary name and renamed into place when all are written, and then
+        an earlier export's files that this one does not replace (its shards, its index, or its
+        single file) are removed, so that no reader finds stale weights: an error while writing
+        (a full disk) leaves what was there before. Returns the files."""
         from safetensors.torch import save_file  # (PyPI's safetensors: needed for this alone)
 
         model = self._model()
@@ -640,8 +645,16 @@ class OffloadedParameters:
             for t in temps:
                 t.unlink(missing_ok=True)
             raise
+        index_name = "model.safetensors.index.json"
+        if n == 1:  # (an earlier index first: a reader prefers it to model.safetensors)
+            (out / index_name).unlink(missing_ok=True)
         for t, name in zip(temps, names):
             os.replace(t, out / name)
+        stale = [f for f in out.glob("model-*-of-*.safetensors") if f.name not in names]
+        if n > 1:
+            stale.append(out / "model.safetensors")
+        for f in stale:
+            f.unlink(missing_ok=True)
         return [out / name for name in names]
 
     def flush(self) -> None:
@@ -702,21 +715,33 @@ class _LazyFile(Mapping):
     def __len__(self):
         return len(self._sd)
 
+    def __contains__(self, k) -> bool:
+        return k in self._sd
+
 
 class _Safetensors(Mapping):
     """safetensors files' tensors (a file, or the shards an index names): each read when asked for."""
 
     def __init__(self, file_of: dict[str, Path]) -> None:
         self._file_of = file_of
-        self._open: dict[Path, Any] = {}
+        self._path: Path | None = None
+        self._handle: Any = None  # (one file open at a time: its mapped pages count as memory)
 
     def __getitem__(self, k):
         from safetensors import safe_open
 
         path = self._file_of[k]
-        if path not in self._open:
-            self._open[path] = safe_open(str(path), framework="pt")
-        return self._open[path].get_tensor(k)
+        if path != self._path:
+            self._handle = None
+            self._handle, self._path = safe_open(str(path), framework="pt"), path
+        try:
+            return self._handle.get_tensor(k)
+        except Exception as e:  # noqa: BLE001 (safetensors' own error types vary by version)
+            raise KeyError(f"offload_parameters: the safetensors index names {path.name!r} for {k!r}, which "
+                           f"does not hold it: {e}") from None
+
+    def __contains__(self, k) -> bool:
+        return k in self._file_of
 
     def __iter__(self):
         return iter(self._file_of)
@@ -746,6 +771,8 @@ def _safetensors(path: Path) -> _Safetensors:
         if f.suffix == ".json":
             try:
                 weight_map = json.loads(f.read_text())["weight_map"]
+                if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                    raise TypeError("its weight_map is not an object of file names")
             except (ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"offload_parameters: {str(f)!r} is not a safetensors index (a JSON object with "
                                  f"a weight_map): {e}") from None
