@@ -6,7 +6,8 @@ few steps by a process whose peak memory is a fraction of the model's bytes.
 
     python bench/offload_train.py [--path DIR] [--layers 24] [--dim 1024] [--vocab 8192]
                                   [--seq 256] [--batch 4] [--steps 3] [--window 2]
-                                  [--dtype bfloat16] [--no-fio] [--min-free-gb G]
+                                  [--dtype bfloat16] [--on-nonfinite skip_step|ignore]
+                                  [--no-fio] [--min-free-gb G]
                                   [--glibc-malloc-default]
 
 The model: a learned token and position embedding, --layers pre-norm blocks (LayerNorm,
@@ -201,6 +202,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--window", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--on-nonfinite", default="skip_step", choices=("skip_step", "ignore"),
+                    help="the optimizer's: skip_step (its default) needs every gradient before the first update, "
+                         "so the state's pass over the disk follows backward; ignore lets it overlap backward")
     ap.add_argument("--no-fio", action="store_true")
     ap.add_argument("--min-free-gb", type=float, default=0.0)
     ap.add_argument("--glibc-malloc-default", action="store_true",
@@ -217,7 +221,8 @@ def main() -> int:
     after_import = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     common = {"bench": "offload_train", "torch": torch.__version__, "threads": torch.get_num_threads(),
               "layers": args.layers, "dim": args.dim, "vocab": args.vocab, "seq": args.seq, "batch": args.batch,
-              "dtype": args.dtype, "window": args.window, "malloc_mmap_threshold_fixed": malloc_fixed,
+              "dtype": args.dtype, "window": args.window, "on_nonfinite": args.on_nonfinite,
+              "malloc_mmap_threshold_fixed": malloc_fixed,
               "loadavg_start": loadavg()}
     free_gb = shutil.disk_usage(args.path).free / 1e9
     if free_gb < args.min_free_gb:
@@ -253,7 +258,8 @@ def main() -> int:
                                                  init=init)
         materialize = time.perf_counter() - t0
         opt = tierstate_torch.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, tier="nvme",
-                                    path=os.path.join(scratch, "state"), overlap_backward=True)
+                                    path=os.path.join(scratch, "state"), overlap_backward=True,
+                                    on_nonfinite=args.on_nonfinite)
         idx, tgt = batch(args)
         losses, times, reads, writes = [], [], [], []
         for step in range(args.steps + 1):
