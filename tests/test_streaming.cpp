@@ -4,6 +4,7 @@
 // that get no gradient, with accumulation, clipping and skipped steps; and updates that
 // happen before the last gradient arrives.
 #include "matrix.hpp"
+#include "memory_tier.hpp"
 #include "nvme_support.hpp"
 
 #include <catch2/catch.hpp>
@@ -494,4 +495,226 @@ TEST_CASE("clipping with an inf or NaN norm goes on as clip_grad_norm_ does (rep
       }
     }
   }
+}
+
+// --- a shadowed state (options::shadow_state): skip_step without waiting for every gradient -
+
+namespace {
+
+/// Steps from..to of the model, plain or streaming (last tensor first); step `bad` puts an
+/// inf in tensor `victim`'s gradient.
+template <class Opt, class M>
+void run_steps(Opt& opt, M& m, int from, int to, bool streaming, int bad = 0, std::size_t victim = 0,
+               std::vector<step_result>* out = nullptr)
+{
+  for (int t = from; t <= to; ++t) {
+    m.fill_grads(t);
+    if (t == bad) { m.grads[victim][m.grads[victim].size() / 2] = bf16(std::numeric_limits<float>::infinity()); }
+    opt.set_hyperparameters(0, schedule<Opt>(t));
+    auto const views = m.views();
+    step_result r;
+    if (!streaming) {
+      r = opt.step(views);
+    } else {
+      opt.begin_step();
+      for (std::size_t k = views.size(); k-- > 0;) { opt.grad_ready(k, views[k]); }
+      r = opt.finish_step();
+    }
+    if (out != nullptr) { out->push_back(r); }
+  }
+}
+
+template <class Opt>
+typename Opt::options shadowed(std::size_t chunk, typename Opt::tier_type::options tier = {})
+{
+  typename Opt::options o;
+  o.chunk_elements = chunk;
+  o.shadow_state   = true;
+  o.tier           = std::move(tier);
+  return o;
+}
+
+template <class P>
+void check_shadowed_bits()
+{
+  scratch_dir d;
+  for (std::size_t const chunk : {std::size_t{2048}, std::size_t{1} << 20}) {
+    for (std::size_t const victim : {std::size_t{0}, std::size_t{3}, std::size_t{6}}) {
+      INFO("chunk " << chunk << ", an inf at step 5 in tensor " << victim);
+      nvme_model<P> ref;
+      HostOpt<P> plain(schedule<HostOpt<P>>(1), streaming_options<HostOpt<P>>(chunk, nonfinite_policy::skip_step));
+      register_model(plain, ref);
+      run_steps(plain, ref, 1, 12, false, 5, victim);
+      auto const expected = snapshot(plain, ref);
+      CHECK(expected.steps == 11);
+
+      nvme_model<P> m;
+      NvmeOpt<P> opt(schedule<NvmeOpt<P>>(1), shadowed<NvmeOpt<P>>(chunk, in(d)));
+      register_model(opt, m);
+      std::vector<step_result> results;
+      run_steps(opt, m, 1, 12, true, 5, victim, &results);
+      CHECK(snapshot(opt, m) == expected);
+      CHECK(results[4].skipped);
+      CHECK(results[4].found_nonfinite);
+      CHECK(results[4].step == 4);
+      CHECK(results[11].step == 11);
+
+      nvme_model<P> s;
+      NvmeOpt<P, Synchronous> sync(schedule<NvmeOpt<P, Synchronous>>(1), shadowed<NvmeOpt<P, Synchronous>>(chunk, in(d)));
+      register_model(sync, s);
+      run_steps(sync, s, 1, 12, true, 5, victim);
+      CHECK(snapshot(sync, s) == expected);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a shadowed state: skip_step streams as an unchecked step does, with step()'s bits", "[streaming][shadow]")
+{
+  check_shadowed_bits<Bf16Mixed>();
+  check_shadowed_bits<Bf16Mixed8bit>();
+}
+
+TEST_CASE("a shadowed state updates chunks before the last gradient; a skip then leaves everything as it was",
+          "[streaming][shadow][overlap]")
+{
+  using Opt = OffloadedOptimizer<AdamW, Bf16Mixed, test::memory_tier, Synchronous>;
+  std::atomic<int> writes{0};
+  test::memory_tier::options tier;
+  tier.before_write = [&] { ++writes; };
+  test_model<Bf16Mixed> m({8192, 8192, 8192, 8192});  // one chunk each
+  Opt opt(schedule<Opt>(1), shadowed<Opt>(8192, tier));
+  for (std::size_t k = 0; k < 4; ++k) { opt.add_tensor(tensor_name(k), m.params[k].data(), 8192); }
+  CHECK(opt.state_tier().size() == 2 * opt.state_layout().total_bytes());
+  m.fill_grads(1);
+  opt.step(m.views());
+  for (int round = 0; round < 2; ++round) {  // the spare places are the first half, then the second
+    INFO("round " << round);
+    auto const before = snapshot(opt, m);
+    m.fill_grads(2 + round);
+    m.grads[0][100]    = bf16(std::numeric_limits<float>::quiet_NaN());  // in the last gradient handed over
+    auto const views   = m.views();
+    int const base     = writes.load();
+    opt.begin_step();
+    opt.grad_ready(3, views[3]);  // its chunk is updated now, with three gradients to come
+    auto const deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (writes.load() < base + 1 && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    CHECK(writes.load() == base + 1);
+    std::vector<std::uint32_t> now;  // its params were written meanwhile
+    for (auto const x : m.params[3]) { now.push_back(x.bits); }
+    CHECK(now != before.params[3]);
+    for (std::size_t k : {2, 1, 0}) { opt.grad_ready(k, views[k]); }
+    auto const r = opt.finish_step();
+    CHECK(r.skipped);
+    CHECK(r.found_nonfinite);
+    CHECK(writes.load() == base + 4);
+    CHECK(snapshot(opt, m) == before);
+    // A clean step commits; the next one starts from its places.
+    m.fill_grads(10 + round);
+    opt.begin_step();
+    for (std::size_t k = 4; k-- > 0;) { opt.grad_ready(k, m.views()[k]); }
+    CHECK_FALSE(opt.finish_step().skipped);
+  }
+  // The same two clean steps, plain, unshadowed: the same bits.
+  using Ref = OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost, Synchronous>;
+  test_model<Bf16Mixed> r({8192, 8192, 8192, 8192});
+  Ref ref(schedule<Ref>(1), streaming_options<Ref>(8192, nonfinite_policy::skip_step));
+  for (std::size_t k = 0; k < 4; ++k) { ref.add_tensor(tensor_name(k), r.params[k].data(), 8192); }
+  for (int t : {1, 10, 11}) {
+    r.fill_grads(t);
+    ref.step(r.views());
+  }
+  CHECK(snapshot(opt, m) == snapshot(ref, r));
+}
+
+TEST_CASE("a shadowed step that fails part way is refused with nothing changed; lost only if the params "
+          "cannot be restored", "[streaming][shadow][errors]")
+{
+  using Opt = OffloadedOptimizer<AdamW, Bf16Mixed, test::memory_tier, Pipelined<2>>;
+  int writes_left   = 1 << 30;
+  bool fail_reads   = false;
+  bool reads_follow = false;  // the reads fail too once a write has
+  test::memory_tier::options tier;
+  tier.writes_left  = &writes_left;
+  tier.fail_reads   = &fail_reads;
+  tier.before_write = [&] { fail_reads = reads_follow && writes_left <= 0; };
+  nvme_model<Bf16Mixed> m;
+  Opt opt(schedule<Opt>(1), shadowed<Opt>(2048, tier));
+  register_model(opt, m);
+  run_steps(opt, m, 1, 1, true);
+  auto const before = snapshot(opt, m);
+  writes_left = 3;  // the fourth chunk's write fails, three were written to their spare places
+  opt.set_hyperparameters(0, schedule<Opt>(2));
+  m.fill_grads(2);
+  opt.begin_step();
+  for (std::size_t k = m.views().size(); k-- > 0;) { opt.grad_ready(k, m.views()[k]); }
+  CHECK_THROWS_WITH(opt.finish_step(), Catch::Contains("memory_tier: write failed"));
+  CHECK_FALSE(opt.state_lost());
+  writes_left = 1 << 30;
+  CHECK(snapshot(opt, m) == before);
+  run_steps(opt, m, 2, 3, true);  // taken again
+  nvme_model<Bf16Mixed> r;
+  HostOpt<Bf16Mixed> ref(schedule<HostOpt<Bf16Mixed>>(1), streaming_options<HostOpt<Bf16Mixed>>(2048, nonfinite_policy::skip_step));
+  register_model(ref, r);
+  run_steps(ref, r, 1, 3, false);
+  CHECK(snapshot(opt, m) == snapshot(ref, r));
+
+  // The params cannot be restored when the tier cannot be read either: then the state is lost.
+  writes_left  = 2;
+  reads_follow = true;
+  opt.set_hyperparameters(0, schedule<Opt>(4));
+  m.fill_grads(4);
+  opt.begin_step();
+  for (std::size_t k = m.views().size(); k-- > 0;) { opt.grad_ready(k, m.views()[k]); }
+  CHECK_THROWS_WITH(opt.finish_step(), Catch::Contains("memory_tier: write failed"));
+  CHECK(opt.state_lost());
+  fail_reads = false;
+  CHECK_THROWS_WITH(opt.begin_step(), Catch::Contains("restoring the params it had written failed: memory_tier: read failed"));
+}
+
+TEST_CASE("a shadowed state saves and loads as any other, and shadow_state is refused where it cannot work",
+          "[streaming][shadow][errors]")
+{
+  scratch_dir d;
+  auto const file = d.path / "run.ckpt";
+  nvme_model<Bf16Mixed> r;
+  HostOpt<Bf16Mixed> ref(schedule<HostOpt<Bf16Mixed>>(1), streaming_options<HostOpt<Bf16Mixed>>(2048, nonfinite_policy::skip_step));
+  register_model(ref, r);
+  run_steps(ref, r, 1, 8, false, 3, 2);
+  {
+    nvme_model<Bf16Mixed> m;
+    NvmeOpt<Bf16Mixed> opt(schedule<NvmeOpt<Bf16Mixed>>(1), shadowed<NvmeOpt<Bf16Mixed>>(2048, in(d)));
+    register_model(opt, m);
+    run_steps(opt, m, 1, 5, true, 3, 2);  // a skipped step: the chunks' places differ
+    opt.save(file);
+  }
+  {  // into a shadowed optimizer, and into a plain one
+    nvme_model<Bf16Mixed> m;
+    NvmeOpt<Bf16Mixed> opt(schedule<NvmeOpt<Bf16Mixed>>(1), shadowed<NvmeOpt<Bf16Mixed>>(2048, in(d)));
+    register_model(opt, m);
+    run_steps(opt, m, 1, 2, true);  // (its own places moved first)
+    opt.load(file);
+    run_steps(opt, m, 6, 8, true);
+    CHECK(snapshot(opt, m) == snapshot(ref, r));
+  }
+  {
+    nvme_model<Bf16Mixed> m;
+    HostOpt<Bf16Mixed> opt(schedule<HostOpt<Bf16Mixed>>(1), streaming_options<HostOpt<Bf16Mixed>>(2048, nonfinite_policy::skip_step));
+    register_model(opt, m);
+    opt.load(file);
+    run_steps(opt, m, 6, 8, false);
+    CHECK(snapshot(opt, m) == snapshot(ref, r));
+  }
+  // Refused: a tier in host memory, no fp32 master, the delayed update.
+  CHECK_THROWS_WITH((HostOpt<Bf16Mixed>({}, shadowed<HostOpt<Bf16Mixed>>(0))), Catch::Contains("shadow_state"));
+  CHECK_THROWS_AS((NvmeOpt<Fp32>({}, shadowed<NvmeOpt<Fp32>>(0, in(d)))), invalid_option);
+  auto o           = shadowed<NvmeOpt<Bf16Mixed>>(0, in(d));
+  o.delayed_update = true;
+  CHECK_THROWS_WITH((NvmeOpt<Bf16Mixed>({}, o)), Catch::Contains("delayed_update"));
+  static_assert(NvmeOpt<Bf16Mixed>::can_shadow_state && !HostOpt<Bf16Mixed>::can_shadow_state &&
+                !NvmeOpt<Fp32>::can_shadow_state);
+  CHECK(d.entries() == std::vector<std::string>{"run.ckpt"});  // (the tiers' files are gone)
 }

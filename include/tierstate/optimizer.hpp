@@ -127,6 +127,11 @@ class OffloadedOptimizer {
   static constexpr bool takes_device_params = placement::device_params;
 
   using options = optimizer_options<typename StateTier::options>;  ///< see optimizer_options.hpp
+  /// Whether options::shadow_state is taken: the host-staged route (a tier that is not host
+  /// memory, OnHost compute), an fp32 master, and a rule without a tensor phase.
+  static constexpr bool can_shadow_state =
+    std::is_same_v<routes::route_of<OffloadedOptimizer>, routes::host_staged<OffloadedOptimizer>> &&
+    Precision::has_master && !has_tensor_phase<rule_type>;
 
   /// Group 0 holds every tensor not placed in another group, with `defaults`.
   explicit OffloadedOptimizer(hyperparameters const& defaults = {}, options const& opts = {});
@@ -148,9 +153,9 @@ class OffloadedOptimizer {
   tensor_id add_tensor(std::string name, param_type* param, tensor_shape shape,
                        location where = location::host);
   /// Registers tensor `id` of `source` (offloaded_params: weights in a tier) by its size and name
-  /// (or `name`, when not empty: one source, several optimizers' names): the master comes from it, each update reads and writes params through it (and, in a streaming
-  /// step, the gradient grad_ready gave it where it keeps_grads(): see begin_step). OnHost compute
-  /// only, without delayed_update or a tensor phase (else logic_error); `source` must outlive it.
+  /// (or `name`, if not empty): the master comes from it, each update reads and writes params
+  /// through it (in a streaming step, also the gradient where it keeps_grads(): see begin_step).
+  /// OnHost compute only, without delayed_update or a tensor phase (else logic_error); `source` must outlive it.
   tensor_id add_tensor(param_source<param_type>& source, std::size_t id, std::string name = {});
 
   /// A parameter group: moves the named tensors (from group 0) into a new group with its
@@ -188,9 +193,10 @@ class OffloadedOptimizer {
   /// chunks became ready. With `micro_batches` = m, a gradient is final at its m-th grad_ready
   /// (gradient accumulation: each call passes the accumulated gradient so far).
   ///
-  /// What the options cost the overlap: looking for non-finite gradients (on_nonfinite other
-  /// than `ignore`), clipping (max_grad_norm) and a rule's tensor phase need every gradient
-  /// before the first update; the tier's reads ahead (NvmeFile) still overlap with backward.
+  /// What the options cost the overlap: skip_step (on_nonfinite's default), clipping
+  /// (max_grad_norm) and a rule's tensor phase need every gradient before the first update,
+  /// the tier's reads ahead (NvmeFile) still overlapping with backward; skip_step does not
+  /// with options::shadow_state (where can_shadow_state), nor do `report` and `ignore`.
   ///
   /// Between begin_step and finish_step only grad_ready may be called; the results equal
   /// step()'s with the same gradients, bit for bit.
@@ -269,7 +275,8 @@ class OffloadedOptimizer {
   void load_from(std::uint64_t size, std::function<void(std::uint64_t offset, std::span<std::byte> to)> const& read,
                  bool verify_checksums = true);
 
-  /// The layout, and the tier holding the state (made on first use, like the state).
+  /// The layout, and the tier holding the state (made on first use, like the state; with
+  /// shadow_state, chunk k's state is at one of two places: the tier is twice the layout's).
   [[nodiscard]] layout const& state_layout();
   [[nodiscard]] StateTier& state_tier();
   [[nodiscard]] std::size_t tensor_count() const noexcept { return tensors_.size(); }
@@ -333,29 +340,24 @@ class OffloadedOptimizer {
   [[nodiscard]] param_type* update_params(std::size_t t) const noexcept;
   [[nodiscard]] bool update_params_on_device(std::size_t t) const noexcept;
   void drive_streaming_step();
+  void undo_shadowed_step(std::exception_ptr failure);  ///< streaming.inl
   /// Queues the device update of chunk k, whose state is device memory at `chunk`.
   void launch_chunk(std::size_t k, std::byte* chunk, std::span<grad_view<grad_type> const> grads,
                     std::vector<coefficients_type> const& coefficients);
   void check_slot(slot s, char const* call) const;  ///< refuses, naming it, a slot not kept
   void flush_before_load();
   /// The checkpoint's regions through write(offset, data, n), in order.
-  template <class Write>
-  void write_checkpoint(PinnedHost& header, PinnedHost& table, Write&& write);
+  template <class Write> void write_checkpoint(PinnedHost& header, PinnedHost& table, Write&& write);
   /// Checks and loads `file_bytes` bytes through read(offset, data, n), with four buffers.
-  template <class Read>
-  void read_checkpoint(std::uint64_t file_bytes, std::string const& file, bool verify, PinnedHost& first,
+  template <class Read> void read_checkpoint(std::uint64_t file_bytes, std::string const& file, bool verify, PinnedHost& first,
                        PinnedHost& region, PinnedHost& table, PinnedHost& scratch, Read&& read);
-  [[nodiscard]] checkpoint::header make_header() const;  // (of the layout made, or of `lay`)
-  [[nodiscard]] checkpoint::header make_header(layout const& lay) const;
+  [[nodiscard]] checkpoint::header make_header() const, make_header(layout const& lay) const;  // (made, or `lay`)
   void check_header(checkpoint::header const& h, layout const& lay, std::string const& path) const;
-  /// The checkpoint's engine options (given, or the tier's: checkpoint_options::io), and the
-  /// engine, or an io_error that says which options choose it.
+  /// The checkpoint's engine options (given, or the tier's), and the engine, or an io_error naming them.
   [[nodiscard]] io::engine_options checkpoint_io(checkpoint_options const& o) const;
-  [[nodiscard]] io::engine checkpoint_engine(io::engine_options const& eo, checkpoint_options const& o,
-                                             std::string const& path) const;
-  /// Updates elements [b, e) of chunk k (whose bytes start at `chunk`) on this thread. The
-  /// gradients and params of device tensors are read from, and written to, the chunk's PCIe
-  /// staging (`grad_stage`, `param_stage`: chunk_elements each) instead.
+  [[nodiscard]] io::engine checkpoint_engine(io::engine_options const& eo, checkpoint_options const& o, std::string const& path) const;
+  /// Updates elements [b, e) of chunk k (whose bytes start at `chunk`) on this thread; device tensors'
+  /// gradients and params through the chunk's PCIe staging (`grad_stage`, `param_stage`: chunk_elements each).
   void update_chunk_range(std::size_t k, std::byte* chunk, std::size_t b, std::size_t e,
                           std::span<grad_view<grad_type> const> grads,
                           std::vector<coefficients_type> const& coefficients,
@@ -370,10 +372,8 @@ class OffloadedOptimizer {
   std::atomic<std::int64_t> step_{0};  ///< (step_count() may read it while a streaming step counts)
   std::int64_t rounding_step_ = 0;  ///< the step StochasticRounding's keys are made for
   thread_pool pool_;
-
-  /// The layout, the tier, the staging, the I/O thread, the device resources and the lost
-  /// state, made by materialize() (declared before what uses them: the delayed update's
-  /// worker and the streaming step's driver stop first).
+  /// The layout, the tier, the staging, the I/O thread, the device resources and the lost state, made
+  /// by materialize() (declared before what uses them: the delayed update and the streaming driver stop first).
   store_type store_;
   /// A rule's tensor phase: every tensor's own state (step/tensor_phase.hpp).
   detail::tensor_phase<rule_type> tensor_phase_;

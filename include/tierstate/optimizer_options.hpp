@@ -44,6 +44,15 @@ struct optimizer_options {
   /// copy_state and write_state) waits for the update in flight and writes its params.
   /// Off by default; streaming steps are refused with it.
   bool delayed_update = false;
+  /// A streaming step (begin_step ... finish_step) whose one check is on_nonfinite's
+  /// skip_step updates each chunk as soon as its gradients are in, as an unchecked one does,
+  /// instead of waiting for every gradient to be checked: its new state goes to a second copy
+  /// (the tier is made twice the state's bytes), which becomes the state only when the check
+  /// passes. A skipped step, or one that fails part way, leaves the state as it was and
+  /// writes back the params it changed, from the master. Needs a tier that is not host memory
+  /// (NvmeFile, a user's), OnHost compute and an fp32 master (OffloadedOptimizer::
+  /// can_shadow_state); refused otherwise, and with delayed_update. Off by default.
+  bool shadow_state = false;
   /// StochasticRounding's seed: with the step count and the tensor's index it picks each
   /// element's random bits (codecs/stochastic_rounding.hpp), so the same seed, model and
   /// gradients give the same params, resumed from a checkpoint or not. Checkpoints do not

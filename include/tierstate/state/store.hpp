@@ -14,6 +14,12 @@
 // The state is made on first use (make), from the tensors registered by then; until then
 // made() is false and nothing but layout_for may be called. A failure while making it
 // leaves none (discard), so the next call starts over.
+//
+// A shadowed store (make's `shadow`) has a tier of twice the state's bytes: each chunk has
+// two places, one holding its state (the committed one) and one spare. Between
+// begin_shadow() and commit_shadow() or abort_shadow(), a step's writes go to the spare
+// places (write_offset); a commit makes them the chunks' state, an abort forgets them, and
+// the state is then as it was before the step, however far the step got.
 #pragma once
 
 #include <tierstate/core/error.hpp>
@@ -71,13 +77,46 @@ class state_store {
   /// params as they are now (when `fill_master`; load overwrites every chunk), the slots zero
   /// (the tier's fill). Does nothing when the state is made already.
   void make(std::span<tensor_entry const> tensors, typename StateTier::options const& tier_options,
-            std::size_t chunk_elements, bool fill_master = true);
+            std::size_t chunk_elements, bool fill_master = true, bool shadow = false);
   /// Back to "no state yet".
   void discard() noexcept;
   [[nodiscard]] bool made() const noexcept { return layout_.has_value(); }
 
   // --- what make made (made() only) -----------------------------------------------------
   [[nodiscard]] tierstate::layout const& layout() const noexcept { return *layout_; }
+
+  // --- where a chunk's state rests (a shadowed store: one of two places) -------------------
+  /// The tier's byte offset of chunk k's state.
+  [[nodiscard]] std::size_t chunk_offset(std::size_t k) const noexcept
+  {
+    return (std::size_t{place_.empty() ? 0u : place_[k]} * layout_->chunk_count() + k) * layout_->chunk_bytes();
+  }
+  /// Where a step writes chunk k's new state: its spare place while shadowing (noted for
+  /// commit_shadow), else its own.
+  [[nodiscard]] std::size_t write_offset(std::size_t k) noexcept
+  {
+    if (!shadowing_) { return chunk_offset(k); }
+    written_[k] = 1;
+    return (std::size_t{place_[k] ^ 1u} * layout_->chunk_count() + k) * layout_->chunk_bytes();
+  }
+  [[nodiscard]] bool shadowed() const noexcept { return !place_.empty(); }
+  [[nodiscard]] bool shadowing() const noexcept { return shadowing_; }
+  /// From here on the step's writes go to the spare places (a shadowed store).
+  void begin_shadow() noexcept
+  {
+    shadowing_ = shadowed();
+    std::fill(written_.begin(), written_.end(), 0);
+  }
+  /// The chunks a step wrote (write_offset) now rest in their spare places.
+  void commit_shadow() noexcept
+  {
+    if (shadowing_) {
+      for (std::size_t k = 0; k < place_.size(); ++k) { place_[k] ^= written_[k]; }
+    }
+    shadowing_ = false;
+  }
+  /// The spare places are forgotten: every chunk's state is as before begin_shadow().
+  void abort_shadow() noexcept { shadowing_ = false; }
   /// Points `a`'s (update_arrays') master or compensation and rule slots at element e of the
   /// chunk whose bytes start at `chunk` (a block codec's slot: at the block e starts).
   template <class Arrays>
@@ -123,8 +162,10 @@ class state_store {
   /// Writes `from` into slot index `si` of tensor t, rounded to the slot's type. A failed
   /// write may have landed in part: the state is lost.
   void write_slot(std::size_t t, std::size_t si, std::span<float const> from);
-  /// Writes the params of chunk k's tensors from its master (a precision with one).
-  void params_from_master(std::size_t k, std::byte const* chunk, std::span<tensor_entry const> tensors) const;
+  /// Writes the params of chunk k's tensors from its master (a precision with one); those
+  /// of the tensors t with only[t] != 0 alone, where `only` is not empty.
+  void params_from_master(std::size_t k, std::byte const* chunk, std::span<tensor_entry const> tensors,
+                          std::span<char const> only = {}) const;
 
   // --- lost state ---------------------------------------------------------------------
   [[nodiscard]] bool lost() const noexcept { return !lost_.empty(); }
@@ -158,6 +199,9 @@ class state_store {
   std::unique_ptr<detail::io_worker<StateTier>> io_;  ///< declared after tier_
   std::unique_ptr<device_resources> dev_;             ///< declared after tier_ and staging_
   std::string lost_;  ///< the failure that left the state part updated, or empty
+  std::vector<unsigned char> place_;  ///< a shadowed store's: per chunk, which half holds its state
+  std::vector<unsigned char> written_;  ///< per chunk: written to its spare place while shadowing
+  bool shadowing_ = false;            ///< between begin_shadow and commit_shadow or abort_shadow
 };
 
 }  // namespace tierstate::detail

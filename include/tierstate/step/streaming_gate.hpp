@@ -9,7 +9,9 @@
 // then follows the order the previous step's chunks became ready. When the step's checks
 // (non-finite, clipping) need every gradient, the first chunk waits for all of them and the
 // checks run then, once; while it waits, each host gradient is looked at for infs and NaNs
-// as it becomes final, so that by the last one only that one is left to look at.
+// as it becomes final, so that by the last one only that one is left to look at. A late
+// check (report, or skip_step on a shadowed state) waits for nothing: each chunk's gradients
+// are looked at as it goes, and the check runs once every chunk has been updated.
 #pragma once
 
 #include <tierstate/core/device_runtime.hpp>
@@ -47,10 +49,9 @@ class streaming_gate {
   ~streaming_gate()
   {
     if (driver_.joinable()) {
-      {
-        std::lock_guard lock(m_);
-        abandoned_ = true;
-      }
+      std::unique_lock lock(m_);
+      abandoned_ = true;
+      lock.unlock();
       cv_.notify_all();
       driver_.join();
     }
@@ -58,17 +59,17 @@ class streaming_gate {
   streaming_gate(streaming_gate const&)            = delete;
   streaming_gate& operator=(streaming_gate const&) = delete;
 
-  /// Whether a streaming step is in progress.
+  /// Whether a streaming step is in progress; the chunk at position j of this step's order;
+  /// the order the last streaming step's chunks became ready (empty before the first).
   [[nodiscard]] bool open() const noexcept { return open_; }
-  /// The chunk at position j of this step's order.
   [[nodiscard]] std::size_t chunk_at(std::size_t j) const noexcept { return open_ ? order_[j] : j; }
-  /// The order the last streaming step's chunks became ready (empty before the first).
   [[nodiscard]] std::vector<std::size_t> const& next_order() const noexcept { return next_order_; }
 
   /// Opens the gate over `lay`'s chunks, chunk k holding `pending[k]` tensor pieces, and
-  /// starts `drive` on the gate's thread. `checks`: the step's checks need every gradient.
+  /// starts `drive` on the gate's thread. `checks`: the step's checks need every gradient;
+  /// `late`: they run after the update (check_late), which looks at each chunk's as it goes.
   template <class Drive>
-  void begin(layout const& lay, std::vector<std::size_t> pending, bool checks, unsigned micro_batches,
+  void begin(layout const& lay, std::vector<std::size_t> pending, bool checks, bool late, unsigned micro_batches,
              double grad_scale, std::vector<Coefficients> coefficients, Drive&& drive)
   {
     std::size_t const n = lay.chunk_count();
@@ -78,6 +79,9 @@ class streaming_gate {
     abandoned_          = false;
     checks_             = checks;
     checked_            = false;
+    late_               = late && !checks;
+    looked_.assign(T, 0);
+    late_found_.reset();
     micro_batches_      = micro_batches;
     grad_scale_         = grad_scale;
     views_.assign(T, grad_view<Grad>{});
@@ -186,10 +190,11 @@ class streaming_gate {
     }
   }
 
-  /// What keep() found in a gradient it kept.
+  /// What keep() found in a gradient it kept: an inf or a NaN (when the step looks for them),
+  /// its norm's block sums (when the step clips).
   struct kept {
-    bool nonfinite = false;    ///< an inf or a NaN (when the step looks for them)
-    std::vector<double> sums;  ///< its norm's block sums (when the step clips)
+    bool nonfinite = false;
+    std::vector<double> sums;
   };
   /// From the thread a keep went on to: tensor t's gradient, of n elements, is kept, and `k`
   /// is what the checks need of it. (Nothing here allocates: begin() reserved it.)
@@ -211,9 +216,9 @@ class streaming_gate {
     mark_final(t);
     cv_.notify_all();
   }
-  /// Whether tensor t's gradient was kept elsewhere (its view then has no data), in this step.
+  /// Whether tensor t's gradient was kept elsewhere (its view then has no data), in this step;
+  /// whether any kept gradient held an inf or a NaN.
   [[nodiscard]] bool stashed(std::size_t t) const noexcept { return open_ && stashed_[t] != 0; }
-  /// Whether any kept gradient held an inf or a NaN.
   [[nodiscard]] bool kept_nonfinite() const noexcept { return open_ && kept_found_; }
   /// Per tensor, the kept gradients' block sums (empty for the others).
   [[nodiscard]] std::span<std::vector<double> const> kept_sums() const noexcept
@@ -282,12 +287,23 @@ class streaming_gate {
         if (v.where == location::device && v.data != nullptr) { wait(*grad_events_[pc.tensor]); }
       }
     } else {
-      (void)pieces, (void)wait;
+      (void)wait;
+    }
+    for (auto const& pc : pieces) {  // a late check's looks: each final gradient once, until one is found
+      if (!late_ || std::exchange(looked_[pc.tensor], 1) != 0 || late_found_.value_or(false)) { continue; }
+      if (std::optional<bool> const f = look(views_[pc.tensor])) { late_found_ = late_found_.value_or(false) || *f; }
     }
   }
 
-  /// Whether chunk k may go without waiting.
-  [[nodiscard]] bool ready_now(std::size_t k)
+  /// Whether this step's checks run late, and (the driver's, once every chunk went through
+  /// await) running them: check(views, grad_scale, coefficients, result, looked), as await's.
+  [[nodiscard]] bool late() const noexcept { return open_ && late_; }
+  template <class Check>
+  bool check_late(Check&& check)
+  {
+    return check(std::span<grad_view<Grad> const>(views_), grad_scale_, coefficients_, result_, late_found_);
+  }
+  [[nodiscard]] bool ready_now(std::size_t k)  ///< whether chunk k may go without waiting
   {
     std::lock_guard lock(m_);
     return ready_[k] != 0 && (!checks_ || checked_);
@@ -315,10 +331,7 @@ class streaming_gate {
       cv_.wait(lock, [&] { return keeping_ == 0; });  // (the driver may have left early: no keep outlives the step)
     }
     driver_.join();
-    {
-      std::lock_guard lock(m_);
-      open_ = false;
-    }
+    { std::lock_guard const lock(m_); open_ = false; }
     next_order_ = arrival_;  // the next step follows the order this one's chunks came in
     if (error_) { std::rethrow_exception(error_); }
     step_result r         = result_;
@@ -357,12 +370,13 @@ class streaming_gate {
   std::mutex m_;
   std::condition_variable cv_;
   layout const* lay_ = nullptr;
-  bool open_         = false;
-  bool abandoned_    = false;  ///< the optimizer is being destroyed mid-step
-  bool checks_       = false;  ///< non-finite check or clipping: wait for every gradient
-  bool checked_      = false;  ///< those ran
+  bool open_ = false, abandoned_ = false;  ///< (abandoned: the optimizer is being destroyed mid-step)
+  bool checks_ = false, checked_ = false;  ///< the checks wait for every gradient; they ran
+  bool late_         = false;  ///< they run after the update (check_late)
+  std::vector<char> looked_;   ///< per tensor: a late check looked at its gradient
+  std::optional<bool> late_found_;  ///< what those looks found (nullopt: none looked at anything)
   unsigned micro_batches_ = 1;
-  double grad_scale_      = 1.0;
+  double grad_scale_ = 1.0;
   std::chrono::steady_clock::time_point started_;
   std::vector<grad_view<Grad>> views_;  ///< per tensor; {nullptr, 0}: no gradient
   std::vector<char> stashed_;           ///< per tensor: its gradient was kept elsewhere

@@ -307,7 +307,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
       std::byte* chunk = scratch.data();
       read(H + k * B, chunk, B);
       if (verify && checkpoint::checksum(chunk, B) != sums[k]) { throw corrupt_chunk(k); }
-      store_.tier().write(k * B, std::span<std::byte const>(chunk, B));
+      store_.tier().write(store_.chunk_offset(k), std::span<std::byte const>(chunk, B));
       store_.params_from_master(k, chunk, tensors_);
     }
     for (std::uint64_t j = 0; j < P; ++j) {  // the params the file keeps: after the master's

@@ -36,6 +36,13 @@ OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::OffloadedOpti
                          "clipping with OnDevice compute is not supported yet (the norm would need a "
                          "device reduction); clip in the framework, or compute on the host");
   }
+  if (opts.shadow_state && (!can_shadow_state || opts.delayed_update)) {
+    throw invalid_option("shadow_state", "true",
+                         opts.delayed_update
+                           ? "a shadowed state serves streaming steps, which delayed_update refuses"
+                           : "needs a state tier that is not host memory (NvmeFile, a user's), OnHost compute, "
+                             "a precision with an fp32 master and a rule without a tensor phase");
+  }
   store_type::preflight(opts.tier);
   groups_.push_back(defaults);
 }

@@ -9,7 +9,8 @@ template <class Rule, precision Precision, tier StateTier, class Transfer, class
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::materialize(bool fill_master,
                                                                                     std::size_t chunk_elements)
 {
-  store_.make(tensors_, opts_.tier, chunk_elements != 0 ? chunk_elements : opts_.chunk_elements, fill_master);
+  store_.make(tensors_, opts_.tier, chunk_elements != 0 ? chunk_elements : opts_.chunk_elements, fill_master,
+              opts_.shadow_state);
   tensor_phase_.make(std::span<tensor_entry const>(tensors_));
 }
 

@@ -192,11 +192,11 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::run_step
       throw;
     }
     tensor_phase_.commit();  // every chunk updated: the tensor phase's result is the state now
-  } catch (std::exception const& e) {
-    if (changed) { store_.mark_lost(e.what()); }
+  } catch (std::exception const& e) {  // (a shadowed step's state is intact: its driver undoes the rest)
+    if (changed && !store_.shadowing()) { store_.mark_lost(e.what()); }
     throw;
   } catch (...) {
-    if (changed) { store_.mark_lost("an exception that is not a std::exception"); }
+    if (changed && !store_.shadowing()) { store_.mark_lost("an exception that is not a std::exception"); }
     throw;
   }
 }

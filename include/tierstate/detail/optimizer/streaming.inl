@@ -74,15 +74,18 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::begin_st
   materialize();
   std::vector<std::size_t> pending(store_.layout().chunk_count());
   for (std::size_t k = 0; k < pending.size(); ++k) { pending[k] = store_.pieces(k).size(); }
-  // The checks, and a rule's tensor phase, need every gradient before the first update.
-  bool const checks = opts_.on_nonfinite != nonfinite_policy::ignore || opts_.max_grad_norm > 0.0 ||
-                      has_tensor_phase<rule_type>;
+  // Clipping, a rule's tensor phase and skip_step need every gradient before the first
+  // update; skip_step does not on a shadowed state (its update is kept only if the check
+  // passes), nor does `report`: their check runs after the update (late).
+  bool const checks = opts_.max_grad_norm > 0.0 || has_tensor_phase<rule_type> ||
+                      (opts_.on_nonfinite == nonfinite_policy::skip_step && !store_.shadowed());
+  bool const late   = opts_.on_nonfinite != nonfinite_policy::ignore;
   if constexpr (keeps_grads_in_sources && placement::device_params) {  // the keeper's ring: two of the largest
     std::size_t largest = 0;
     for (std::size_t t = 0; t < tensors_.size(); ++t) { largest = std::max(largest, keeps_gradient(t) ? tensors_[t].count : 0); }
     keeper_.size_for(largest);
   }
-  streaming_.begin(store_.layout(), std::move(pending), checks, micro_batches, grad_scale, std::move(coefficients),
+  streaming_.begin(store_.layout(), std::move(pending), checks, late, micro_batches, grad_scale, std::move(coefficients),
                    [this] { drive_streaming_step(); });
 }
 
@@ -154,14 +157,64 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::drive_st
 {
   auto& result = streaming_.result();
   try {
+    // skip_step, checked late: the update goes to the state's spare places, kept if it passes.
+    if (streaming_.late() && opts_.on_nonfinite == nonfinite_policy::skip_step) { store_.begin_shadow(); }
     run_step(streaming_.views(), streaming_.coefficients(), result);
+    if (streaming_.late() &&
+        !streaming_.check_late([this](std::span<grad_view<grad_type> const> views, double grad_scale,
+                                      std::vector<coefficients_type>& coefficients, step_result& r,
+                                      std::optional<bool> looked) {
+          return check_and_clip(views, grad_scale, coefficients, r, looked);
+        })) {
+      undo_shadowed_step(nullptr);
+      throw detail::skip_step_signal{};
+    }
+    store_.commit_shadow();
     count_step(streaming_.views());
     result.step = step_;
   } catch (detail::skip_step_signal const&) {
     result.skipped = true;
     result.step    = step_;
   } catch (...) {
-    streaming_.fail(std::current_exception());
+    auto failure = std::current_exception();
+    if (store_.shadowing()) {  // the state as it was: a refusal, unless the params cannot be restored
+      try {
+        undo_shadowed_step(failure);
+      } catch (...) {
+      }
+    }
+    streaming_.fail(std::move(failure));
+  }
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::undo_shadowed_step(std::exception_ptr failure)
+{
+  // A shadowed step that will not be kept: its state is forgotten, and the params it wrote
+  // (those of the tensors with a gradient) are written again from the master it left alone.
+  // If that fails, the params are part updated: the state is lost.
+  store_.abort_shadow();
+  auto const views = streaming_.views();
+  std::vector<char> only(tensors_.size(), 0);
+  for (std::size_t t = 0; t < tensors_.size(); ++t) { only[t] = views[t].data != nullptr || streaming_.stashed(t); }
+  try {
+    step_stats ignored;
+    for (std::size_t k = 0; k < store_.layout().chunk_count(); ++k) {
+      store_.with_chunk(k, false, ignored, [&](std::byte const* chunk) { store_.params_from_master(k, chunk, tensors_, only); });
+    }
+    detail::flush_sources(sources_);
+  } catch (std::exception const& e) {
+    std::string what = e.what();
+    if (failure) {
+      try {
+        std::rethrow_exception(failure);
+      } catch (std::exception const& f) {
+        what = std::string(f.what()) + "; then restoring the params it had written failed: " + what;
+      } catch (...) {
+      }
+    }
+    store_.mark_lost(std::move(what));
+    throw;
   }
 }
 

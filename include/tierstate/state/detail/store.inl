@@ -39,7 +39,8 @@ tierstate::layout state_store<Precision, Rule, StateTier, Placement>::layout_for
 template <class Precision, class Rule, tier StateTier, class Placement>
 void state_store<Precision, Rule, StateTier, Placement>::make(std::span<tensor_entry const> tensors,
                                                               typename StateTier::options const& tier_options,
-                                                              std::size_t chunk_elements, bool fill)
+                                                              std::size_t chunk_elements, bool fill,
+                                                              bool shadow)
 {
   if (layout_) { return; }
   tierstate::layout lay = layout_for(tensors, chunk_elements);
@@ -61,7 +62,7 @@ void state_store<Precision, Rule, StateTier, Placement>::make(std::span<tensor_e
   }
   for (std::size_t k = 0; k < lay.chunk_count(); ++k) { chunk_pieces[k + 1] += chunk_pieces[k]; }
 
-  StateTier tier(lay.total_bytes(), tier_options);
+  StateTier tier(lay.total_bytes() * (shadow ? 2 : 1), tier_options);
   std::optional<PinnedHost> staging;
   if constexpr (Placement::host_staging_chunks > 0) { staging.emplace(Placement::host_staging_chunks * lay.chunk_bytes()); }
   std::unique_ptr<device_resources> dev;
@@ -88,6 +89,9 @@ void state_store<Precision, Rule, StateTier, Placement>::make(std::span<tensor_e
   pieces_       = std::move(pieces);
   chunk_pieces_ = std::move(chunk_pieces);
   dev_          = std::move(dev);
+  place_.assign(shadow ? layout_->chunk_count() : 0, 0);
+  written_.assign(place_.size(), 0);
+  shadowing_ = false;
   // If anything fails from here on (the I/O thread, the tier on the way through the master),
   // the store goes back to having no state, so the next call starts over instead of stepping
   // on a half-made one.
@@ -146,6 +150,9 @@ void state_store<Precision, Rule, StateTier, Placement>::discard() noexcept
   pieces_.clear();
   chunk_pieces_.clear();
   staging_.reset();
+  place_.clear();
+  written_.clear();
+  shadowing_ = false;
 }
 
 template <class Precision, class Rule, tier StateTier, class Placement>
@@ -162,7 +169,7 @@ void state_store<Precision, Rule, StateTier, Placement>::with_chunk(std::size_t 
                                                                     step_stats& stats, F&& f)
 {
   std::size_t const bytes  = layout_->chunk_bytes();
-  std::size_t const offset = k * bytes;
+  std::size_t const offset = chunk_offset(k);
   if constexpr (Placement::tier_in_host_memory) {
     f(tier_->data() + offset);
     stats.tier_bytes_in_place += bytes;
@@ -209,7 +216,7 @@ void state_store<Precision, Rule, StateTier, Placement>::read_slot(std::size_t t
       std::size_t const n      = std::min(ext.count - done, ce - e % ce);
       std::size_t const blocks = (n + C::block - 1) / C::block;
       buf.resize(blocks * C::block_bytes);
-      tier_->read(layout_->byte_offset(si, e), buf);
+      tier_->read(layout_->byte_offset(si, e) - (e / ce) * layout_->chunk_bytes() + chunk_offset(e / ce), buf);
       for (std::size_t b = 0; b < blocks; ++b) {
         std::byte const* from = buf.data() + b * C::block_bytes;
         if constexpr (block_codec<C>) {
@@ -251,7 +258,7 @@ void state_store<Precision, Rule, StateTier, Placement>::write_slot(std::size_t 
         }
       }
       try {
-        tier_->write(layout_->byte_offset(si, e), buf);
+        tier_->write(layout_->byte_offset(si, e) - (e / ce) * layout_->chunk_bytes() + chunk_offset(e / ce), buf);
       } catch (std::exception const& x) {
         lost_ = x.what();  // a failed write may have landed in part
         throw;
@@ -263,12 +270,13 @@ void state_store<Precision, Rule, StateTier, Placement>::write_slot(std::size_t 
 
 template <class Precision, class Rule, tier StateTier, class Placement>
 void state_store<Precision, Rule, StateTier, Placement>::params_from_master(
-  std::size_t k, std::byte const* chunk, std::span<tensor_entry const> tensors) const
+  std::size_t k, std::byte const* chunk, std::span<tensor_entry const> tensors, std::span<char const> only) const
 {
   if constexpr (Precision::has_master) {
     auto const* master = reinterpret_cast<float const*>(chunk + layout_->slot_offset(0));
     std::vector<param_type> staged;  // for params on the device, or offloaded
     for (auto const& pc : pieces(k)) {
+      if (!only.empty() && only[pc.tensor] == 0) { continue; }
       auto const& t   = tensors[pc.tensor];
       param_type* dst = nullptr;
       if (t.where == location::device || t.source != nullptr) {
@@ -285,7 +293,7 @@ void state_store<Precision, Rule, StateTier, Placement>::params_from_master(
       }
     }
   } else {
-    (void)k, (void)chunk, (void)tensors;
+    (void)k, (void)chunk, (void)tensors, (void)only;
   }
 }
 

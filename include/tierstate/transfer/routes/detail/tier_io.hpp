@@ -32,7 +32,7 @@ class tier_io {
   /// Starts (threaded) or does the read of the j-th chunk into `to`, staging buffer b.
   void read(std::size_t j, std::byte* to, unsigned b)
   {
-    std::size_t const offset = o_.chunk_at(j) * bytes_;
+    std::size_t const offset = o_.store_.chunk_offset(o_.chunk_at(j));
     if constexpr (threaded) {
       tickets_[j] = o_.store_.io().enqueue({offset, to, bytes_, false}, b);
     } else {
@@ -54,9 +54,10 @@ class tier_io {
   }
 
   /// Starts (threaded) or does the write of the j-th chunk from `from`, staging buffer b.
+  /// (A shadowed store's step writes to the chunk's spare place: state/store.hpp.)
   void write(std::size_t j, std::byte* from, unsigned b)
   {
-    std::size_t const offset = o_.chunk_at(j) * bytes_;
+    std::size_t const offset = o_.store_.write_offset(o_.chunk_at(j));
     if constexpr (threaded) {
       o_.store_.io().enqueue({offset, from, bytes_, true}, b);
     } else {
