@@ -7,6 +7,7 @@ few steps by a process whose peak memory is a fraction of the model's bytes.
     python bench/offload_train.py [--path DIR] [--layers 24] [--dim 1024] [--vocab 8192]
                                   [--seq 256] [--batch 4] [--steps 3] [--window 2]
                                   [--dtype bfloat16] [--on-nonfinite skip_step|ignore]
+                                  [--shadow-state auto|on|off]
                                   [--no-fio] [--min-free-gb G]
                                   [--glibc-malloc-default]
 
@@ -47,11 +48,15 @@ One JSON line:
   of 3 after a warm-up;
 - step_over_bound: seconds_per_step / max(compute_seconds, disk_seconds), and
   step_target_met: at most 1.25;
+- shadowed: whether the optimizer took shadow_state (--shadow-state; its automatic default takes
+  it here: the state file is then twice the state's bytes, and skip_step's update overlaps
+  backward instead of following it);
 - materialize_seconds (offload_parameters: building every layer and writing it), window
   statistics (offload_stats), torch's version and threads, os.getloadavg() at the start and end.
 The scratch folder (a fresh directory in --path, default the system's temporary folder) is
 removed at the end. --min-free-gb: below that much free space in --path, the run prints
-{"skipped": reason} and exits 0 (bench-long's 1B run: about 14 GB).
+{"skipped": reason} and exits 0 (the default size needs about 10 GB with a shadowed state;
+bench-long's 1B run about 28 GB).
 """
 from __future__ import annotations
 
@@ -206,8 +211,11 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--on-nonfinite", default="skip_step", choices=("skip_step", "ignore"),
-                    help="the optimizer's: skip_step (its default) needs every gradient before the first update, "
-                         "so the state's pass over the disk follows backward; ignore lets it overlap backward")
+                    help="the optimizer's: skip_step (its default) keeps a step only if no gradient holds an inf "
+                         "or a NaN; ignore does not look")
+    ap.add_argument("--shadow-state", default="auto", choices=("auto", "on", "off"),
+                    help="the optimizer's shadow_state (auto: its default, None): with it, skip_step's update "
+                         "overlaps backward into a second copy of the state; off: it follows backward")
     ap.add_argument("--no-fio", action="store_true")
     ap.add_argument("--min-free-gb", type=float, default=0.0)
     ap.add_argument("--glibc-malloc-default", action="store_true",
@@ -225,6 +233,7 @@ def main() -> int:
     common = {"bench": "offload_train", "torch": torch.__version__, "threads": torch.get_num_threads(),
               "layers": args.layers, "dim": args.dim, "vocab": args.vocab, "seq": args.seq, "batch": args.batch,
               "dtype": args.dtype, "window": args.window, "on_nonfinite": args.on_nonfinite,
+              "shadow_state": args.shadow_state,
               "malloc_mmap_threshold_fixed": malloc_fixed,
               "loadavg_start": loadavg()}
     free_gb = shutil.disk_usage(args.path).free / 1e9
@@ -264,7 +273,9 @@ def main() -> int:
         materialize = time.perf_counter() - t0
         opt = tierstate_torch.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, tier="nvme",
                                     path=os.path.join(scratch, "state"), overlap_backward=True,
-                                    on_nonfinite=args.on_nonfinite)
+                                    on_nonfinite=args.on_nonfinite,
+                                    shadow_state={"auto": None, "on": True, "off": False}[args.shadow_state])
+        shadowed = opt.composition()[0].endswith("with shadow_state")
         idx, tgt = batch(args)
         losses, times, reads, writes = [], [], [], []
         for step in range(args.steps + 1):
@@ -298,7 +309,7 @@ def main() -> int:
     mixed_s = (read_b + write_b) / (mixed * 1e9) if mixed else None
     disk_s = min(separate_s, mixed_s) if separate_s and mixed_s else None
     bound = max(compute["compute_seconds"], disk_s or 0.0)
-    row = {**common, "params": params, "model_bytes": model_bytes, "peak_rss_mb": round(peak_mb, 1),
+    row = {**common, "shadowed": shadowed, "params": params, "model_bytes": model_bytes, "peak_rss_mb": round(peak_mb, 1),
            "rss_after_import_mb": round(after_import, 1),
            "model_bytes_over_peak_rss": round(model_bytes / (peak_mb * 2**20), 2),
            "rss_target_met": peak_mb * 2**20 * 4 <= model_bytes,

@@ -1580,6 +1580,61 @@ class OffloadedParams(unittest.TestCase):
         finally:
             del os.environ["TIERSTATE_TORCH_EMULATED_DEVICE"]
 
+    def test_shadow_state_lets_skip_step_overlap_backward(self):
+        """bf16 params with the state on NVMe: overlap_backward's steps under the default
+        skip_step update each chunk as backward makes its gradients (shadow_state, chosen
+        automatically) and keep the update only if no gradient held an inf or a NaN: the same
+        bits as plain steps in memory, with or without offloaded params, a step whose
+        last-made gradient is NaN skipped whole; shadow_state=True is refused where it cannot work."""
+        data = batches(8, seed=17)
+
+        def run(offload, **kw):
+            torch.manual_seed(5)
+            model = TiedLM().to(torch.bfloat16)
+            off = tierstate_torch.offload_parameters(model, **offload) if offload else None
+            opt = tierstate_torch.AdamW(groups(model), lr=LR, **kw)
+            losses, skipped = [], []
+            for i, (x, y) in enumerate(data):
+                opt.zero_grad(set_to_none=True)
+                loss = loss_of(model, x, y)
+                if i == 3:  # the first block's q: among the last gradients backward makes
+                    loss = loss + (model.blocks[0].q.weight.float() * float("nan")).sum()
+                loss.backward()
+                opt.step()
+                losses.append(str(loss.item()))
+                skipped.append(opt.last_step["skipped"])
+            return losses, skipped, {k: v.clone() for k, v in model.state_dict().items()}, opt, off
+
+        ref = run(None)
+        self.assertEqual(ref[1], [False, False, False, True, False, False, False, False])
+        self.assertNotIn("shadow_state", ref[3].composition()[0])
+        with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+            for what, offload in (("in memory", None), ("offloaded", dict(tier="nvme", path=d, window=2))):
+                with self.subTest(what):
+                    got = run(offload, tier="nvme", path=d, overlap_backward=True, chunk_elements=2048)
+                    self.assertEqual([c.endswith("with shadow_state") for c in got[3].composition()], [True])
+                    self.assertEqual(ref[0], got[0])
+                    self.assertEqual(ref[1], got[1])
+                    for k in ref[2]:
+                        self.assertTrue(torch.equal(ref[2][k], got[2][k]), f"{what}: {k} differs")
+                    off = run(offload, tier="nvme", path=d, overlap_backward=True, shadow_state=False)
+                    self.assertNotIn("shadow_state", off[3].composition()[0])
+                    self.assertEqual(ref[0], off[0])
+                    del got, off
+                    gc.collect()
+            model = TiedLM()
+            with self.assertRaisesRegex(ValueError, "shadow_state=True serves overlap_backward"):
+                tierstate_torch.AdamW(model.parameters(), tier="pinned", overlap_backward=True, shadow_state=True)
+            with self.assertRaisesRegex(ValueError, "shadow_state must be"):
+                tierstate_torch.AdamW(model.parameters(), tier="nvme", path=d, overlap_backward=True, shadow_state=1)
+            with self.assertRaisesRegex(ValueError, "shadow_state.*fp32 master"):  # fp32 params: no master
+                tierstate_torch.AdamW(model.parameters(), tier="nvme", path=d, overlap_backward=True, shadow_state=True)
+            auto = tierstate_torch.AdamW(model.parameters(), tier="nvme", path=d, overlap_backward=True)
+            self.assertNotIn("shadow_state", auto.composition()[0])  # (automatic: where it can)
+            auto.close()
+            gc.collect()
+            self.assertEqual(os.listdir(d), [])
+
     def test_a_model_made_on_the_meta_device(self):
         data = batches(6, seed=9)
         ref = self.run_case(TiedLM, data, None)

@@ -149,6 +149,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         on_nonfinite: str = "skip_step",
         delayed_update: bool = False,
         overlap_backward: bool = False,
+        shadow_state: bool | None = None,
         micro_batches: int = 1,
         grad_scaler: "torch.amp.GradScaler | None" = None,
     ) -> None:
@@ -171,6 +172,15 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                              "overlap_backward=True (without it, accumulate into .grad and call step() once)")
         if overlap_backward and delayed_update:
             raise ValueError(f"{name}: overlap_backward and delayed_update do not combine")
+        if shadow_state is not None and not isinstance(shadow_state, bool):
+            raise ValueError(f"{name}: shadow_state must be True, False or None (automatic), not {shadow_state!r}")
+        if shadow_state and not (tier == "nvme" and compute == "host" and overlap_backward and not delayed_update):
+            raise ValueError(f"{name}: shadow_state=True serves overlap_backward's steps with the state on "
+                             "tier='nvme' and compute='host' (without delayed_update)")
+        # None: where it lets skip_step overlap backward (nvme, host compute, no clipping), and
+        # the shard's composition takes it (an fp32 master, a rule without a tensor phase).
+        shadow = (2 if shadow_state is None and tier == "nvme" and compute == "host" and overlap_backward
+                  and on_nonfinite == "skip_step" and not max_grad_norm else int(bool(shadow_state)))
         if grad_scaler is not None and on_nonfinite != "skip_step":
             raise ValueError(f"{name}: with a grad_scaler, on_nonfinite must be 'skip_step' (GradScaler "
                              "skips the steps whose gradients overflowed)")
@@ -181,7 +191,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         self._options = dict(tier=tier, compute=compute, directory=str(path) if path is not None else "",
                              chunk_elements=int(chunk_elements), threads=int(threads),
                              max_grad_norm=float(max_grad_norm or 0.0), on_nonfinite=on_nonfinite,
-                             delayed_update=bool(delayed_update))
+                             delayed_update=bool(delayed_update), shadow_state=shadow)
         self._format = dict(state_dtype=state_dtype, master=master, min_8bit_size=min_8bit_size)
         self._emulated = os.environ.get("TIERSTATE_TORCH_EMULATED_DEVICE") == "1"
         # The rule, by name (its hyper-parameter table comes from the extension when it is built).

@@ -569,7 +569,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
                      std::string tier, std::string compute, bool device_params, std::string directory,
                      std::size_t chunk_elements,
                      std::size_t threads, double max_grad_norm, std::string on_nonfinite,
-                     bool delayed_update, tt::hyper defaults) {
+                     bool delayed_update, int shadow_state, tt::hyper defaults) {
            tt::config c;
            c.rule           = std::move(rule);
            c.param          = tt::to_dtype(param, "the parameter dtype");
@@ -584,12 +584,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
            c.max_grad_norm  = max_grad_norm;
            c.on_nonfinite   = std::move(on_nonfinite);
            c.delayed_update = delayed_update;
+           c.shadow_state   = shadow_state;
            c.defaults       = defaults;
            return std::make_unique<tt::py_shard>(std::move(c));
          }),
          py::arg("rule"), py::arg("param_dtype"), py::arg("state_dtype"), py::arg("master"),
          py::arg("tier"), py::arg("compute"), py::arg("device_params"), py::arg("directory"), py::arg("chunk_elements"), py::arg("threads"),
-         py::arg("max_grad_norm"), py::arg("on_nonfinite"), py::arg("delayed_update"), py::arg("defaults"))
+         py::arg("max_grad_norm"), py::arg("on_nonfinite"), py::arg("delayed_update"), py::arg("shadow_state"), py::arg("defaults"))
     .def("add_tensor", &tt::py_shard::add_tensor)
     .def("add_offloaded", &tt::py_shard::add_offloaded, py::keep_alive<1, 3>())  // (the store outlives the shard)
     .def("add_group", &tt::py_shard::add_group)

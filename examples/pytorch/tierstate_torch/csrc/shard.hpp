@@ -51,6 +51,7 @@ struct config {
   double max_grad_norm  = 0.0;
   std::string on_nonfinite = "skip_step";  ///< skip_step, report, ignore
   bool delayed_update   = false;
+  int shadow_state      = 0;  ///< 0 off, 1 on (refused where the composition cannot), 2 where it can
   hyper defaults;  ///< empty: the rule's own defaults
 };
 

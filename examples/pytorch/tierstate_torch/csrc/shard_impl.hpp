@@ -94,6 +94,7 @@ class shard_impl final : public shard {
     o.on_nonfinite   = parse_policy(c.on_nonfinite);
     o.max_grad_norm  = c.max_grad_norm;
     o.delayed_update = c.delayed_update;
+    o.shadow_state   = c.shadow_state == 1 || (c.shadow_state == 2 && optimizer::can_shadow_state);
     if constexpr (std::is_same_v<Tier, tierstate::NvmeFile>) { o.tier.directory = c.directory; }
     return o;
   }
@@ -105,9 +106,10 @@ class shard_impl final : public shard {
   }
 
   optimizer opt_;
+  bool shadowed_ = false;  ///< options::shadow_state taken
 
  public:
-  explicit shard_impl(config const& c) : opt_(to_rule(c.defaults), options_for(c)) {}
+  explicit shard_impl(config const& c) : opt_(to_rule(c.defaults), options_for(c)), shadowed_(options_for(c).shadow_state) {}
 
   std::size_t add_tensor(std::string name, void* param, std::span<std::size_t const> dims) override
   {
@@ -195,6 +197,7 @@ class shard_impl final : public shard {
              : device_params                                    ? ", CudaOverlapped<2>"
                                                                 : ", Pipelined<2>");
     s.append(Compute::runs_on_device ? ", OnDevice>" : ", OnHost>");
+    if (shadowed_) { s.append(" with shadow_state"); }
     return s;
   }
   [[nodiscard]] bool state_lost() const override { return opt_.state_lost(); }
