@@ -116,7 +116,7 @@ class LM(nn.Module):
         self.head.weight = self.tok.weight  # tied
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False)
         logits = self.head(self.ln_f(x))
