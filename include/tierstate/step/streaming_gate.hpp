@@ -298,8 +298,7 @@ class streaming_gate {
   /// Whether this step's checks run late, and (the driver's, once every chunk went through
   /// await) running them: check(views, grad_scale, coefficients, result, looked), as await's.
   [[nodiscard]] bool late() const noexcept { return open_ && late_; }
-  template <class Check>
-  bool check_late(Check&& check)
+  template <class Check> bool check_late(Check&& check)
   {
     return check(std::span<grad_view<Grad> const>(views_), grad_scale_, coefficients_, result_, late_found_);
   }
@@ -334,9 +333,8 @@ class streaming_gate {
     { std::lock_guard const lock(m_); open_ = false; }
     next_order_ = arrival_;  // the next step follows the order this one's chunks came in
     if (error_) { std::rethrow_exception(error_); }
-    step_result r         = result_;
-    r.stats.total_seconds = seconds_since(started_);
-    return r;
+    result_.stats.total_seconds = seconds_since(started_);
+    return result_;
   }
 
  private:
@@ -355,11 +353,9 @@ class streaming_gate {
     final_[t] = 1;
     ++finals_;
     finished_.push_back(t);
-    std::size_t const ce    = lay_->chunk_elements();
-    auto const& ext         = lay_->tensors()[t];
-    std::size_t const first = ext.offset / ce;
-    std::size_t const last  = (ext.offset + ext.count - 1) / ce;
-    for (std::size_t k = first; k <= last; ++k) {
+    std::size_t const ce = lay_->chunk_elements();
+    auto const& ext      = lay_->tensors()[t];
+    for (std::size_t k = ext.offset / ce; k <= (ext.offset + ext.count - 1) / ce; ++k) {
       if (--pending_[k] == 0) {  // its last tensor: the chunk may go
         ready_[k] = 1;
         arrival_.push_back(k);
@@ -372,8 +368,8 @@ class streaming_gate {
   layout const* lay_ = nullptr;
   bool open_ = false, abandoned_ = false;  ///< (abandoned: the optimizer is being destroyed mid-step)
   bool checks_ = false, checked_ = false;  ///< the checks wait for every gradient; they ran
-  bool late_         = false;  ///< they run after the update (check_late)
-  std::vector<char> looked_;   ///< per tensor: a late check looked at its gradient
+  bool late_ = false;               ///< they run after the update (check_late)
+  std::vector<char> looked_;        ///< per tensor: a late check looked at its gradient
   std::optional<bool> late_found_;  ///< what those looks found (nullopt: none looked at anything)
   unsigned micro_batches_ = 1;
   double grad_scale_ = 1.0;
