@@ -127,8 +127,8 @@ class OffloadedOptimizer {
   static constexpr bool takes_device_params = placement::device_params;
 
   using options = optimizer_options<typename StateTier::options>;  ///< see optimizer_options.hpp
-  /// Whether options::shadow_state is taken: the host-staged route (a tier that is not host
-  /// memory, OnHost compute), an fp32 master, and a rule without a tensor phase.
+  /// Whether options::shadow_state is taken: the host-staged route (host params, a tier that is
+  /// not host memory, OnHost compute), an fp32 master, and a rule without a tensor phase.
   static constexpr bool can_shadow_state =
     std::is_same_v<routes::route_of<OffloadedOptimizer>, routes::host_staged<OffloadedOptimizer>> &&
     Precision::has_master && !has_tensor_phase<rule_type>;
@@ -193,10 +193,10 @@ class OffloadedOptimizer {
   /// chunks became ready. With `micro_batches` = m, a gradient is final at its m-th grad_ready
   /// (gradient accumulation: each call passes the accumulated gradient so far).
   ///
-  /// What the options cost the overlap: skip_step (on_nonfinite's default), clipping
-  /// (max_grad_norm) and a rule's tensor phase need every gradient before the first update,
-  /// the tier's reads ahead (NvmeFile) still overlapping with backward; skip_step does not
-  /// with options::shadow_state (where can_shadow_state), nor do `report` and `ignore`.
+  /// What the options cost the overlap: the non-finite check (on_nonfinite other than
+  /// `ignore`), clipping (max_grad_norm) and a rule's tensor phase need every gradient before
+  /// the first update, the tier's reads ahead (NvmeFile) still overlapping backward; the check
+  /// does not with options::shadow_state (where can_shadow_state), which checks after.
   ///
   /// Between begin_step and finish_step only grad_ready may be called; the results equal
   /// step()'s with the same gradients, bit for bit.

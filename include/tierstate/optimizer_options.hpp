@@ -44,14 +44,17 @@ struct optimizer_options {
   /// copy_state and write_state) waits for the update in flight and writes its params.
   /// Off by default; streaming steps are refused with it.
   bool delayed_update = false;
-  /// A streaming step (begin_step ... finish_step) whose one check is on_nonfinite's
-  /// skip_step updates each chunk as soon as its gradients are in, as an unchecked one does,
-  /// instead of waiting for every gradient to be checked: its new state goes to a second copy
-  /// (the tier is made twice the state's bytes), which becomes the state only when the check
-  /// passes. A skipped step, or one that fails part way, leaves the state as it was and
-  /// writes back the params it changed, from the master. Needs a tier that is not host memory
-  /// (NvmeFile, a user's), OnHost compute and an fp32 master (OffloadedOptimizer::
-  /// can_shadow_state); refused otherwise, and with delayed_update. Off by default.
+  /// Streaming steps (begin_step ... finish_step) write their new state to a second copy
+  /// (the tier is made twice the state's bytes), which becomes the state only when the step
+  /// passes its checks and completes: a step skipped for an inf or a NaN, or one that fails
+  /// part way (a full disk), leaves the state as it was and writes back the params it changed
+  /// from the master (the state is lost only if that fails). So the non-finite check
+  /// (skip_step, report) no longer holds the first update until the last gradient: each chunk
+  /// is updated as soon as its gradients are in, as with `ignore`, and checked after.
+  /// Clipping still waits. Needs params and gradients in host memory (not CudaOverlapped), a
+  /// tier that is not (NvmeFile, a user's), OnHost compute and an fp32 master
+  /// (OffloadedOptimizer::can_shadow_state); refused otherwise, and with delayed_update.
+  /// Plain step()s are not shadowed. Off by default.
   bool shadow_state = false;
   /// StochasticRounding's seed: with the step count and the tensor's index it picks each
   /// element's random bits (codecs/stochastic_rounding.hpp), so the same seed, model and

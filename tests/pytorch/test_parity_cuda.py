@@ -171,7 +171,6 @@ def offloaded_against_whole(dev: torch.device, layers: int = 16, steps: int = 6,
     del whole
     if cuda:
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
         out["cap_bytes"] = weight_bytes // 2
         torch.cuda.set_per_process_memory_fraction(out["cap_bytes"] / torch.cuda.get_device_properties(dev).total_memory,
                                                    dev)
@@ -183,6 +182,7 @@ def offloaded_against_whole(dev: torch.device, layers: int = 16, steps: int = 6,
             except torch.OutOfMemoryError:
                 out["whole_fits_under_cap"] = False
             torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(dev)  # (the peak of the offloaded run alone)
         with torch.device("meta"):
             model = ot.make_model(args, "meta")
         off = tierstate_torch.offload_parameters(model, "pinned", window=2, state_dict=weights, device=dev)

@@ -177,10 +177,11 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         if shadow_state and not (tier == "nvme" and compute == "host" and overlap_backward and not delayed_update):
             raise ValueError(f"{name}: shadow_state=True serves overlap_backward's steps with the state on "
                              "tier='nvme' and compute='host' (without delayed_update)")
-        # None: where it lets skip_step overlap backward (nvme, host compute, no clipping), and
-        # the shard's composition takes it (an fp32 master, a rule without a tensor phase).
+        # None: where it lets the non-finite check overlap backward (nvme, host compute, no
+        # clipping), and the shard's composition takes it (CPU params, an fp32 master, a rule
+        # without a tensor phase).
         shadow = (2 if shadow_state is None and tier == "nvme" and compute == "host" and overlap_backward
-                  and on_nonfinite == "skip_step" and not max_grad_norm else int(bool(shadow_state)))
+                  and on_nonfinite != "ignore" and not max_grad_norm else int(bool(shadow_state)))
         if grad_scaler is not None and on_nonfinite != "skip_step":
             raise ValueError(f"{name}: with a grad_scaler, on_nonfinite must be 'skip_step' (GradScaler "
                              "skips the steps whose gradients overflowed)")

@@ -77,23 +77,13 @@ class streaming_gate {
     lay_                = &lay;
     started_            = std::chrono::steady_clock::now();
     abandoned_          = false;
-    checks_             = checks;
-    checked_            = false;
-    late_               = late && !checks;
-    looked_.assign(T, 0);
+    checks_ = checks, checked_ = false, late_ = late && !checks;
+    micro_batches_ = micro_batches, grad_scale_ = grad_scale;
+    views_.assign(T, grad_view<Grad>{}), stashed_.assign(T, 0), sums_.assign(T, {}), looked_.assign(T, 0);
     late_found_.reset();
-    micro_batches_      = micro_batches;
-    grad_scale_         = grad_scale;
-    views_.assign(T, grad_view<Grad>{});
-    stashed_.assign(T, 0);
-    sums_.assign(T, {});
-    kept_found_ = false;
-    keep_error_ = nullptr;
-    keeping_    = 0;
-    finishing_  = false;
-    arrivals_.assign(T, 0);
-    final_.assign(T, 0);
-    finals_  = 0;
+    kept_found_ = false, keep_error_ = nullptr, keeping_ = 0, finishing_ = false;
+    arrivals_.assign(T, 0), final_.assign(T, 0);
+    finals_ = 0;
     finished_.clear();
     finished_.reserve(T);  // (mark_final allocates nothing: a keep behind's ending cannot fail)
     pending_ = std::move(pending);
@@ -231,8 +221,10 @@ class streaming_gate {
   /// coefficients, result, looked), which says false to skip the step. While it waits, each
   /// gradient is handed to look(view) as it becomes final (whether it holds an inf or a NaN,
   /// for a host gradient; nullopt where look looks at nothing): `looked` is then whether any
-  /// did, so the check that needs them all is left with the last ones alone. Before a device
-  /// gradient is read, wait(event) orders the reading streams behind it.
+  /// did, so the check that needs them all is left with the last ones alone. A late check's
+  /// chunk instead hands look its tensors' gradients not looked at yet, once it may go (their
+  /// finds are check_late's `looked`). Before a device gradient is read, wait(event) orders
+  /// the reading streams behind it.
   template <class Check, class Look, class Wait>
   void await(std::size_t k, std::span<chunk_piece const> pieces, step_stats& stats, Check&& check, Look&& look,
              Wait&& wait)
@@ -298,6 +290,14 @@ class streaming_gate {
   /// Whether this step's checks run late, and (the driver's, once every chunk went through
   /// await) running them: check(views, grad_scale, coefficients, result, looked), as await's.
   [[nodiscard]] bool late() const noexcept { return open_ && late_; }
+  /// Per tensor: its gradient is final and present (what a step may have updated so far).
+  [[nodiscard]] std::vector<char> final_with_gradient()
+  {
+    std::lock_guard lock(m_);
+    std::vector<char> f(views_.size());
+    for (std::size_t t = 0; t < f.size(); ++t) { f[t] = final_[t] == 1 && (views_[t].data != nullptr || stashed_[t] != 0); }
+    return f;
+  }
   template <class Check> bool check_late(Check&& check)
   {
     return check(std::span<grad_view<Grad> const>(views_), grad_scale_, coefficients_, result_, late_found_);

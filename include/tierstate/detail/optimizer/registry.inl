@@ -40,8 +40,9 @@ OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::OffloadedOpti
     throw invalid_option("shadow_state", "true",
                          opts.delayed_update
                            ? "a shadowed state serves streaming steps, which delayed_update refuses"
-                           : "needs a state tier that is not host memory (NvmeFile, a user's), OnHost compute, "
-                             "a precision with an fp32 master and a rule without a tensor phase");
+                           : "needs params and gradients in host memory (not CudaOverlapped), a state tier that "
+                             "is not (NvmeFile, a user's), OnHost compute, a precision with an fp32 master and a "
+                             "rule without a tensor phase");
   }
   store_type::preflight(opts.tier);
   groups_.push_back(defaults);

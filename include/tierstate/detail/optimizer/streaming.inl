@@ -74,12 +74,12 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::begin_st
   materialize();
   std::vector<std::size_t> pending(store_.layout().chunk_count());
   for (std::size_t k = 0; k < pending.size(); ++k) { pending[k] = store_.pieces(k).size(); }
-  // Clipping, a rule's tensor phase and skip_step need every gradient before the first
-  // update; skip_step does not on a shadowed state (its update is kept only if the check
-  // passes), nor does `report`: their check runs after the update (late).
-  bool const checks = opts_.max_grad_norm > 0.0 || has_tensor_phase<rule_type> ||
-                      (opts_.on_nonfinite == nonfinite_policy::skip_step && !store_.shadowed());
-  bool const late   = opts_.on_nonfinite != nonfinite_policy::ignore;
+  // Clipping, a rule's tensor phase and the non-finite check need every gradient before the
+  // first update; on a shadowed state the check does not (its update is kept only if the
+  // check passes): it runs after the update (late).
+  bool const looks  = opts_.on_nonfinite != nonfinite_policy::ignore;
+  bool const checks = opts_.max_grad_norm > 0.0 || has_tensor_phase<rule_type> || (looks && !store_.shadowed());
+  bool const late   = looks && store_.shadowed();
   if constexpr (keeps_grads_in_sources && placement::device_params) {  // the keeper's ring: two of the largest
     std::size_t largest = 0;
     for (std::size_t t = 0; t < tensors_.size(); ++t) { largest = std::max(largest, keeps_gradient(t) ? tensors_[t].count : 0); }
@@ -157,8 +157,9 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::drive_st
 {
   auto& result = streaming_.result();
   try {
-    // skip_step, checked late: the update goes to the state's spare places, kept if it passes.
-    if (streaming_.late() && opts_.on_nonfinite == nonfinite_policy::skip_step) { store_.begin_shadow(); }
+    // A shadowed state: the update goes to its spare places, kept if the step passes its
+    // checks and completes (a step that fails part way is then refused with nothing changed).
+    store_.begin_shadow();
     run_step(streaming_.views(), streaming_.coefficients(), result);
     if (streaming_.late() &&
         !streaming_.check_late([this](std::span<grad_view<grad_type> const> views, double grad_scale,
@@ -173,6 +174,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::drive_st
     count_step(streaming_.views());
     result.step = step_;
   } catch (detail::skip_step_signal const&) {
+    store_.abort_shadow();  // (skipped by checks that wait: before any update)
     result.skipped = true;
     result.step    = step_;
   } catch (...) {
@@ -180,7 +182,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::drive_st
     if (store_.shadowing()) {  // the state as it was: a refusal, unless the params cannot be restored
       try {
         undo_shadowed_step(failure);
-      } catch (...) {
+      } catch (...) {  // (lost: undo_shadowed_step said why)
       }
     }
     streaming_.fail(std::move(failure));
@@ -193,18 +195,24 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::undo_sha
   // A shadowed step that will not be kept: its state is forgotten, and the params it wrote
   // (those of the tensors with a gradient) are written again from the master it left alone.
   // If that fails, the params are part updated: the state is lost.
+  // Only tensors whose gradient was final can have been updated; backward may still be handing
+  // over others (a step that failed part way).
   store_.abort_shadow();
-  auto const views = streaming_.views();
-  std::vector<char> only(tensors_.size(), 0);
-  for (std::size_t t = 0; t < tensors_.size(); ++t) { only[t] = views[t].data != nullptr || streaming_.stashed(t); }
   try {
+    std::vector<char> const only = streaming_.final_with_gradient();
     step_stats ignored;
     for (std::size_t k = 0; k < store_.layout().chunk_count(); ++k) {
       store_.with_chunk(k, false, ignored, [&](std::byte const* chunk) { store_.params_from_master(k, chunk, tensors_, only); });
     }
     detail::flush_sources(sources_);
-  } catch (std::exception const& e) {
-    std::string what = e.what();
+  } catch (...) {
+    std::string what = "an exception that is not a std::exception";
+    try {
+      throw;
+    } catch (std::exception const& e) {
+      what = e.what();
+    } catch (...) {
+    }
     if (failure) {
       try {
         std::rethrow_exception(failure);
