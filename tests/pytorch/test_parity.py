@@ -500,6 +500,25 @@ class Parity(unittest.TestCase):
             m.parameters(), lr=LR, overlap_backward=True, grad_scaler=s))
         self.assert_parity(ref_losses, losses, ref_model, model)
         self.assertEqual(opt.step_count(), 11)
+        # fp16 params with a GradScaler on NVMe: overlap_backward's update goes to a shadowed
+        # state as backward runs, and the overflowed step is undone whole: the same bits as
+        # plain steps in memory, the scale's history included.
+        runs = []
+        with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+            for kw in (dict(tier="pinned"), dict(tier="nvme", path=d, overlap_backward=True, chunk_elements=2048)):
+                half = make_model(torch.float16)
+                scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 14, growth_interval=3)
+                opt = tierstate_torch.AdamW(half.parameters(), lr=1e-3, **kw,
+                                            grad_scaler=scaler if "path" in kw else None)
+                runs.append((*train_scaled(half, opt, scaler, data[:8], overflow_at=4), opt.composition()[0],
+                             opt.step_count(), {k: v.clone() for k, v in half.state_dict().items()}))
+                opt.close()
+        self.assertTrue(runs[1][2].endswith("with shadow_state"))
+        self.assertEqual(runs[0][0], runs[1][0])  # losses (0 for the overflowed step)
+        self.assertEqual(runs[0][1], runs[1][1])  # the final scale
+        self.assertEqual((runs[0][3], runs[1][3]), (7, 7))
+        for k in runs[0][4]:
+            self.assertTrue(torch.equal(runs[0][4][k], runs[1][4][k]), k)
 
     def test_state_dict_round_trip_is_exact(self):
         data = batches(30, seed=11)
