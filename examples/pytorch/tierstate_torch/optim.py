@@ -470,6 +470,8 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         self._grad_versions[i] = p.grad._version
         if self._arrivals[i] == self._micro_batches and _offload_of(p) is not None and \
                 self._shards[key].drop_grad(t):
+            if p.grad.is_cuda:  # its copy down is queued on this stream: its memory is reused after it
+                p.grad.record_stream(torch.cuda.current_stream(p.grad.device))
             p.grad = None  # kept by the store (written behind): backward's memory stays flat
             self._dropped.add(i)
 

@@ -274,12 +274,17 @@ class py_shard {
     live_[t] = std::move(held);
   }
 
-  /// After the final grad_ready of an offloaded tensor whose source kept the (host)
-  /// gradient before that call returned: the gradient is no longer held for the step, and
-  /// true; otherwise (a device gradient, copied behind; params not offloaded) false.
+  /// After the final grad_ready of an offloaded tensor whose source keeps its gradient: the
+  /// gradient is no longer held for the step, and true. A host one was kept before that call
+  /// returned; a CUDA one's copy down is queued on the call's stream, which torch's
+  /// allocator orders its memory's next use after (the caller records that stream on it).
+  /// Otherwise (params not offloaded; the emulated device, whose streams are threads that
+  /// torch's allocator knows nothing of) false: held until the step ends.
   bool drop_grad(std::size_t t)
   {
-    if (t >= tensors_.size() || device_params_ || !shard_->keeps_gradient(t)) { return false; }
+    if (t >= tensors_.size() || (device_params_ && device_is_emulated()) || !shard_->keeps_gradient(t)) {
+      return false;
+    }
     std::lock_guard lock(live_mutex_);
     live_[t].reset();
     return true;
