@@ -10,7 +10,9 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <barrier>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -748,4 +750,171 @@ TEST_CASE("a shadowed state saves and loads as any other, and shadow_state is re
   static_assert(NvmeOpt<Bf16Mixed>::can_shadow_state && !HostOpt<Bf16Mixed>::can_shadow_state &&
                 !NvmeOpt<Fp32>::can_shadow_state);
   CHECK(d.entries() == std::vector<std::string>{"run.ckpt"});  // (the tiers' files are gone)
+}
+
+// --- across ranks (options::ranks): each rank's optimizer over its own tensors --------------
+
+namespace {
+
+/// Two ranks' collectives, between two threads of this process: each hook call waits for the
+/// other rank's, as an all-reduce or an all-gather would.
+struct two_ranks {
+  std::barrier<> sync{2};
+  std::array<std::vector<double>, 2> sums;
+  std::array<bool, 2> found{};
+  std::atomic<int> verdicts{0};
+
+  bool any_nonfinite(int r, bool f)
+  {
+    found[r] = f;
+    sync.arrive_and_wait();
+    bool const any = found[0] || found[1];
+    sync.arrive_and_wait();
+    ++verdicts;
+    return any;
+  }
+  /// Rank 0 owns the first tensors, rank 1 the rest: their sums in (tensor, block) order are
+  /// rank 0's, then rank 1's.
+  double norm(int r, std::span<double const> s)
+  {
+    sums[r].assign(s.begin(), s.end());
+    sync.arrive_and_wait();
+    std::vector<double> all(sums[0]);
+    all.insert(all.end(), sums[1].begin(), sums[1].end());
+    sync.arrive_and_wait();
+    return std::sqrt(detail::pairwise_sum(all.data(), all.size()));
+  }
+};
+
+/// One step of `opt` over tensors [first, last) of `m` (their own ids from 0), plain or
+/// streaming (last tensor first).
+template <class Opt, class M>
+step_result rank_step(Opt& opt, M& m, std::size_t first, std::size_t last, bool streaming)
+{
+  auto const all = m.views();
+  std::vector<grad_view<typename Opt::grad_type>> views(all.begin() + first, all.begin() + last);
+  if (!streaming) { return opt.step(views); }
+  opt.begin_step();
+  for (std::size_t k = views.size(); k-- > 0;) { opt.grad_ready(k, views[k]); }
+  return opt.finish_step();
+}
+
+/// Rank 0 steps tensors 0-3 of the model, rank 1 tensors 4-6, each in its own thread with its
+/// own optimizer made with `o` and the hooks: 6 steps clipped to 0.05, an inf at step 3 in
+/// tensor 5 (rank 1's). Every tensor then holds the bits of one optimizer over all seven.
+template <class Opt>
+void check_two_ranks(typename Opt::options o, bool streaming)
+{
+  constexpr std::size_t cut = 4;
+  nvme_model<Bf16Mixed> ref_m;
+  auto ro = streaming_options<HostOpt<Bf16Mixed>>(o.chunk_elements, nonfinite_policy::skip_step, 0.05);
+  HostOpt<Bf16Mixed> ref(schedule<HostOpt<Bf16Mixed>>(1), ro);
+  for (std::size_t k = 0; k < ref_m.params.size(); ++k) {
+    ref.add_tensor(tensor_name(k), ref_m.params[k].data(), ref_m.params[k].size());
+  }
+  std::vector<step_result> expected;
+  for (int t = 1; t <= 6; ++t) {
+    ref_m.fill_grads(t);
+    if (t == 3) { ref_m.grads[5][9] = bf16(std::numeric_limits<float>::infinity()); }
+    expected.push_back(ref.step(ref_m.views()));
+  }
+  REQUIRE(expected[2].skipped);
+  REQUIRE(expected[0].grad_norm > 0.05);
+
+  nvme_model<Bf16Mixed> m;
+  two_ranks comm;
+  o.on_nonfinite  = nonfinite_policy::skip_step;
+  o.max_grad_norm = 0.05;
+  std::array<std::vector<step_result>, 2> results;
+  std::vector<std::vector<std::vector<float>>> slots(m.params.size());  // [tensor][slot]
+  auto run = [&](int r) {
+    auto mine                = o;
+    mine.ranks.any_nonfinite = [&comm, r](bool f) { return comm.any_nonfinite(r, f); };
+    mine.ranks.norm          = [&comm, r](std::span<double const> s) { return comm.norm(r, s); };
+    Opt opt(schedule<Opt>(1), mine);
+    std::size_t const first = r == 0 ? 0 : cut, last = r == 0 ? cut : m.params.size();
+    for (std::size_t k = first; k < last; ++k) { opt.add_tensor(tensor_name(k), m.params[k].data(), m.params[k].size()); }
+    for (int t = 1; t <= 6; ++t) {
+      if (r == 0) {
+        m.fill_grads(t);
+        if (t == 3) { m.grads[5][9] = bf16(std::numeric_limits<float>::infinity()); }
+      }
+      comm.sync.arrive_and_wait();  // (the gradients are filled)
+      results[r].push_back(rank_step(opt, m, first, last, streaming));
+      comm.sync.arrive_and_wait();
+    }
+    for (std::size_t k = first; k < last; ++k) {  // every slot's bits, compared below
+      for (slot const s : opt.state_layout().slots()) {
+        slots[k].emplace_back(m.params[k].size());
+        opt.copy_state(tensor_name(k), s, std::span<float>(slots[k].back()));
+      }
+    }
+  };
+  std::thread other(run, 1);
+  run(0);
+  other.join();
+  CHECK(comm.verdicts == 12);
+  for (int t = 0; t < 6; ++t) {
+    INFO("step " << t + 1);
+    for (int r = 0; r < 2; ++r) {
+      CHECK(results[r][t].skipped == expected[t].skipped);
+      CHECK(results[r][t].found_nonfinite == expected[t].found_nonfinite);
+      if (!expected[t].skipped) { CHECK(results[r][t].grad_norm == expected[t].grad_norm); }
+    }
+  }
+  for (std::size_t k = 0; k < m.params.size(); ++k) {
+    INFO("tensor " << k);
+    CHECK(std::memcmp(m.params[k].data(), ref_m.params[k].data(), m.params[k].size() * sizeof(bf16)) == 0);
+    REQUIRE(slots[k].size() == ref.state_layout().slots().size());
+    std::size_t j = 0;
+    for (slot const s : ref.state_layout().slots()) {
+      std::vector<float> b(m.params[k].size());
+      ref.copy_state(tensor_name(k), s, std::span<float>(b));
+      CHECK(std::memcmp(slots[k][j++].data(), b.data(), b.size() * sizeof(float)) == 0);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("across ranks: one rank's inf skips every rank's step, and their norm is one optimizer's, bit for bit",
+          "[streaming][ranks]")
+{
+  scratch_dir d;
+  SECTION("plain steps") { check_two_ranks<HostOpt<Bf16Mixed>>(chunked<HostOpt<Bf16Mixed>>(2048), false); }
+  SECTION("streaming steps") { check_two_ranks<HostOpt<Bf16Mixed>>(chunked<HostOpt<Bf16Mixed>>(2048), true); }
+  SECTION("streaming steps on a shadowed state") {
+    check_two_ranks<NvmeOpt<Bf16Mixed>>(shadowed<NvmeOpt<Bf16Mixed>>(2048, in(d)), true);
+  }
+}
+
+TEST_CASE("across ranks: a hook that throws refuses the step, with nothing changed", "[streaming][ranks][errors]")
+{
+  scratch_dir d;
+  for (bool const streaming : {false, true}) {
+    for (bool const shadow : {false, true}) {
+      if (shadow && !streaming) { continue; }
+      INFO("streaming " << streaming << ", shadowed " << shadow);
+      bool fail = false;
+      auto o    = shadow ? shadowed<NvmeOpt<Bf16Mixed>>(2048, in(d)) : chunked<NvmeOpt<Bf16Mixed>>(2048);
+      if (!shadow) { o.tier = in(d); }
+      o.ranks.any_nonfinite = [&fail](bool f) {
+        if (fail) { throw std::runtime_error("rank 1: an I/O error"); }
+        return f;
+      };
+      nvme_model<Bf16Mixed> m;
+      NvmeOpt<Bf16Mixed> opt(schedule<NvmeOpt<Bf16Mixed>>(1), o);
+      register_model(opt, m);
+      m.fill_grads(1);
+      rank_step(opt, m, 0, m.params.size(), streaming);
+      auto const before = snapshot(opt, m);
+      fail = true;
+      m.fill_grads(2);
+      CHECK_THROWS_WITH(rank_step(opt, m, 0, m.params.size(), streaming), Catch::Contains("rank 1: an I/O error"));
+      CHECK(snapshot(opt, m) == before);
+      CHECK_FALSE(opt.state_lost());
+      fail = false;
+      CHECK(rank_step(opt, m, 0, m.params.size(), streaming).step == 2);
+    }
+  }
 }

@@ -7,6 +7,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <span>
 
 namespace tierstate::inline TIERSTATE_ABI {
 
@@ -15,6 +17,27 @@ enum class nonfinite_policy : std::uint8_t {
   skip_step,  ///< GradScaler's contract: report it and leave params, state and step count as they are
   report,     ///< report it, and update anyway
   ignore,     ///< do not look (saves one read of the gradients)
+};
+
+/// An optimizer over one rank's share of a model (its own tensors, or its element ranges of
+/// them) takes its step's decisions with the other ranks': both hooks are called on the
+/// thread that checks (step()'s caller, or a streaming step's driver), at most once per step
+/// each, in the same order on every rank, so each is one collective (an all-reduce of a flag,
+/// an all-gather of block sums). Empty: this process alone. An exception a hook throws fails
+/// the step as an I/O error would (refused, nothing changed; a streaming step's finish_step
+/// throws it).
+struct across_ranks {
+  /// Given whether this rank's gradients hold an inf or a NaN: whether any rank's do (with
+  /// skip_step, every rank then skips; with report, every rank reports). Called where
+  /// on_nonfinite is not `ignore`.
+  std::function<bool(bool)> any_nonfinite;
+  /// Given this rank's sums of squares per 4096-element block of each tensor (in double, in
+  /// element order) in (tensor, block) order, scaled as the gradients are: the 2-norm of every
+  /// rank's gradients. One process's norm is the square root of their pairwise sum
+  /// (step/checks.hpp); ranks that own whole blocks get the same bits by gathering every
+  /// rank's sums in the global (tensor, block) order and summing them so. Called where
+  /// max_grad_norm is set and the step is not skipped.
+  std::function<double(std::span<double const>)> norm;
 };
 
 /// What an OffloadedOptimizer is made with; `tier` holds its state tier's own options.
@@ -61,6 +84,7 @@ struct optimizer_options {
   /// gradients give the same params, resumed from a checkpoint or not. Checkpoints do not
   /// record it: resume with the seed the run had. Unused otherwise.
   std::uint64_t rounding_seed = 0;
+  across_ranks ranks{};  ///< a rank's share of a model: its decisions taken with the others'
   TierOptions tier{};  ///< the state tier's own (StateTier::options)
 };
 

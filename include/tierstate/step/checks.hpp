@@ -175,6 +175,15 @@ struct step_checks {
   [[nodiscard]] static double gradient_norm(grads_type grads, thread_pool& pool, Device* dev,
                                             std::span<std::vector<double> const> kept = {})
   {
+    auto const sums = gradient_block_sums(grads, pool, dev, kept);
+    return std::sqrt(pairwise_sum(sums.data(), sums.size()));
+  }
+
+  /// gradient_norm's block sums, in (tensor, block) order (for ranks that combine theirs).
+  template <class Device>
+  [[nodiscard]] static std::vector<double> gradient_block_sums(grads_type grads, thread_pool& pool, Device* dev,
+                                                              std::span<std::vector<double> const> kept = {})
+  {
     constexpr std::size_t block = norm_block;
     auto const kept_of = [&](std::size_t t) -> std::vector<double> const* {
       return t < kept.size() && !kept[t].empty() ? &kept[t] : nullptr;
@@ -218,7 +227,7 @@ struct step_checks {
         throw logic_error("max_grad_norm: the norm of device gradients needs OnHost compute");
       }
     }
-    return std::sqrt(pairwise_sum(sums.data(), sums.size()));
+    return sums;
   }
 };
 

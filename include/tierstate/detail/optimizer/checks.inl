@@ -17,6 +17,9 @@ bool OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_an
     result.found_nonfinite = host_found.value_or(false) || streaming_.kept_nonfinite() ||
                              checks::find_nonfinite(grads, store_.layout(), pool_, store_.device_if_any(),
                                                     host_found.has_value());
+    if (opts_.ranks.any_nonfinite) {  // every rank takes the same decision
+      result.found_nonfinite = opts_.ranks.any_nonfinite(result.found_nonfinite);
+    }
     if (result.found_nonfinite && opts_.on_nonfinite == nonfinite_policy::skip_step) {
       result.stats.check_seconds = detail::seconds_since(t0);
       return false;
@@ -25,8 +28,12 @@ bool OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_an
   if (opts_.max_grad_norm > 0.0) {
     // torch.nn.utils.clip_grad_norm_: the norm of the unscaled gradients, and a factor
     // max_norm / (norm + 1e-6) when that is below 1, folded into the gradient's multiplier.
-    result.grad_norm   = checks::gradient_norm(grads, pool_, store_.device_if_any(), streaming_.kept_sums()) /
-                         grad_scale;
+    if (opts_.ranks.norm) {  // every rank's gradients' norm
+      auto const sums  = checks::gradient_block_sums(grads, pool_, store_.device_if_any(), streaming_.kept_sums());
+      result.grad_norm = opts_.ranks.norm(std::span<double const>(sums)) / grad_scale;
+    } else {
+      result.grad_norm = checks::gradient_norm(grads, pool_, store_.device_if_any(), streaming_.kept_sums()) / grad_scale;
+    }
     double const clip  = opts_.max_grad_norm / (result.grad_norm + 1e-6);
     if (!std::isfinite(result.grad_norm)) {
       // An inf or NaN the step goes on with (report, ignore): as clip_grad_norm_ without
