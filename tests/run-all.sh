@@ -422,6 +422,21 @@ run_pytorch() {
   if [ "$rc" -ne 0 ]; then
     { echo "--- stage pytorch: exit $rc; the last 60 lines of its output:"; tail -n 60 "$out"; } >>"$failure_log"
   fi
+  # Across ranks: two ranks (gloo) of FSDP2 with the installed package; one test. A rank that
+  # fails exits at once and torchrun stops the other; a hang ends at the timeout.
+  local dout=build-pytorch/distributed.log drc
+  t0=$SECONDS
+  OMP_NUM_THREADS=1 TIERSTATE_TORCH_TEST_INSTALLED=1 TIERSTATE_TEST_DIR="$PWD/build-pytorch" \
+    timeout 900 build-pytorch/wheel-venv/bin/python -m torch.distributed.run --standalone --nproc-per-node 2 \
+    tests/pytorch/test_distributed.py 2>&1 | grep -v "No CUDA runtime is found" | tee "$dout"
+  drc=${PIPESTATUS[0]}
+  if [ "$drc" -eq 0 ] && grep -q "^test_distributed: 2 ranks, every case passed" "$dout"; then
+    passed=$((passed + 1)); echo "stage pytorch: test_distributed passed in $((SECONDS - t0)) s"
+  else
+    failed=$((failed + 1)); echo "stage pytorch: test_distributed failed (exit $drc)"
+    { echo "--- stage pytorch: test_distributed, exit $drc; the last 60 lines:"; tail -n 60 "$dout"; } >>"$failure_log"
+    rc=1
+  fi
   [ "$rc" -eq 0 ]
 }
 

@@ -867,6 +867,43 @@ class Parity(unittest.TestCase):
                     self.assertTrue(torch.isnan(ours[0][4321]))
                     self.assertEqual(bool(torch.isfinite(ours[1]).all()), bad == float("inf"))
 
+    def test_a_norm_across_ranks_is_one_process_bits(self):
+        """FSDP2's ranks hold row ranges of each tensor, cut anywhere: their gradient norm,
+        gathered (tierstate_torch._ranks: each rank's block sums, and the elements that end a
+        block an earlier rank began), is the bits one process's max_grad_norm computes, for
+        2, 3 and 5 ranks over awkward shapes (a rank inside one block, ranks with no rows, a
+        tensor without a gradient, bf16)."""
+        from tierstate_torch import _ranks
+        torch.manual_seed(5)
+        for dtype in (torch.float32, torch.bfloat16):
+            shapes = [(5000, 3), (3, 4113), (1,), (10000, 1), (7, 2048), (2, 2)]
+            grads = [torch.randn(s).to(dtype) * 10 ** torch.randint(-3, 3, ()).item() for s in shapes]
+            grads[3] = None if dtype == torch.bfloat16 else grads[3]
+            params = [torch.zeros(s, dtype=dtype, requires_grad=True) for s in shapes]
+            opt = tierstate_torch.AdamW(params, lr=1e-3, max_grad_norm=1e-9, master="fp32")
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
+            one_process = opt.last_step["grad_norm"]
+            for cuts in ({"rows": 2}, {"rows": 3}, {"rows": 5}, {"at": [100, 200]}):
+                with self.subTest(dtype=dtype, cuts=cuts):
+                    everyone = []
+                    ranks = cuts.get("rows", 3)
+                    for r in range(ranks):
+                        pieces = []
+                        for g, shape in zip(grads, shapes):
+                            rows, per_row = shape[0], math.prod(shape[1:])
+                            if "at" in cuts:  # rank 1 inside one block of the (10000, 1) tensor
+                                bounds = [0, *[min(a, rows) for a in cuts["at"]], rows]
+                            else:
+                                per = -(-rows // ranks)
+                                bounds = [min(rows, per * k) for k in range(ranks)] + [rows]
+                            a, b = bounds[r], bounds[r + 1]
+                            part = None if g is None else g.reshape(rows, -1)[a:b].reshape(-1)
+                            pieces.append((part, a * per_row))
+                        everyone.append(_ranks.norm_pieces(pieces))
+                    self.assertEqual(_ranks.combine_norm(everyone), one_process)
+
     def test_bf16_params_with_a_master(self):
         data = batches(10, seed=23)
         model = make_model(torch.bfloat16)

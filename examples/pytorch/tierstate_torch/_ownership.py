@@ -130,3 +130,4 @@ class _Ownership:
         self._where, self._members, self._group_ids = [], {}, {}
         self._pushed.clear()
         self._closed = True
+        self._remove_made_dir()

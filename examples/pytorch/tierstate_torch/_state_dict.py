@@ -10,6 +10,7 @@ import torch
 
 from . import _bnb
 from ._common import _DTYPES, _FORMAT, _format_suffix, _key_name, _number, _on
+from ._ranks import as_param, local
 
 
 class _StateDicts:
@@ -111,7 +112,7 @@ class _StateDicts:
             for slot in self._torch_slots:
                 with _on(key[1]):
                     value = self._shards[key].get_state(f"p{i}", slot)
-                s[slot] = value.view(p.shape).to(device=p.device, dtype=p.dtype)
+                s[slot] = as_param(value, p)
             if self._torch_tensor_keys(p):
                 with _on(key[1]):
                     s.update(self._to_torch_tensor_state(p, self._shards[key].get_tensor_state(f"p{i}")))
@@ -181,10 +182,11 @@ class _StateDicts:
                 v = s.get(slot)
                 if v is None:
                     continue
-                if not torch.is_tensor(v) or v.numel() != params[i].numel():
+                v = local(v) if torch.is_tensor(v) else v  # (FSDP2's: this rank's shard)
+                if not torch.is_tensor(v) or v.numel() != local(params[i]).numel():
                     got = f"{v.numel()} elements" if torch.is_tensor(v) else type(v).__name__
                     raise ValueError(f"{name}: the state_dict's state[{key!r}][{slot!r}] is {got}; its param has "
-                                     f"{params[i].numel()} elements")
+                                     f"{local(params[i]).numel()} elements")
                 values[slot] = self._as_state(v, f"state[{key!r}][{slot!r}]")
             tensor_values = {}
             for k, n in tensor_keys.items():
@@ -220,12 +222,12 @@ class _StateDicts:
                 if "master" in shard.slot_names():
                     off = getattr(p, "_tierstate_offload", None)  # (offload_parameters: its values are the store's)
                     shard.set_state(f"p{i}", "master", off.read(off.source(p)[2]).reshape(-1) if off is not None
-                                    else p.detach().reshape(-1))
+                                    else local(p).detach().reshape(-1))
                 if "compensation" in shard.slot_names():  # (torch keeps none: the param is exact)
-                    shard.set_state(f"p{i}", "compensation", torch.zeros(p.numel()))
+                    shard.set_state(f"p{i}", "compensation", torch.zeros(local(p).numel()))
                 for slot in slots:
                     value = plan[i][1].get(slot)
-                    shard.set_state(f"p{i}", slot, torch.zeros(p.numel()) if value is None else value.reshape(-1))
+                    shard.set_state(f"p{i}", slot, torch.zeros(local(p).numel()) if value is None else value.reshape(-1))
                 if self._torch_tensor_keys(p):
                     shard.set_tensor_state(f"p{i}", self._from_torch_tensor_state(p, plan[i][2]))
         # Each param's own count; the optimizer's, the most any param took (a param without

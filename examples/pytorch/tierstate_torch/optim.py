@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -67,12 +68,29 @@ from ._build import _COMPACT_RULES
 from ._common import (_COMPUTES, _check_tier, _DTYPES, _POLICIES, _TIERS, _checked_format, _ext, _key_name, _number, _on, _stream,
                       _table_values)
 from ._ownership import _Ownership
+from ._ranks import Ranks, is_sharded, local, local_grad, shard_offset
 from ._state_dict import _StateDicts
 
 
 def _offload_of(p: torch.Tensor) -> Any:
     """The OffloadedParameters holding `p` (offload_parameters), or None."""
     return getattr(p, "_tierstate_offload", None)
+
+
+def _rank_path(name: str, tier: str, path: Any) -> tuple[Any, str | None]:
+    """path= with "{rank}" in it: this rank's (torch.distributed's rank), its directory made
+    if only it is missing (and removed when the optimizer is closed, if empty). Returns the
+    path and the directory made, if one was."""
+    if path is None or "{rank}" not in str(path):
+        return path, None
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(f"{name}: path={str(path)!r} names a rank, and torch.distributed is not initialized")
+    mine = str(path).format(rank=dist.get_rank())
+    if tier == "nvme" and not os.path.isdir(mine) and os.path.isdir(os.path.dirname(mine) or "."):
+        os.mkdir(mine)
+        return mine, mine
+    return mine, None
 
 
 def _one_format_hint(shards: dict[tuple, Any], demoted: bool) -> str:
@@ -154,6 +172,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         grad_scaler: "torch.amp.GradScaler | None" = None,
     ) -> None:
         name = type(self).__name__
+        path, self._made_dir = _rank_path(name, tier, path)
         _check_tier(name, tier, path, _TIERS)
         if compute not in _COMPUTES:
             raise ValueError(f"{name}: compute must be one of {_COMPUTES}, not {compute!r}")
@@ -284,6 +303,18 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
     def __del__(self) -> None:
         for handle in getattr(self, "_hooks", []):
             handle.remove()
+        self._shards = None
+        self._remove_made_dir()
+
+    def _remove_made_dir(self) -> None:
+        """The rank's directory a "{rank}" path made, once its scratch files are gone (if empty)."""
+        made = getattr(self, "_made_dir", None)
+        if made is not None and self._shards is None:
+            try:
+                os.rmdir(made)
+            except OSError:
+                pass
+            self._made_dir = None
 
     def _device_params(self, p: torch.Tensor) -> bool:
         return p.is_cuda or self._emulated
@@ -301,6 +332,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         params = self._params()
         if len({id(p) for p in params}) != len(params):
             raise ValueError(f"{name}: a parameter appears twice")
+        self._ranks, self._offsets = self._across_ranks(params)
         shards: dict[tuple, Any] = {}
         self._where: list[tuple[tuple, int]] = []  # per global index: (shard key, tensor)
         members: dict[tuple, list[int]] = {}
@@ -309,7 +341,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         demoted = False  # (where min_8bit_size keeps a tensor's state in fp32)
         for i, p in enumerate(params):
             off = _offload_of(p)
-            if off is None and not p.is_contiguous():
+            if off is None and not local(p).is_contiguous():
                 raise ValueError(f"{name}: parameter {i} is not contiguous")
             if off is not None and self._options["delayed_update"]:
                 raise ValueError(f"{name}: delayed_update keeps its own copy of every parameter; parameter {i} is "
@@ -328,14 +360,14 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                     shards[key] = C.Shard(
                         rule=self._rule, param_dtype=p.dtype,
                         state_dtype=key[2], master=key[3], device_params=self._device_params(p),
-                        defaults=list(defaults), **self._options)
+                        defaults=list(defaults), ranks=self._ranks, **self._options)
                 members[key] = []
             with _on(p.device):
                 if off is not None:
                     store, tid, _ = off.source(p)
                     t = shards[key].add_offloaded(f"p{i}", store, tid)
                 else:
-                    t = shards[key].add_tensor(f"p{i}", p.detach())
+                    t = shards[key].add_tensor(f"p{i}", local(p).detach())
             self._where.append((key, t))
             members[key].append(i)
         self._group_ids: dict[tuple[tuple, int], int] = {}
@@ -359,11 +391,12 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                              f"or overlap_backward=False{_one_format_hint(shards, demoted)}")
         self._shards = shards
         self._members = members
-        self._versions = [p._version for p in params]
+        self._versions = [local(p)._version for p in params]
         self._masters = any({"master", "compensation"} & set(shard.slot_names()) for shard in shards.values())
         if self._overlap:  # (the hooks: _install_hooks, once the params are this optimizer's)
             self._arrivals = [0] * len(params)
             self._grad_versions: list[int | None] = [None] * len(params)
+            self._grad_storages: list[int] = [0] * len(params)
             self._dropped: set[int] = set()
 
     def _push_hyperparameters(self, force: bool = False) -> None:
@@ -399,6 +432,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                     if "compensation" in shard.slot_names():
                         shard.set_state(f"p{i}", "compensation", torch.zeros(p.numel()))
                 continue
+            p = local(p)  # (FSDP2: this rank's shard)
             if p._version != self._versions[i]:
                 key, _ = self._where[i]
                 shard = self._shards[key]
@@ -415,14 +449,14 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                 self._versions[i] = p._version
 
     def _note_versions(self) -> None:
-        self._versions = [p._version for p in self._params()]
+        self._versions = [local(p)._version for p in self._params()]
 
     def _check_memory(self) -> None:
         for i, p in enumerate(self._params()):
             key, t = self._where[i]
             if _offload_of(p) is not None:
                 continue  # (its memory comes and goes with its layer's fetches)
-            if (p.dtype, p.device) != key[:2] or not self._shards[key].same_memory(t, p):
+            if (p.dtype, p.device) != key[:2] or not self._shards[key].same_memory(t, local(p)):
                 raise RuntimeError(
                     f"{type(self).__name__}: parameter {i} is no longer the memory it was registered with "
                     "(moved with .to(), or its .data replaced): make the optimizer after the model is in place")
@@ -446,6 +480,47 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
             if attribute in self.__dict__:
                 delattr(self, attribute)
 
+    # -- across ranks (FSDP2) ---------------------------------------------------------------
+
+    def _across_ranks(self, params: list[torch.Tensor]) -> tuple[Ranks | None, list[int]]:
+        """For FSDP2's DTensor params: the hooks that take each step's decisions with the other
+        ranks, and where each local shard begins in its tensor. (None, []) in one process."""
+        sharded = [is_sharded(p) for p in params]
+        if not any(sharded):
+            return None, []
+        name = type(self).__name__
+        if not all(sharded):
+            plain = sharded.index(False)
+            raise ValueError(f"{name}: parameter {plain} is a plain tensor among FSDP2's DTensor params: each rank "
+                             "would step its own copy of it (fully_shard the module that holds it, or give it "
+                             "to another optimizer)")
+        if self._options["delayed_update"]:
+            raise ValueError(f"{name}: delayed_update with FSDP2's DTensor params is not built (its update of one "
+                             "step runs during the next across ranks): use delayed_update=False")
+        if self._micro_batches != 1 and self._options["max_grad_norm"] > 0:
+            raise ValueError(f"{name}: max_grad_norm with FSDP2 and micro_batches > 1 is not built: accumulate the "
+                             "gradients with no_sync-style backward passes and step once per batch")
+        offsets = []
+        for i, p in enumerate(params):
+            if _offload_of(p) is not None:
+                raise ValueError(f"{name}: parameter {i} is both FSDP2's and offload_parameters'; use one")
+            offsets.append(shard_offset(p, name, i))
+            rows = p.shape[0] if p.dim() > 0 else 1
+            if local(p).numel() % max(p.numel() // max(rows, 1), 1) != 0:
+                raise ValueError(f"{name}: parameter {i}'s local shard is not whole rows of it")
+        meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for p in params}
+        if len(meshes) != 1:
+            raise ValueError(f"{name}: the DTensor params lie on {len(meshes)} different meshes; one optimizer "
+                             "steps the params of one mesh")
+        ranks = list(next(iter(meshes)))
+
+        me = weakref.ref(self)  # (the shards hold the hooks: no cycle through C++, which the GC cannot see)
+
+        def grads() -> list[tuple[torch.Tensor | None, int]]:  # (max_grad_norm: one shard, params in order)
+            return [(local_grad(p), offsets[i]) for i, p in enumerate(me()._params())]
+
+        return Ranks(ranks, grads), offsets
+
     def _grad_hook(self, i: int, p: torch.Tensor) -> None:
         if self._closed or self._replaced is not None:
             return  # (its handle is removed; a hook already queued by autograd may still run)
@@ -464,10 +539,13 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                 with _on(key2[1]):
                     shard.begin_step(scale, self._micro_batches)
             self._streaming_scale = scale
+        grad = local_grad(p)
         with _on(key[1]):
-            self._shards[key].grad_ready(t, p.grad, _stream(key[1]))
+            self._shards[key].grad_ready(t, grad, _stream(key[1]))
         self._arrivals[i] += 1
-        self._grad_versions[i] = p.grad._version
+        self._grad_versions[i] = grad._version
+        # (FSDP2's are views of one reduce-scatter buffer, sharing its version counter.)
+        self._grad_storages[i] = grad.untyped_storage().data_ptr()
         if self._arrivals[i] == self._micro_batches and _offload_of(p) is not None and \
                 self._shards[key].drop_grad(t):
             if p.grad.is_cuda:  # its copy down is queued on this stream: its memory is reused after it
@@ -517,13 +595,16 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         params = self._params()
         if len(self._shards) > 1 and self._options["on_nonfinite"] == "skip_step":
             # One shard must not step while another skips.
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads and self._any_nonfinite(grads):
+            grads = [g for g in map(local_grad, params) if g is not None]
+            found = bool(grads) and self._any_nonfinite(grads)
+            if self._ranks is not None:
+                found = self._ranks.any_nonfinite(found)
+            if found:
                 self.last_step = {"skipped": True, "found_nonfinite": True, "step": self.step_count()}
                 return loss
         results = []
         for key, shard in self._shards.items():
-            grads = [params[i].grad for i in self._members[key]]
+            grads = [local_grad(params[i]) for i in self._members[key]]
             with _on(key[1]):
                 results.append(shard.step(grads, scale, _stream(key[1])))
         self._note_versions()
@@ -553,17 +634,24 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         try:
             self._check_memory()
             changed_hyper = any(self._pushed.get(gi) != self._hyper(g) for gi, g in enumerate(self.param_groups))
+            # A gradient's version when the last one sharing its memory was handed over: views of
+            # one buffer (FSDP2's) share a version counter, which any of them bumps.
+            final: dict[int, int] = {}
+            for i, v in enumerate(self._grad_versions):
+                if v is not None:
+                    final[self._grad_storages[i]] = max(v, final.get(self._grad_storages[i], v))
             # torch steps every param whose .grad is set: one used in fewer than micro_batches
             # backward passes (or given a .grad by hand) is handed over now, as it is.
             for i, p in enumerate(params):
-                if p.grad is not None and self._arrivals[i] < self._micro_batches:
+                grad = local_grad(p)
+                if grad is not None and self._arrivals[i] < self._micro_batches:
                     key, t = self._where[i]
                     with _on(key[1]):
                         while self._arrivals[i] < self._micro_batches:
-                            self._shards[key].grad_ready(t, p.grad, _stream(key[1]))
+                            self._shards[key].grad_ready(t, grad, _stream(key[1]))
                             self._arrivals[i] += 1
-                elif self._grad_versions[i] is not None and i not in self._dropped and (p.grad is None or
-                                                             p.grad._version != self._grad_versions[i]):
+                elif self._grad_versions[i] is not None and i not in self._dropped and (
+                        grad is None or grad._version != final[self._grad_storages[i]]):
                     problems.append(i)
         except Exception as e:  # ended below all the same, then raised
             refusal, changed_hyper = e, False

@@ -13,9 +13,13 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include <cstring>
+#include <memory>
+#include <span>
+#include <stdexcept>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -484,6 +488,79 @@ class py_shard {
   std::vector<at::Tensor> live_;
 };
 
+/// The across_ranks hooks (optimizer_options.hpp) of a Python object with methods
+/// any_nonfinite(bool) -> bool and norm(float64 tensor of block sums) -> float: called from
+/// the optimizer's threads with the GIL, a Python error turned into a C++ one that keeps its
+/// message (the step then fails with it).
+void set_ranks(config& c, py::object ranks)
+{
+  if (ranks.is_none()) { return; }
+  std::shared_ptr<py::object> const held(new py::object(std::move(ranks)), [](py::object* o) {
+    py::gil_scoped_acquire gil;
+    delete o;
+  });
+  auto call = [held](char const* what, auto&& make_args, auto&& cast) {
+    py::gil_scoped_acquire gil;
+    try {
+      return cast(held->attr(what)(make_args()));
+    } catch (std::exception const& e) {
+      throw std::runtime_error(std::string("tierstate_torch: across ranks, ") + what + ": " + e.what());
+    }
+  };
+  c.any_nonfinite = [call](bool found) {
+    return call("any_nonfinite", [found] { return py::bool_(found); }, [](py::object o) { return o.cast<bool>(); });
+  };
+  c.norm = [call](std::span<double const> sums) {
+    return call(
+      "norm",
+      [sums] {
+        return torch::from_blob(const_cast<double*>(sums.data()), {static_cast<std::int64_t>(sums.size())},
+                                torch::kDouble).clone();
+      },
+      [](py::object o) { return o.cast<double>(); });
+  };
+}
+
+/// One tensor's squares, as the gradient norm sums them (step/checks.hpp: each element as a
+/// float, squared and added in double, in element order), for a rank that holds a slice of
+/// it beginning `offset` elements into the tensor: the sums of the 4096-element blocks that
+/// begin in the slice (the last one maybe cut by the slice's end), after its first
+/// (4096 - offset % 4096) % 4096 elements, which end a block another rank began
+/// (fold_squares). FSDP2's shards: their norm is one process's, bit for bit.
+torch::Tensor block_sums(torch::Tensor const& t, std::int64_t offset)
+{
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && offset >= 0, "block_sums: a contiguous CPU tensor");
+  constexpr std::int64_t block = 4096;
+  auto const x      = t.to(torch::kFloat);
+  float const* p    = x.data_ptr<float>();
+  std::int64_t const n    = x.numel();
+  std::int64_t const head = std::min(n, (block - offset % block) % block);
+  auto out = torch::zeros({(n - head + block - 1) / block}, torch::kDouble);
+  double* o = out.data_ptr<double>();
+  py::gil_scoped_release release;
+  for (std::int64_t b = 0; b < out.numel(); ++b) {
+    double s = 0.0;
+    for (std::int64_t i = head + b * block, e = std::min(n, head + (b + 1) * block); i < e; ++i) {
+      double const v = static_cast<double>(p[i]);
+      s += v * v;
+    }
+    o[b] = s;
+  }
+  return out;
+}
+
+/// `prefix` (a block's sum so far) with the squares of `t`'s elements added in order.
+double fold_squares(double prefix, torch::Tensor const& t)
+{
+  auto const x = t.to(torch::kFloat).contiguous();
+  float const* p = x.data_ptr<float>();
+  for (std::int64_t i = 0; i < x.numel(); ++i) {
+    double const v = static_cast<double>(p[i]);
+    prefix += v * v;
+  }
+  return prefix;
+}
+
 /// Whether any of these contiguous CPU tensors (fp32, bf16, fp16) holds an infinity or a
 /// NaN: tierstate's check (kernels/host/finite.hpp), one read of each, on torch's threads.
 /// (torch.isfinite(g).all() writes a bool tensor as large as g first, then reads it: on a
@@ -574,7 +651,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
                      std::string tier, std::string compute, bool device_params, std::string directory,
                      std::size_t chunk_elements,
                      std::size_t threads, double max_grad_norm, std::string on_nonfinite,
-                     bool delayed_update, int shadow_state, tt::hyper defaults) {
+                     bool delayed_update, int shadow_state, tt::hyper defaults, py::object ranks) {
            tt::config c;
            c.rule           = std::move(rule);
            c.param          = tt::to_dtype(param, "the parameter dtype");
@@ -591,11 +668,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
            c.delayed_update = delayed_update;
            c.shadow_state   = shadow_state;
            c.defaults       = defaults;
+           tt::set_ranks(c, std::move(ranks));
            return std::make_unique<tt::py_shard>(std::move(c));
          }),
          py::arg("rule"), py::arg("param_dtype"), py::arg("state_dtype"), py::arg("master"),
          py::arg("tier"), py::arg("compute"), py::arg("device_params"), py::arg("directory"), py::arg("chunk_elements"), py::arg("threads"),
-         py::arg("max_grad_norm"), py::arg("on_nonfinite"), py::arg("delayed_update"), py::arg("shadow_state"), py::arg("defaults"))
+         py::arg("max_grad_norm"), py::arg("on_nonfinite"), py::arg("delayed_update"), py::arg("shadow_state"), py::arg("defaults"),
+         py::arg("ranks") = py::none())
     .def("add_tensor", &tt::py_shard::add_tensor)
     .def("add_offloaded", &tt::py_shard::add_offloaded, py::keep_alive<1, 3>())  // (the store outlives the shard)
     .def("add_group", &tt::py_shard::add_group)
@@ -629,6 +708,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
         "Whether the build has the compositions of params on a device (CUDA, or the emulated device)");
   m.def("any_nonfinite", &tt::any_nonfinite, py::arg("tensors"),
         "Whether any of these contiguous CPU tensors (float32, bfloat16, float16) holds an inf or a NaN");
+  m.def("block_sums", &tt::block_sums, py::arg("tensor"), py::arg("offset"),
+        "A slice's squares per 4096-element block of its tensor, the blocks that begin in it (the gradient norm's)");
+  m.def("fold_squares", &tt::fold_squares, py::arg("prefix"), py::arg("tensor"),
+        "prefix plus the squares of the tensor's elements, added in order (the gradient norm's)");
   m.def("host_kernels", &tt::host_kernel_level,
         "The host kernels' level: the dispatched x86-64 level of a package build (TIERSTATE_ARCH forces one), or "
         "'native <arch>' for a build with its own -march");

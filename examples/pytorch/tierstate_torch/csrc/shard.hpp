@@ -52,6 +52,10 @@ struct config {
   std::string on_nonfinite = "skip_step";  ///< skip_step, report, ignore
   bool delayed_update   = false;
   int shadow_state      = 0;  ///< 0 off, 1 on (refused where the composition cannot), 2 where it can
+  /// A rank's share of a model (torch.distributed): the other ranks' verdict and norm
+  /// (tierstate::across_ranks); empty in one process.
+  std::function<bool(bool)> any_nonfinite;
+  std::function<double(std::span<double const>)> norm;
   hyper defaults;  ///< empty: the rule's own defaults
 };
 

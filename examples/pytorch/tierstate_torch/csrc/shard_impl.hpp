@@ -95,6 +95,8 @@ class shard_impl final : public shard {
     o.max_grad_norm  = c.max_grad_norm;
     o.delayed_update = c.delayed_update;
     o.shadow_state   = c.shadow_state == 1 || (c.shadow_state == 2 && optimizer::can_shadow_state);
+    o.ranks.any_nonfinite = c.any_nonfinite;
+    o.ranks.norm          = c.norm;
     if constexpr (std::is_same_v<Tier, tierstate::NvmeFile>) { o.tier.directory = c.directory; }
     return o;
   }

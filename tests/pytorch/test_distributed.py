@@ -1,0 +1,385 @@
+# SPDX-License-Identifier: Apache-2.0
+"""tierstate_torch across ranks: test_parity's transformer trained by two ranks (gloo, CPU)
+with FSDP2's fully_shard, each rank stepping its own shards with tierstate_torch.AdamW, every
+step's loss (the ranks' mean) within test_parity's 1e-4 relative of one process's
+torch.optim.AdamW on the whole batch, and the final params (gathered) within its bound:
+- the state in PinnedHost and in NvmeFile (a directory per rank, from a "{rank}" template);
+- param groups and an LR schedule; clipping with max_grad_norm (the global norm, the same
+  bits on every rank, against torch's clip_grad_norm_ on the whole model);
+- overlap_backward (the hooks fire on FSDP2's reduce-scattered shards; on NVMe the default
+  check is shadowed and agrees across ranks after the update);
+- GradScaler with an overflow planted on one rank only: both skip that step, both scales
+  back off alike;
+- FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 sharded params: no master): against
+  torch.optim.AdamW under the same FSDP2 setup;
+- a NaN on one rank with on_nonfinite="skip_step" and no scaler: both skip;
+- a layer with fewer rows than ranks (an empty shard on rank 1), clipped;
+- refusals: a plain param among DTensors, Shard(1) placements.
+
+Run: torchrun --nproc-per-node 2 tests/pytorch/test_distributed.py (tests/run-all.sh's
+pytorch stage; OMP_NUM_THREADS=1). Each rank prints its checks; rank 0 the summary. A rank
+that fails exits 1, and torchrun then stops the other. ONLY=case_name runs one case.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import test_parity as tp  # noqa: E402  (its model, data and tolerance; it puts the package on the path)
+import tierstate_torch  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+
+RANK = WORLD = 0
+
+
+def shard_model(model: nn.Module, mp: MixedPrecisionPolicy | None = None) -> nn.Module:
+    kw = {"mp_policy": mp} if mp is not None else {}
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def my_part(x: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a batch (data parallel: equal parts, so the mean of the ranks'
+    mean losses is the whole batch's)."""
+    return x.chunk(WORLD)[RANK]
+
+
+def mean_over_ranks(v: float) -> float:
+    t = torch.tensor([v], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / WORLD
+
+
+def full(p: torch.Tensor) -> torch.Tensor:
+    return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def reference(steps: int, clip: float | None = None, sched: bool = True):
+    """One process, torch.optim.AdamW, the whole batch."""
+    model = tp.make_model()
+    opt = torch.optim.AdamW(tp.groups(model), lr=tp.LR, foreach=False)
+    s = tp.schedule(opt) if sched else None
+    losses, norms = [], []
+    for x, y in tp.batches(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = tp.loss_of(model, x, y)
+        loss.backward()
+        if clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        opt.step()
+        if s:
+            s.step()
+        losses.append(loss.item())
+    return losses, model, norms
+
+
+NOW = -1  # the step train_sharded is in
+
+
+def plant(model: nn.Module, at: int, bad: float) -> None:
+    """At step `at`, once FSDP2 has reduce-scattered the gradients, rank 1 alone finds `bad`
+    in its shard of head.weight's (an inf or NaN in the loss would reach every rank's shard
+    through the reduction, and test nothing). Call it before the optimizer is made: its hook
+    then runs before overlap_backward's."""
+    def hook(p: torch.Tensor) -> None:
+        if NOW == at and RANK == 1:
+            p.grad.to_local().view(-1)[0] = bad
+    model.head.weight.register_post_accumulate_grad_hook(hook)
+
+
+def train_sharded(model, opt, steps, sched=None, scaler=None, poisoned: int | None = None):
+    """FSDP2's loop: each rank its part of each batch. Step `poisoned` (see plant) is
+    recorded with loss 0, as test_parity's train_scaled records its overflowed step."""
+    global NOW
+    losses, results = [], []
+    for i, (x, y) in enumerate(tp.batches(steps)):
+        NOW = i
+        opt.zero_grad(set_to_none=True)
+        loss = tp.loss_of(model, my_part(x), my_part(y))
+        if scaler:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        if sched:
+            sched.step()
+        results.append(dict(getattr(opt, "last_step", {})))
+        losses.append(mean_over_ranks(loss.item()) if i != poisoned else 0.0)
+    NOW = -1
+    return losses, results
+
+
+def assert_parity(what: str, ref_losses, losses, ref_model, model, lr=tp.LR, tol: float = 1e-4):
+    assert len(ref_losses) == len(losses)
+    for i, (a, b) in enumerate(zip(ref_losses, losses)):
+        assert abs(a - b) <= tol * abs(a), f"{what}: step {i + 1}: loss {b} vs the reference's {a}"
+    for (name, p), q in zip(ref_model.named_parameters(), model.parameters()):
+        q = full(q.detach()).float()
+        bound = tol * (p.detach().float().abs() + lr)
+        excess = ((p.detach().float() - q).abs() - bound).max().item()
+        assert excess <= 0.0, f"{what}: parameter {name} differs beyond {tol}*(|p|+lr)"
+
+
+def scratch(tag: str) -> str:
+    """A directory for this case, "{rank}" in it: each rank's own."""
+    root = os.environ.get("TIERSTATE_TEST_DIR", tempfile.gettempdir())
+    parent = os.path.join(root, f"tierstate-dist-{os.getppid()}-{tag}")  # (torchrun: one parent)
+    os.makedirs(parent, exist_ok=True)
+    return os.path.join(parent, "rank{rank}")
+
+
+def cleanup(path: str) -> None:
+    """After close(): the rank's directory the optimizer made is gone; then the case's."""
+    mine = path.format(rank=RANK)
+    assert not os.path.exists(mine), f"{mine}: the rank's directory the optimizer made, left behind"
+    dist.barrier()
+    if RANK == 0:
+        shutil.rmtree(os.path.dirname(mine), ignore_errors=True)
+
+
+def case_tiers(ref):
+    for tier in ("pinned", "nvme"):
+        model = shard_model(tp.make_model())
+        path = scratch(tier) if tier == "nvme" else None
+        opt = tierstate_torch.AdamW(tp.groups(model), lr=tp.LR, tier=tier, path=path, chunk_elements=2048)
+        losses, results = train_sharded(model, opt, tp.STEPS, sched=tp.schedule(opt))
+        assert_parity(f"FSDP2 {tier}", ref[0], losses, ref[1], model)
+        if path is not None:
+            mine = path.format(rank=RANK)
+            assert os.path.isdir(mine), f"{mine}: the rank's directory"
+            opt.close()
+            cleanup(path)
+        state = sum(p.to_local().numel() for p in model.parameters())
+        total = sum(p.numel() for p in model.parameters())
+        print(f"rank {RANK}: FSDP2 {tier}: 50 steps within 1e-4; state of {state} of {total} elements "
+              f"({state / total:.3f})", flush=True)
+
+
+def case_clip():
+    clip = 0.05
+    ref_losses, ref_model, ref_norms = reference(tp.STEPS, clip=clip)
+    for overlap in (False, True):
+        model = shard_model(tp.make_model())
+        opt = tierstate_torch.AdamW(tp.groups(model), lr=tp.LR, max_grad_norm=clip, overlap_backward=overlap)
+        losses, results = train_sharded(model, opt, tp.STEPS, sched=tp.schedule(opt))
+        assert_parity(f"FSDP2 clip overlap={overlap}", ref_losses, losses, ref_model, model)
+        norms = [r["grad_norm"] for r in results]
+        every = [None] * WORLD
+        dist.all_gather_object(every, norms)
+        assert all(n == norms for n in every), "the ranks' gradient norms differ"
+        for i, (a, b) in enumerate(zip(ref_norms, norms)):
+            assert abs(a - b) <= 1e-4 * a, f"step {i + 1}: norm {b} vs clip_grad_norm_'s {a}"
+        assert min(ref_norms) > clip, "the test clips every step"
+        print(f"rank {RANK}: FSDP2 max_grad_norm overlap={overlap}: norms the same bits on both ranks, "
+              f"within 1e-4 of clip_grad_norm_'s", flush=True)
+
+
+def case_overlap_nvme(ref):
+    """fp32 params (no master: the check waits for backward's end) against the reference;
+    then bf16 params with an fp32 master, where the default check is shadowed: with a NaN on
+    rank 1 only at step 4, the same bits as plain steps in pinned memory."""
+    model = shard_model(tp.make_model())
+    path = scratch("overlap")
+    opt = tierstate_torch.AdamW(tp.groups(model), lr=tp.LR, tier="nvme", path=path, overlap_backward=True,
+                                chunk_elements=2048)
+    losses, _ = train_sharded(model, opt, tp.STEPS, sched=tp.schedule(opt))
+    assert_parity("FSDP2 overlap nvme", ref[0], losses, ref[1], model)
+    opt.close()
+    cleanup(path)
+    runs = []
+    for tier, overlap in (("pinned", False), ("nvme", True)):
+        model = shard_model(tp.make_model(torch.bfloat16))
+        plant(model, 3, float("nan"))
+        path = scratch("shadow") if tier == "nvme" else None
+        opt = tierstate_torch.AdamW(tp.groups(model), lr=tp.LR, tier=tier, path=path, overlap_backward=overlap,
+                                    chunk_elements=2048)
+        assert opt.composition()[0].endswith(" with shadow_state") == overlap, opt.composition()
+        losses, results = train_sharded(model, opt, 12, sched=tp.schedule(opt), poisoned=3)
+        assert results[3]["skipped"] and not any(r["skipped"] for i, r in enumerate(results) if i != 3), results
+        runs.append((losses, [full(p.detach()).clone() for p in model.parameters()], opt.step_count()))
+        if path is not None:
+            opt.close()
+            cleanup(path)
+    assert runs[0][0] == runs[1][0], "the losses of plain and shadowed streaming steps differ"
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1])), "the params differ"
+    assert runs[0][2] == runs[1][2] == 11
+    print(f"rank {RANK}: FSDP2 overlap_backward on NVMe: fp32 within 1e-4; bf16 shadowed, a NaN on rank 1 at "
+          "step 4: both skip, the bits of plain steps", flush=True)
+
+
+def reference_scaled(steps: int, overflow_at: int):
+    model = tp.make_model()
+    opt = torch.optim.AdamW(tp.groups(model), lr=tp.LR, foreach=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    losses, _ = tp.train_scaled(model, opt, scaler, tp.batches(steps), overflow_at=overflow_at)
+    return losses, model, scaler.get_scale()
+
+
+def case_scaler_one_rank_overflows():
+    at = 5
+    ref_losses, ref_model, ref_scale = reference_scaled(tp.STEPS, at)
+    for overlap, tier in ((False, "pinned"), (True, "pinned"), (True, "nvme")):
+        model = shard_model(tp.make_model())
+        plant(model, at, float("inf"))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        path = scratch(f"scaled-{tier}") if tier == "nvme" else None
+        opt = tierstate_torch.AdamW(tp.groups(model), lr=tp.LR, tier=tier, path=path, overlap_backward=overlap,
+                                    grad_scaler=scaler)
+        losses, results = train_sharded(model, opt, tp.STEPS, scaler=scaler, poisoned=at)
+        assert_parity(f"FSDP2 GradScaler overlap={overlap} {tier}", ref_losses, losses, ref_model, model)
+        scales = [None] * WORLD
+        dist.all_gather_object(scales, scaler.get_scale())
+        assert scales == [ref_scale] * WORLD, f"scales {scales} vs the reference's {ref_scale}"
+        assert opt.step_count() == tp.STEPS - 1, opt.step_count()
+        if path is not None:
+            opt.close()
+            cleanup(path)
+        print(f"rank {RANK}: FSDP2 GradScaler, overflow on rank 1 only, overlap={overlap} {tier}: both skipped "
+              f"step {at + 1}, scale {scales[RANK]} on both", flush=True)
+
+
+def case_nan_one_rank():
+    for overlap in (False, True):
+        model = shard_model(tp.make_model())
+        plant(model, 0, float("nan"))
+        before = [full(p.detach()).clone() for p in model.parameters()]
+        opt = tierstate_torch.AdamW(model.parameters(), lr=tp.LR, overlap_backward=overlap)
+        _, results = train_sharded(model, opt, 1, poisoned=0)
+        assert results[0]["skipped"], f"rank {RANK} stepped while rank 1 found a NaN: {results[0]}"
+        after = [full(p.detach()) for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(before, after)), "a param changed in a skipped step"
+        assert opt.step_count() == 0
+        print(f"rank {RANK}: a NaN on rank 1 only, overlap={overlap}: skipped on both", flush=True)
+
+
+def case_mixed_precision():
+    """MixedPrecisionPolicy: bf16 forward and backward, fp32 reduce-scatter and fp32 sharded
+    params (no master). Against torch.optim.AdamW under the same FSDP2 setup. bf16 compute
+    turns the last-bit differences of two correct fp32 updates into bf16 rounding flips that
+    grow with the steps (the first steps agree to the bit; after 50, 3.7e-4 of the loss), so
+    the bound is bf16's: each step's loss within 2e-3 relative (bf16's half ulp is 3.9e-3),
+    each tensor of 1024 elements or more within 5e-3 relative in L2 (seen: 9.6e-4) and the
+    smaller within 3e-2 (seen: 3.1e-3 for the positions, 7.3e-3 for a bias of 32, whose
+    small gradients Adam divides by their own size)."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    runs = []
+    for make in (lambda m: torch.optim.AdamW(tp.groups(m), lr=tp.LR, foreach=False),
+                 lambda m: tierstate_torch.AdamW(tp.groups(m), lr=tp.LR)):
+        model = shard_model(tp.make_model(), mp)
+        opt = make(model)
+        losses, _ = train_sharded(model, opt, tp.STEPS, sched=tp.schedule(opt))
+        runs.append((losses, [full(p.detach()) for p in model.parameters()], opt))
+    (ref_losses, ref_params, _), (losses, params, opt) = runs
+    assert opt.composition()[0].startswith("OffloadedOptimizer<adamw, fp32/fp32/fp32/fp32,"), opt.composition()
+    worst = max(abs(a - b) / abs(a) for a, b in zip(ref_losses, losses))
+    far = [((p - q).norm() / p.norm()).item() for p, q in zip(ref_params, params)]
+    large = max(f for f, p in zip(far, ref_params) if p.numel() >= 1024)
+    assert worst <= 2e-3, f"mixed precision: a loss {worst:.2e} relative from torch's"
+    assert large <= 5e-3, f"mixed precision: a matrix {large:.2e} relative (L2) from torch's"
+    assert max(far) <= 3e-2, f"mixed precision: a vector {max(far):.2e} relative (L2) from torch's"
+    print(f"rank {RANK}: FSDP2 MixedPrecisionPolicy(bf16 compute, fp32 shards, no master): losses within "
+          f"{worst:.1e}, matrices within {large:.1e} and vectors {max(far):.1e} (L2) of torch.optim.AdamW under "
+          "FSDP2", flush=True)
+
+
+def case_rows_fewer_than_ranks():
+    """A layer of one output row (its weight (1, 16), its bias (1,)): FSDP2 gives rank 1 no
+    rows of it, an empty shard. Clipped, against torch.optim.AdamW under the same FSDP2 setup
+    with clip_grad_norm_ (which FSDP2 computes across ranks)."""
+    runs = []
+    for ours in (False, True):
+        torch.manual_seed(7)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+        fully_shard(model)
+        opt = (tierstate_torch.AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.1) if ours else
+               torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False))
+        g = torch.Generator().manual_seed(3)
+        norms = []
+        for _ in range(10):
+            x = torch.randn(8, 8, generator=g)
+            loss = (model(my_part(x)) - my_part(x.sum(1, keepdim=True))).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            if not ours:
+                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1).full_tensor().item())
+            opt.step()
+            if ours:
+                norms.append(opt.last_step["grad_norm"])
+        runs.append(([full(p.detach()) for p in model.parameters()], norms))
+    assert model[2].weight.to_local().numel() == (16 if RANK == 0 else 0)
+    for a, b in zip(runs[0][0], runs[1][0]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert abs(a - b) <= 1e-5 * a, (a, b)
+    print(f"rank {RANK}: a layer of one row (rank 1's shard of it empty), clipped: within 1e-5 of torch's", flush=True)
+
+
+def case_refusals():
+    model = shard_model(tp.make_model())
+    extra = nn.Parameter(torch.zeros(3))
+    try:
+        tierstate_torch.AdamW([*model.parameters(), extra], overlap_backward=True)
+    except ValueError as e:
+        assert "plain tensor among FSDP2's DTensor params" in str(e), e
+    else:
+        raise AssertionError("a plain param among DTensor ones was taken")
+    from torch.distributed.tensor import Shard
+    model = tp.make_model()
+    fully_shard(model, shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
+    try:
+        tierstate_torch.AdamW(model.parameters(), overlap_backward=True)
+    except ValueError as e:
+        assert "Shard(0)" in str(e) and "parameter " in str(e), e
+    else:
+        raise AssertionError("Shard(1) params were taken")
+    print(f"rank {RANK}: refusals name what was wrong", flush=True)
+
+
+def main() -> int:
+    global RANK, WORLD
+    dist.init_process_group("gloo")
+    RANK, WORLD = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    t0 = time.time()
+    try:
+        if os.environ.get("ONLY"):
+            globals()[os.environ["ONLY"]]()
+            return 0
+        ref = reference(tp.STEPS)
+        case_tiers(ref)
+        case_overlap_nvme(ref)
+        case_clip()
+        case_scaler_one_rank_overflows()
+        case_nan_one_rank()
+        case_mixed_precision()
+        case_rows_fewer_than_ranks()
+        case_refusals()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # (torchrun stops the other rank, which may be waiting in a collective)
+    dist.barrier()
+    if RANK == 0:
+        print(f"test_distributed: {WORLD} ranks, every case passed in {time.time() - t0:.1f} s", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
