@@ -7,6 +7,8 @@
 #include "memory_tier.hpp"
 #include "nvme_support.hpp"
 
+#include <tierstate/ranks/partition.hpp>
+
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -752,111 +754,128 @@ TEST_CASE("a shadowed state saves and loads as any other, and shadow_state is re
   CHECK(d.entries() == std::vector<std::string>{"run.ckpt"});  // (the tiers' files are gone)
 }
 
-// --- across ranks (options::ranks): each rank's optimizer over its own tensors --------------
+// --- across ranks (options::ranks): each rank's optimizer over its share of the elements ----
 
 namespace {
 
-/// Two ranks' collectives, between two threads of this process: each hook call waits for the
-/// other rank's, as an all-reduce or an all-gather would.
-struct two_ranks {
-  std::barrier<> sync{2};
-  std::array<std::vector<double>, 2> sums;
-  std::array<bool, 2> found{};
+/// n ranks' collectives, between n threads of this process: each hook call waits for the
+/// other ranks', as an all-reduce or an all-gather would.
+struct thread_ranks {
+  explicit thread_ranks(std::size_t n) : sync(static_cast<std::ptrdiff_t>(n)), sums(n), found(n) {}
+  std::barrier<> sync;
+  std::vector<std::vector<double>> sums;
+  std::vector<char> found;
   std::atomic<int> verdicts{0};
 
-  bool any_nonfinite(int r, bool f)
+  bool any_nonfinite(std::size_t r, bool f)
   {
     found[r] = f;
     sync.arrive_and_wait();
-    bool const any = found[0] || found[1];
+    bool const any = std::find(found.begin(), found.end(), char{1}) != found.end();
     sync.arrive_and_wait();
     ++verdicts;
     return any;
   }
-  /// Rank 0 owns the first tensors, rank 1 the rest: their sums in (tensor, block) order are
-  /// rank 0's, then rank 1's.
-  double norm(int r, std::span<double const> s)
+  /// The ranks own consecutive element ranges cut at 4096-element blocks: their sums in rank
+  /// order are one process's, in its (tensor, block) order.
+  double norm(std::size_t r, std::span<double const> s)
   {
     sums[r].assign(s.begin(), s.end());
     sync.arrive_and_wait();
-    std::vector<double> all(sums[0]);
-    all.insert(all.end(), sums[1].begin(), sums[1].end());
+    std::vector<double> all;
+    for (auto const& v : sums) { all.insert(all.end(), v.begin(), v.end()); }
     sync.arrive_and_wait();
     return std::sqrt(detail::pairwise_sum(all.data(), all.size()));
   }
 };
 
-/// One step of `opt` over tensors [first, last) of `m` (their own ids from 0), plain or
-/// streaming (last tensor first).
+/// A rank's step over its pieces of the model (tensor k of the rank: pieces[k]), plain or
+/// streaming (last piece first).
 template <class Opt, class M>
-step_result rank_step(Opt& opt, M& m, std::size_t first, std::size_t last, bool streaming)
+step_result rank_step(Opt& opt, M& m, std::vector<ranks::piece> const& pieces, bool streaming)
 {
   auto const all = m.views();
-  std::vector<grad_view<typename Opt::grad_type>> views(all.begin() + first, all.begin() + last);
+  std::vector<grad_view<typename Opt::grad_type>> views;
+  for (auto const& pc : pieces) { views.push_back({all[pc.tensor].data + pc.begin, pc.count, location::host}); }
   if (!streaming) { return opt.step(views); }
   opt.begin_step();
   for (std::size_t k = views.size(); k-- > 0;) { opt.grad_ready(k, views[k]); }
   return opt.finish_step();
 }
 
-/// Rank 0 steps tensors 0-3 of the model, rank 1 tensors 4-6, each in its own thread with its
-/// own optimizer made with `o` and the hooks: 6 steps clipped to 0.05, an inf at step 3 in
-/// tensor 5 (rank 1's). Every tensor then holds the bits of one optimizer over all seven.
-template <class Opt>
-void check_two_ranks(typename Opt::options o, bool streaming)
+/// The whole model's pieces: one per tensor (one process).
+template <class M>
+std::vector<ranks::piece> whole(M const& m)
 {
-  constexpr std::size_t cut = 4;
+  std::vector<ranks::piece> out;
+  for (std::size_t t = 0; t < m.params.size(); ++t) { out.push_back({t, 0, m.params[t].size()}); }
+  return out;
+}
+
+/// ZeRO-1 in one process: `n` ranks, each in its own thread with its own optimizer (made with
+/// `o` and the hooks) over its share of the model (ranks::partition_elements), 6 steps clipped
+/// to 0.05 with an inf at step 3 in one element of tensor 4 (one rank's). Every element then
+/// holds the bits of one optimizer over the whole model: params, every slot, step results.
+template <class Opt>
+void check_ranks(typename Opt::options o, bool streaming, std::size_t n)
+{
   nvme_model<Bf16Mixed> ref_m;
   auto ro = streaming_options<HostOpt<Bf16Mixed>>(o.chunk_elements, nonfinite_policy::skip_step, 0.05);
   HostOpt<Bf16Mixed> ref(schedule<HostOpt<Bf16Mixed>>(1), ro);
   for (std::size_t k = 0; k < ref_m.params.size(); ++k) {
     ref.add_tensor(tensor_name(k), ref_m.params[k].data(), ref_m.params[k].size());
   }
+  auto const plant = [](auto& model, int t) {
+    model.fill_grads(t);
+    if (t == 3) { model.grads[4][5000] = bf16(std::numeric_limits<float>::infinity()); }
+  };
   std::vector<step_result> expected;
   for (int t = 1; t <= 6; ++t) {
-    ref_m.fill_grads(t);
-    if (t == 3) { ref_m.grads[5][9] = bf16(std::numeric_limits<float>::infinity()); }
+    plant(ref_m, t);
     expected.push_back(ref.step(ref_m.views()));
   }
   REQUIRE(expected[2].skipped);
   REQUIRE(expected[0].grad_norm > 0.05);
 
   nvme_model<Bf16Mixed> m;
-  two_ranks comm;
+  std::vector<std::size_t> sizes;
+  for (auto const& p : m.params) { sizes.push_back(p.size()); }
+  auto const part = ranks::partition_elements(sizes, n);
+  thread_ranks comm(n);
   o.on_nonfinite  = nonfinite_policy::skip_step;
   o.max_grad_norm = 0.05;
-  std::array<std::vector<step_result>, 2> results;
-  std::vector<std::vector<std::vector<float>>> slots(m.params.size());  // [tensor][slot]
-  auto run = [&](int r) {
+  std::vector<std::vector<step_result>> results(n);
+  std::vector<std::vector<std::vector<float>>> slots(n);  // [rank][piece * slots + slot]
+  auto run = [&](std::size_t r) {
     auto mine                = o;
     mine.ranks.any_nonfinite = [&comm, r](bool f) { return comm.any_nonfinite(r, f); };
     mine.ranks.norm          = [&comm, r](std::span<double const> s) { return comm.norm(r, s); };
     Opt opt(schedule<Opt>(1), mine);
-    std::size_t const first = r == 0 ? 0 : cut, last = r == 0 ? cut : m.params.size();
-    for (std::size_t k = first; k < last; ++k) { opt.add_tensor(tensor_name(k), m.params[k].data(), m.params[k].size()); }
+    auto const& pieces = part.pieces[r];
+    for (std::size_t k = 0; k < pieces.size(); ++k) {
+      opt.add_tensor("piece" + std::to_string(k), m.params[pieces[k].tensor].data() + pieces[k].begin, pieces[k].count);
+    }
     for (int t = 1; t <= 6; ++t) {
-      if (r == 0) {
-        m.fill_grads(t);
-        if (t == 3) { m.grads[5][9] = bf16(std::numeric_limits<float>::infinity()); }
-      }
+      if (r == 0) { plant(m, t); }
       comm.sync.arrive_and_wait();  // (the gradients are filled)
-      results[r].push_back(rank_step(opt, m, first, last, streaming));
+      results[r].push_back(rank_step(opt, m, pieces, streaming));
       comm.sync.arrive_and_wait();
     }
-    for (std::size_t k = first; k < last; ++k) {  // every slot's bits, compared below
+    for (std::size_t k = 0; k < pieces.size(); ++k) {  // every slot's bits, compared below
       for (slot const s : opt.state_layout().slots()) {
-        slots[k].emplace_back(m.params[k].size());
-        opt.copy_state(tensor_name(k), s, std::span<float>(slots[k].back()));
+        slots[r].emplace_back(pieces[k].count);
+        opt.copy_state("piece" + std::to_string(k), s, std::span<float>(slots[r].back()));
       }
     }
   };
-  std::thread other(run, 1);
+  std::vector<std::thread> others;
+  for (std::size_t r = 1; r < n; ++r) { others.emplace_back(run, r); }
   run(0);
-  other.join();
-  CHECK(comm.verdicts == 12);
+  for (auto& th : others) { th.join(); }
+  CHECK(comm.verdicts == static_cast<int>(6 * n));
   for (int t = 0; t < 6; ++t) {
     INFO("step " << t + 1);
-    for (int r = 0; r < 2; ++r) {
+    for (std::size_t r = 0; r < n; ++r) {
       CHECK(results[r][t].skipped == expected[t].skipped);
       CHECK(results[r][t].found_nonfinite == expected[t].found_nonfinite);
       if (!expected[t].skipped) { CHECK(results[r][t].grad_norm == expected[t].grad_norm); }
@@ -865,26 +884,78 @@ void check_two_ranks(typename Opt::options o, bool streaming)
   for (std::size_t k = 0; k < m.params.size(); ++k) {
     INFO("tensor " << k);
     CHECK(std::memcmp(m.params[k].data(), ref_m.params[k].data(), m.params[k].size() * sizeof(bf16)) == 0);
-    REQUIRE(slots[k].size() == ref.state_layout().slots().size());
-    std::size_t j = 0;
-    for (slot const s : ref.state_layout().slots()) {
-      std::vector<float> b(m.params[k].size());
-      ref.copy_state(tensor_name(k), s, std::span<float>(b));
-      CHECK(std::memcmp(slots[k][j++].data(), b.data(), b.size() * sizeof(float)) == 0);
+  }
+  auto const names = ref.state_layout().slots();
+  for (std::size_t r = 0; r < n; ++r) {
+    auto const& pieces = part.pieces[r];
+    for (std::size_t k = 0; k < pieces.size(); ++k) {
+      std::size_t j = 0;
+      for (slot const s : names) {
+        std::vector<float> b(m.params[pieces[k].tensor].size());
+        ref.copy_state(tensor_name(pieces[k].tensor), s, std::span<float>(b));
+        INFO("rank " << r << ", piece " << k << ", slot " << j);
+        CHECK(std::memcmp(slots[r][k * names.size() + j].data(), b.data() + pieces[k].begin,
+                          pieces[k].count * sizeof(float)) == 0);
+        ++j;
+      }
     }
   }
 }
 
 }  // namespace
 
+TEST_CASE("partition_elements: contiguous ranges cut at 4096-element blocks, balanced and deterministic",
+          "[ranks]")
+{
+  std::vector<std::size_t> const sizes = nvme_sizes;  // 42310 elements
+  std::size_t const total = 42310;
+  for (std::size_t n = 1; n <= 12; ++n) {
+    INFO(n << " ranks");
+    auto const p = ranks::partition_elements(sizes, n);
+    REQUIRE(p.ranks() == n);
+    CHECK(p.first.front() == 0);
+    CHECK(p.first.back() == total);
+    std::size_t t = 0, at = 0, flat = 0;  // the pieces, in order, cover every element once
+    for (std::size_t r = 0; r < n; ++r) {
+      CHECK(p.first[r] == flat);
+      for (auto const& pc : p.pieces[r]) {
+        CHECK(pc.tensor == t);
+        CHECK(pc.begin == at);
+        CHECK(pc.count > 0);
+        CHECK((pc.begin % 4096 == 0));  // each cut at a block (or a tensor's start)
+        at += pc.count;
+        flat += pc.count;
+        if (at == sizes[t]) { ++t, at = 0; }
+      }
+      // within one block of the even share (the cuts are the nearest to r * total / n)
+      CHECK(static_cast<double>(p.elements(r)) >= static_cast<double>(total) / n - 4098);
+      CHECK(static_cast<double>(p.elements(r)) <= static_cast<double>(total) / n + 4098);
+    }
+    CHECK(t == sizes.size());
+    CHECK(ranks::partition_elements(sizes, n).pieces == p.pieces);
+  }
+  // One rank: one piece per tensor. More ranks than blocks: some own nothing.
+  auto const one = ranks::partition_elements(sizes, 1);
+  CHECK(one.pieces[0].size() == sizes.size());
+  std::vector<std::size_t> const small = {100, 200};
+  auto const many = ranks::partition_elements(small, 5);
+  std::size_t owners = 0;
+  for (auto const& v : many.pieces) { owners += v.empty() ? 0 : 1; }
+  CHECK(owners >= 1);
+  CHECK(many.first.back() == 300);
+  CHECK_THROWS_AS(ranks::partition_elements(sizes, 0), invalid_option);
+  CHECK_THROWS_WITH(ranks::partition_elements(sizes, 2, 1000), Catch::Contains("block"));
+}
+
 TEST_CASE("across ranks: one rank's inf skips every rank's step, and their norm is one optimizer's, bit for bit",
           "[streaming][ranks]")
 {
   scratch_dir d;
-  SECTION("plain steps") { check_two_ranks<HostOpt<Bf16Mixed>>(chunked<HostOpt<Bf16Mixed>>(2048), false); }
-  SECTION("streaming steps") { check_two_ranks<HostOpt<Bf16Mixed>>(chunked<HostOpt<Bf16Mixed>>(2048), true); }
-  SECTION("streaming steps on a shadowed state") {
-    check_two_ranks<NvmeOpt<Bf16Mixed>>(shadowed<NvmeOpt<Bf16Mixed>>(2048, in(d)), true);
+  SECTION("plain steps, 2 ranks") { check_ranks<HostOpt<Bf16Mixed>>(chunked<HostOpt<Bf16Mixed>>(2048), false, 2); }
+  SECTION("plain steps, 3 ranks") { check_ranks<HostOpt<Bf16Mixed>>(chunked<HostOpt<Bf16Mixed>>(2048), false, 3); }
+  SECTION("streaming steps, 3 ranks") { check_ranks<HostOpt<Bf16Mixed>>(chunked<HostOpt<Bf16Mixed>>(2048), true, 3); }
+  SECTION("streaming steps on a shadowed state, 2 ranks") {
+    check_ranks<NvmeOpt<Bf16Mixed>>(shadowed<NvmeOpt<Bf16Mixed>>(2048, in(d)), true, 2);
   }
 }
 
@@ -906,15 +977,15 @@ TEST_CASE("across ranks: a hook that throws refuses the step, with nothing chang
       NvmeOpt<Bf16Mixed> opt(schedule<NvmeOpt<Bf16Mixed>>(1), o);
       register_model(opt, m);
       m.fill_grads(1);
-      rank_step(opt, m, 0, m.params.size(), streaming);
+      rank_step(opt, m, whole(m), streaming);
       auto const before = snapshot(opt, m);
       fail = true;
       m.fill_grads(2);
-      CHECK_THROWS_WITH(rank_step(opt, m, 0, m.params.size(), streaming), Catch::Contains("rank 1: an I/O error"));
+      CHECK_THROWS_WITH(rank_step(opt, m, whole(m), streaming), Catch::Contains("rank 1: an I/O error"));
       CHECK(snapshot(opt, m) == before);
       CHECK_FALSE(opt.state_lost());
       fail = false;
-      CHECK(rank_step(opt, m, 0, m.params.size(), streaming).step == 2);
+      CHECK(rank_step(opt, m, whole(m), streaming).step == 2);
     }
   }
 }

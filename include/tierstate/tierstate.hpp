@@ -29,6 +29,7 @@
 #include <tierstate/kernels/host/on_host.hpp>
 #include <tierstate/kernels/host/update.hpp>
 #include <tierstate/optimizer.hpp>
+#include <tierstate/ranks/partition.hpp>
 #include <tierstate/rules/adafactor.hpp>
 #include <tierstate/rules/adam.hpp>
 #include <tierstate/rules/lion.hpp>
