@@ -14,6 +14,7 @@ torch.optim.AdamW on the whole batch, and the final params (gathered) within its
   torch.optim.AdamW under the same FSDP2 setup;
 - a NaN on one rank with on_nonfinite="skip_step" and no scaler: both skip;
 - a layer with fewer rows than ranks (an empty shard on rank 1), clipped;
+- each rank's state_dict() saved and loaded at the same world size: the uninterrupted run's bits;
 - refusals: a plain param among DTensors, Shard(1) placements.
 
 Run: torchrun --nproc-per-node 2 tests/pytorch/test_distributed.py (tests/run-all.sh's
@@ -329,6 +330,50 @@ def case_rows_fewer_than_ranks():
     print(f"rank {RANK}: a layer of one row (rank 1's shard of it empty), clipped: within 1e-5 of torch's", flush=True)
 
 
+def case_resume(ref):
+    """Each rank's state_dict() (its shards' checkpoints) saved with torch.save after 25 steps,
+    then loaded into a new model and optimizer of the same world size: the next 25 steps are
+    the uninterrupted run's, bit for bit; and within 1e-4 of the reference."""
+    half = tp.STEPS // 2
+    root = os.path.join(os.environ.get("TIERSTATE_TEST_DIR", tempfile.gettempdir()),
+                        f"tierstate-dist-{os.getppid()}-resume")
+    os.makedirs(root, exist_ok=True)
+    runs = []
+    for resumed in (False, True):
+        model = shard_model(tp.make_model())
+        opt = tierstate_torch.AdamW(tp.groups(model), lr=tp.LR)
+        sched = tp.schedule(opt)
+        data = tp.batches(tp.STEPS)
+        losses = []
+        for i, (x, y) in enumerate(data):
+            if resumed and i == half:
+                where = os.path.join(root, f"rank{RANK}.pt")
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, where)
+                opt.close()
+                model = shard_model(tp.make_model())
+                opt = tierstate_torch.AdamW(tp.groups(model), lr=tp.LR)
+                sched = tp.schedule(opt)
+                saved = torch.load(where, weights_only=False)
+                model.load_state_dict(saved["model"])
+                opt.load_state_dict(saved["opt"])
+                sched.load_state_dict(saved["sched"])
+            opt.zero_grad(set_to_none=True)
+            loss = tp.loss_of(model, my_part(x), my_part(y))
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(mean_over_ranks(loss.item()))
+        runs.append((losses, [p.to_local().clone() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0], "the resumed run's losses differ"
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1])), "the resumed run's params differ"
+    assert_parity("FSDP2 resumed", ref[0], runs[1][0], ref[1], model)
+    dist.barrier()
+    if RANK == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"rank {RANK}: FSDP2 saved at step {half} and resumed (same world size): the uninterrupted run's bits",
+          flush=True)
+
+
 def case_refusals():
     model = shard_model(tp.make_model())
     extra = nn.Parameter(torch.zeros(3))
@@ -368,6 +413,7 @@ def main() -> int:
         case_nan_one_rank()
         case_mixed_precision()
         case_rows_fewer_than_ranks()
+        case_resume(ref)
         case_refusals()
     except BaseException:
         traceback.print_exc()
