@@ -15,7 +15,10 @@ torch.optim.AdamW on the whole batch, and the final params (gathered) within its
 - a NaN on one rank with on_nonfinite="skip_step" and no scaler: both skip;
 - a layer with fewer rows than ranks (an empty shard on rank 1), clipped;
 - each rank's state_dict() saved and loaded at the same world size: the uninterrupted run's bits;
-- refusals: a plain param among DTensors, Shard(1) placements.
+- DDP with ShardedAdamW (partition=True: ZeRO-1), pinned and NVMe, clipped, a NaN in one
+  rank's slice;
+- refusals: a plain param among DTensors, Shard(1) placements, a rank with no rows;
+  partition= with overlap_backward, delayed_update or Adafactor.
 
 Run: torchrun --nproc-per-node 2 tests/pytorch/test_distributed.py (tests/run-all.sh's
 pytorch stage; OMP_NUM_THREADS=1). Each rank prints its checks; rank 0 the summary. A rank
@@ -173,6 +176,22 @@ def case_tiers(ref):
 
 def case_clip():
     clip = 0.05
+    for overlap in (False, True):  # the norm is one tierstate process's, to the bit
+        model = shard_model(tp.make_model())
+        opt = tierstate_torch.AdamW(model.parameters(), lr=tp.LR, max_grad_norm=clip, overlap_backward=overlap)
+        x, y = tp.batches(1)[0]
+        tp.loss_of(model, my_part(x), my_part(y)).backward()
+        opt.step()
+        grads = [p.grad.full_tensor() for p in model.parameters()]
+        whole = [p.full_tensor().detach().clone().requires_grad_() for p in model.parameters()]
+        one = tierstate_torch.AdamW(whole, lr=tp.LR, max_grad_norm=clip)
+        for p, g in zip(whole, grads):
+            p.grad = g
+        one.step()
+        assert opt.last_step["grad_norm"] == one.last_step["grad_norm"], \
+            (opt.last_step["grad_norm"], one.last_step["grad_norm"])
+        one.close()
+        opt.close()
     ref_losses, ref_model, ref_norms = reference(tp.STEPS, clip=clip)
     for overlap in (False, True):
         model = shard_model(tp.make_model())
@@ -186,8 +205,8 @@ def case_clip():
         for i, (a, b) in enumerate(zip(ref_norms, norms)):
             assert abs(a - b) <= 1e-4 * a, f"step {i + 1}: norm {b} vs clip_grad_norm_'s {a}"
         assert min(ref_norms) > clip, "the test clips every step"
-        print(f"rank {RANK}: FSDP2 max_grad_norm overlap={overlap}: norms the same bits on both ranks, "
-              f"within 1e-4 of clip_grad_norm_'s", flush=True)
+        print(f"rank {RANK}: FSDP2 max_grad_norm overlap={overlap}: norms the same bits on both ranks and as one "
+              f"tierstate process's over the gathered gradients, within 1e-4 of clip_grad_norm_'s", flush=True)
 
 
 def case_overlap_nvme(ref):
@@ -374,6 +393,65 @@ def case_resume(ref):
           flush=True)
 
 
+def case_ddp_partition(ref):
+    """DDP (each rank a replica, the gradients all-reduced) with ShardedAdamW: each rank keeps
+    the state of its share of the elements, in PinnedHost and NvmeFile; within 1e-4 of one
+    process's torch.optim.AdamW, the replicas equal to the bit; clipped, the norm is one
+    tierstate process's to the bit; a NaN that only rank 1's slice holds skips both."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    total = sum(p.numel() for p in tp.make_model().parameters())
+    for tier in ("pinned", "nvme"):
+        model = tp.make_model()
+        net = DDP(model)
+        path = scratch("ddp") if tier == "nvme" else None
+        opt = tierstate_torch.ShardedAdamW(tp.groups(model), lr=tp.LR, tier=tier, path=path, chunk_elements=2048)
+        losses, _ = train_sharded(net, opt, tp.STEPS, sched=tp.schedule(opt))
+        assert_parity(f"DDP ShardedAdamW {tier}", ref[0], losses, ref[1], model)
+        mine = sum(c for _, _, c in opt._pieces[RANK])
+        assert mine <= total / WORLD + 4096, (mine, total)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        every = [torch.empty_like(flat) for _ in range(WORLD)]
+        dist.all_gather(every, flat)
+        assert all(torch.equal(e, flat) for e in every), "the replicas differ"
+        if path is not None:
+            opt.close()
+            cleanup(path)
+        print(f"rank {RANK}: DDP + ShardedAdamW {tier}: within 1e-4, replicas equal; state of {mine} of {total} "
+              f"elements ({mine / total:.3f})", flush=True)
+    clip = 0.05
+    model = tp.make_model()
+    net = DDP(model)
+    opt = tierstate_torch.ShardedAdamW(tp.groups(model), lr=tp.LR, max_grad_norm=clip)
+    ref_losses, ref_model, ref_norms = reference(tp.STEPS, clip=clip)
+    losses, results = train_sharded(net, opt, tp.STEPS, sched=tp.schedule(opt))
+    assert_parity("DDP ShardedAdamW clip", ref_losses, losses, ref_model, model)
+    for i, (a, r) in enumerate(zip(ref_norms, results)):
+        assert abs(a - r["grad_norm"]) <= 1e-4 * a, f"step {i + 1}: norm {r['grad_norm']} vs clip_grad_norm_'s {a}"
+    model = tp.make_model()
+    net = DDP(model)
+    opt = tierstate_torch.ShardedAdamW(model.parameters(), lr=tp.LR, max_grad_norm=clip)
+    whole = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    one = tierstate_torch.AdamW(whole, lr=tp.LR, max_grad_norm=clip)
+    x, y = tp.batches(1)[0]
+    tp.loss_of(net, my_part(x), my_part(y)).backward()
+    for p, q in zip(whole, model.parameters()):
+        p.grad = q.grad.clone()
+    opt.step()
+    one.step()
+    assert opt.last_step["grad_norm"] == one.last_step["grad_norm"], (opt.last_step, one.last_step)
+    assert all(torch.equal(p, q) for p, q in zip(whole, model.parameters())), "one step differs from one process's"
+    # A NaN in rank 1's slice alone (after DDP's all-reduce): both skip.
+    tp.loss_of(net, my_part(x), my_part(y)).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    if RANK == 1:
+        model.head.bias.grad[0] = float("nan")
+    opt.step()
+    assert opt.last_step["skipped"], opt.last_step
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    print(f"rank {RANK}: DDP + ShardedAdamW clipped: the norm one process's bits; a NaN in rank 1's slice alone "
+          "skips both", flush=True)
+
+
 def case_refusals():
     model = shard_model(tp.make_model())
     extra = nn.Parameter(torch.zeros(3))
@@ -392,6 +470,27 @@ def case_refusals():
         assert "Shard(0)" in str(e) and "parameter " in str(e), e
     else:
         raise AssertionError("Shard(1) params were taken")
+    tiny = nn.Linear(8, 1)
+    fully_shard(tiny)
+    try:
+        tierstate_torch.AdamW(tiny.parameters(), overlap_backward=True)
+    except ValueError as e:
+        assert "gives rank 1 no rows" in str(e), e
+    else:
+        raise AssertionError("a rank with nothing to step was taken")
+    for kw, words in (({"overlap_backward": True}, "overlap_backward"), ({"delayed_update": True}, "delayed_update")):
+        try:
+            tierstate_torch.ShardedAdamW(tp.make_model().parameters(), **kw)
+        except ValueError as e:
+            assert words in str(e) and "partition=" in str(e), e
+        else:
+            raise AssertionError(f"partition= with {kw} was taken")
+    try:
+        tierstate_torch.Adafactor(tp.make_model().parameters(), partition=True).step()
+    except ValueError as e:
+        assert "Adafactor" in str(e), e
+    else:
+        raise AssertionError("Adafactor with partition= was taken")
     print(f"rank {RANK}: refusals name what was wrong", flush=True)
 
 
@@ -414,6 +513,7 @@ def main() -> int:
         case_mixed_precision()
         case_rows_fewer_than_ranks()
         case_resume(ref)
+        case_ddp_partition(ref)
         case_refusals()
     except BaseException:
         traceback.print_exc()

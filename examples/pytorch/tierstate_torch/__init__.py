@@ -7,7 +7,7 @@ from ._build import check_torch as _check_torch
 _check_torch()  # an installed extension built for another torch is refused here, saying what to do
 
 from ._offload import OffloadedParameters, offload_parameters  # noqa: E402
-from .optim import SGD, Adafactor, Adam, AdamW, Lion  # noqa: E402
+from .optim import SGD, Adafactor, Adam, AdamW, Lion, ShardedAdamW  # noqa: E402
 
 
 def host_kernels() -> str:
@@ -19,5 +19,5 @@ def host_kernels() -> str:
     return _ext().host_kernels()
 
 
-__all__ = ["Adam", "AdamW", "SGD", "Lion", "Adafactor", "host_kernels", "offload_parameters", "OffloadedParameters"]
+__all__ = ["Adam", "AdamW", "ShardedAdamW", "SGD", "Lion", "Adafactor", "host_kernels", "offload_parameters", "OffloadedParameters"]
 __version__ = "0.1.0"  # VERSION's (tests/check_version.py)

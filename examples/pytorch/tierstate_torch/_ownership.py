@@ -131,3 +131,5 @@ class _Ownership:
         self._pushed.clear()
         self._closed = True
         self._remove_made_dir()
+        if getattr(self, "_ranks", None) is not None:  # (its shards, which call its hooks, are gone)
+            self._ranks.close()

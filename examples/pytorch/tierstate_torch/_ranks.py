@@ -130,22 +130,38 @@ def combine_norm(everyone: Sequence[list[Any]]) -> float:
 class Ranks:
     """The across_ranks hooks of one optimizer's shards (tierstate_torch._C.Shard's ranks=)."""
 
-    def __init__(self, ranks: list[int], grads: Callable[[], list[tuple[torch.Tensor | None, int]]]) -> None:
+    def __init__(self, ranks: list[int], blocks: bool = False) -> None:
         import torch.distributed as dist
         self._dist = dist
         self.ranks = ranks
-        # (new_group is itself a collective of the default group: every rank makes it, in order.)
-        self.group = dist.new_group(ranks=ranks, backend="gloo")
-        self._grads = grads
+        # partition=: the ranks own whole 4096-element blocks in order, so their block sums
+        # gathered in rank order are one process's; else (FSDP2's rows) see norm.
+        self.blocks = blocks
+        # A mesh over part of the world (pipeline stages) is made by its ranks alone; then it is
+        # not destroyed at close(): in torch 2.11 a new group made after destroying such a
+        # group fails to connect (gloo: connection refused).
+        self._local = len(ranks) < dist.get_world_size()
+        self.group = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=self._local)
+        # This rank's gradients and where each begins in its tensor (the optimizer's, in order).
+        self.grads: Callable[[], list[tuple[torch.Tensor | None, int]]] = lambda: []
 
     def any_nonfinite(self, found: bool) -> bool:
         flag = torch.tensor([1 if found else 0], dtype=torch.int32)
         self._dist.all_reduce(flag, op=self._dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
-    def norm(self, _sums: torch.Tensor) -> float:
-        # The shard's own block sums begin at its slices' starts; the global blocks begin at
-        # the tensors' own, so the slices are summed again from where they lie.
+    def norm(self, sums: torch.Tensor) -> float:
         everyone: list[Any] = [None] * len(self.ranks)
-        self._dist.all_gather_object(everyone, norm_pieces(self._grads()), group=self.group)
+        if self.blocks:
+            self._dist.all_gather_object(everyone, sums.tolist(), group=self.group)
+            return math.sqrt(pairwise_sum([x for mine in everyone for x in mine]))
+        # FSDP2: the shard's own block sums begin at its slices' starts; the global blocks begin
+        # at the tensors' own, so the slices are summed again from where they lie.
+        self._dist.all_gather_object(everyone, norm_pieces(self.grads()), group=self.group)
         return combine_norm(everyone)
+
+    def close(self) -> None:
+        """Ends the group (after the shards that call the hooks are gone)."""
+        if self.group is not None and not self._local:
+            self._dist.destroy_process_group(self.group)
+        self.group = None

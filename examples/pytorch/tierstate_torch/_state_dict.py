@@ -93,6 +93,9 @@ class _StateDicts:
         AdamW, SGD, Adafactor; lion-pytorch's Lion), loadable by one over the same params. The slots are in
         each param's dtype, as torch keeps them; a master is not kept."""
         self._refuse_if("torch_state_dict")
+        if self._partition is not None:
+            raise ValueError(f"{type(self).__name__}: torch_state_dict with partition=: each rank holds a slice of "
+                             "the state (its state_dict() has it); gathering it is not built yet")
         self._build()  # (get_state flushes a delayed update itself)
         groups = []
         index = 0
@@ -139,6 +142,9 @@ class _StateDicts:
     def _load_torch_state_dict(self, sd: dict[str, Any]) -> None:
         """Everything is checked, and what goes where is planned, before anything changes."""
         name = type(self).__name__
+        if self._partition is not None:
+            raise ValueError(f"{name}: a torch optimizer's state_dict into one with partition=: each rank holds a "
+                             "slice of the state; splitting it is not built yet (load this class's state_dict())")
         if not isinstance(sd, dict) or "param_groups" not in sd or "state" not in sd:
             raise ValueError(f"{name}: not a state_dict (no 'state' and 'param_groups')")
         saved_groups = sd["param_groups"]

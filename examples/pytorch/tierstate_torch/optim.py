@@ -86,7 +86,7 @@ def _rank_path(name: str, tier: str, path: Any) -> tuple[Any, str | None]:
     import torch.distributed as dist
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"{name}: path={str(path)!r} names a rank, and torch.distributed is not initialized")
-    mine = str(path).format(rank=dist.get_rank())
+    mine = str(path).replace("{rank}", str(dist.get_rank()))
     if tier == "nvme" and not os.path.isdir(mine) and os.path.isdir(os.path.dirname(mine) or "."):
         os.mkdir(mine)
         return mine, mine
@@ -168,6 +168,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         delayed_update: bool = False,
         overlap_backward: bool = False,
         shadow_state: bool | None = None,
+        partition: Any = False,
         micro_batches: int = 1,
         grad_scaler: "torch.amp.GradScaler | None" = None,
     ) -> None:
@@ -201,6 +202,16 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         # without a tensor phase).
         shadow = (2 if shadow_state is None and tier == "nvme" and compute == "host" and overlap_backward
                   and on_nonfinite != "ignore" and not max_grad_norm else int(bool(shadow_state)))
+        if partition is not False and partition is not None:
+            import torch.distributed as dist
+            if not (dist.is_available() and dist.is_initialized()):
+                raise ValueError(f"{name}: partition= shares the state out among torch.distributed's ranks, which "
+                                 "is not initialized")
+            if overlap_backward:
+                raise ValueError(f"{name}: partition= with overlap_backward is not built (DDP writes the reduced "
+                                 "gradients after the post-accumulate-grad hooks run): use overlap_backward=False")
+            if delayed_update:
+                raise ValueError(f"{name}: partition= with delayed_update is not built")
         if grad_scaler is not None and on_nonfinite != "skip_step":
             raise ValueError(f"{name}: with a grad_scaler, on_nonfinite must be 'skip_step' (GradScaler "
                              "skips the steps whose gradients overflowed)")
@@ -229,6 +240,10 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         self.last_step: dict[str, Any] = {}
         for group in self.param_groups:
             self._check_group(group)
+        self._partition = None if partition is False or partition is None else partition
+        self._slices: list[tuple[int, int] | None] | None = None
+        self._ranks = self._make_ranks(self._params())
+        self._offsets: list[int] = []
         replacing = self._owners_to_replace(self._params())  # refuses before anything changes
         if self._overlap:
             self._build()
@@ -312,8 +327,10 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         if made is not None and self._shards is None:
             try:
                 os.rmdir(made)
-            except OSError:
+            except FileNotFoundError:
                 pass
+            except OSError:
+                return  # (not empty yet: a scratch file still held elsewhere; tried again at close/GC)
             self._made_dir = None
 
     def _device_params(self, p: torch.Tensor) -> bool:
@@ -332,7 +349,8 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         params = self._params()
         if len({id(p) for p in params}) != len(params):
             raise ValueError(f"{name}: a parameter appears twice")
-        self._ranks, self._offsets = self._across_ranks(params)
+        self._offsets = self._check_ranks(params)
+        self._slices = self._partition_slices(params)
         shards: dict[tuple, Any] = {}
         self._where: list[tuple[tuple, int]] = []  # per global index: (shard key, tensor)
         members: dict[tuple, list[int]] = {}
@@ -340,6 +358,9 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         group_of = [g for g in self.param_groups for _ in g["params"]]
         demoted = False  # (where min_8bit_size keeps a tensor's state in fp32)
         for i, p in enumerate(params):
+            if self._slices is not None and self._slices[i] is None:
+                self._where.append(None)  # (partition: every element another rank's)
+                continue
             off = _offload_of(p)
             if off is None and not local(p).is_contiguous():
                 raise ValueError(f"{name}: parameter {i} is not contiguous")
@@ -367,7 +388,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                     store, tid, _ = off.source(p)
                     t = shards[key].add_offloaded(f"p{i}", store, tid)
                 else:
-                    t = shards[key].add_tensor(f"p{i}", local(p).detach())
+                    t = shards[key].add_tensor(f"p{i}", self._mine(i, p))
             self._where.append((key, t))
             members[key].append(i)
         self._group_ids: dict[tuple[tuple, int], int] = {}
@@ -375,7 +396,8 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             by_key: dict[tuple, list[str]] = {}
             for _ in group["params"]:
-                by_key.setdefault(self._where[i][0], []).append(f"p{i}")
+                if self._where[i] is not None:
+                    by_key.setdefault(self._where[i][0], []).append(f"p{i}")
                 i += 1
             for key, names in by_key.items():
                 self._group_ids[(key, gi)] = shards[key].add_group(list(self._hyper(group)), names)
@@ -432,7 +454,9 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                     if "compensation" in shard.slot_names():
                         shard.set_state(f"p{i}", "compensation", torch.zeros(p.numel()))
                 continue
-            p = local(p)  # (FSDP2: this rank's shard)
+            if self._where[i] is None:
+                continue
+            p = self._mine(i, p)  # (FSDP2's shard, partition's slice)
             if p._version != self._versions[i]:
                 key, _ = self._where[i]
                 shard = self._shards[key]
@@ -453,10 +477,12 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
 
     def _check_memory(self) -> None:
         for i, p in enumerate(self._params()):
+            if self._where[i] is None:
+                continue
             key, t = self._where[i]
             if _offload_of(p) is not None:
                 continue  # (its memory comes and goes with its layer's fetches)
-            if (p.dtype, p.device) != key[:2] or not self._shards[key].same_memory(t, local(p)):
+            if (p.dtype, p.device) != key[:2] or not self._shards[key].same_memory(t, self._mine(i, p)):
                 raise RuntimeError(
                     f"{type(self).__name__}: parameter {i} is no longer the memory it was registered with "
                     "(moved with .to(), or its .data replaced): make the optimizer after the model is in place")
@@ -482,18 +508,41 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
 
     # -- across ranks (FSDP2) ---------------------------------------------------------------
 
-    def _across_ranks(self, params: list[torch.Tensor]) -> tuple[Ranks | None, list[int]]:
+    def _make_ranks(self, params: list[torch.Tensor]) -> Ranks | None:
         """For FSDP2's DTensor params: the hooks that take each step's decisions with the other
-        ranks, and where each local shard begins in its tensor. (None, []) in one process."""
+        ranks of their mesh, through a group of their own made now (each rank makes its
+        optimizer at the same point). None in one process."""
+        if self._partition is not None:
+            import torch.distributed as dist
+            group = None if self._partition is True else self._partition
+            return Ranks(dist.get_process_group_ranks(group or dist.group.WORLD), blocks=True)
+        meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for p in params if is_sharded(p)}
+        if not meshes:
+            return None
+        if len(meshes) != 1:
+            raise ValueError(f"{type(self).__name__}: the DTensor params lie on {len(meshes)} different meshes; one "
+                             "optimizer steps the params of one mesh")
+        return Ranks(list(next(iter(meshes))))
+
+    def _check_ranks(self, params: list[torch.Tensor]) -> list[int]:
+        """FSDP2's params as this optimizer can step them; where each local shard begins in
+        its tensor. Every refusal follows from what every rank sees alike (the params' global
+        shapes, placements and options), so every rank refuses alike. [] in one process."""
         sharded = [is_sharded(p) for p in params]
         if not any(sharded):
-            return None, []
+            return []
         name = type(self).__name__
         if not all(sharded):
             plain = sharded.index(False)
             raise ValueError(f"{name}: parameter {plain} is a plain tensor among FSDP2's DTensor params: each rank "
                              "would step its own copy of it (fully_shard the module that holds it, or give it "
                              "to another optimizer)")
+        if self._ranks is None:
+            raise ValueError(f"{name}: FSDP2's DTensor params were added after the optimizer was made; pass them "
+                             "when making it")
+        if self._rule == "adafactor":
+            raise ValueError(f"{name}: Adafactor's per-matrix statistics over FSDP2's row shards would be each "
+                             "rank's own, not the matrix's: not built (use AdamW, Adam, SGD or Lion)")
         if self._options["delayed_update"]:
             raise ValueError(f"{name}: delayed_update with FSDP2's DTensor params is not built (its update of one "
                              "step runs during the next across ranks): use delayed_update=False")
@@ -501,25 +550,106 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
             raise ValueError(f"{name}: max_grad_norm with FSDP2 and micro_batches > 1 is not built: accumulate the "
                              "gradients with no_sync-style backward passes and step once per batch")
         offsets = []
+        held = [0] * params[0].device_mesh.size()  # (each rank's elements)
         for i, p in enumerate(params):
             if _offload_of(p) is not None:
                 raise ValueError(f"{name}: parameter {i} is both FSDP2's and offload_parameters'; use one")
             offsets.append(shard_offset(p, name, i))
+            if self._overlap and p.device.type == "cpu" and p.device_mesh.device_type != "cpu":
+                raise ValueError(f"{name}: overlap_backward with FSDP2's CPUOffloadPolicy: its hooks fire while the "
+                                 "gradient's copy to the CPU may still be on its way; use overlap_backward=False")
+            if self._overlap and p.is_cuda and self._options["max_grad_norm"] > 0:
+                raise ValueError(f"{name}: max_grad_norm with overlap_backward on FSDP2's CUDA params is not built "
+                                 "(the norm would read gradients FSDP2's reduce-scatter may still be writing); "
+                                 "use overlap_backward=False")
             rows = p.shape[0] if p.dim() > 0 else 1
-            if local(p).numel() % max(p.numel() // max(rows, 1), 1) != 0:
-                raise ValueError(f"{name}: parameter {i}'s local shard is not whole rows of it")
-        meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for p in params}
-        if len(meshes) != 1:
-            raise ValueError(f"{name}: the DTensor params lie on {len(meshes)} different meshes; one optimizer "
-                             "steps the params of one mesh")
-        ranks = list(next(iter(meshes)))
-
+            per = -(-rows // len(held))
+            for r in range(len(held)):
+                held[r] += max(0, min(rows, per * (r + 1)) - per * r) * (p.numel() // max(rows, 1))
+        if 0 in held:
+            raise ValueError(f"{name}: FSDP2 gives rank {held.index(0)} no rows of any of these params (each has "
+                             f"fewer rows than the {len(held)} ranks): its optimizer would have nothing to step "
+                             "and could not take part in the other ranks' checks; give it more params")
         me = weakref.ref(self)  # (the shards hold the hooks: no cycle through C++, which the GC cannot see)
 
         def grads() -> list[tuple[torch.Tensor | None, int]]:  # (max_grad_norm: one shard, params in order)
             return [(local_grad(p), offsets[i]) for i, p in enumerate(me()._params())]
 
-        return Ranks(ranks, grads), offsets
+        self._ranks.grads = grads
+        return offsets
+
+    def _mine(self, i: int, p: torch.Tensor) -> torch.Tensor:
+        """The memory of param i this rank steps: partition's slice of it, FSDP2's local shard,
+        or the param."""
+        if self._slices is not None:
+            b, c = self._slices[i]
+            return p.detach().view(-1)[b:b + c]
+        return local(p).detach()
+
+    def _mine_grad(self, i: int, p: torch.Tensor) -> torch.Tensor | None:
+        g = p.grad
+        if g is None:
+            return None
+        if self._slices is not None:
+            b, c = self._slices[i]
+            return g.view(-1)[b:b + c]
+        return local(g)
+
+    def _partition_slices(self, params: list[torch.Tensor]) -> list[tuple[int, int] | None] | None:
+        """partition=: this rank's slice of each param (None: all another rank's), from
+        ranks::partition_elements over every param's elements (the same on every rank, so
+        every rank refuses alike)."""
+        if self._partition is None:
+            return None
+        import torch.distributed as dist
+        name = type(self).__name__
+        if any(is_sharded(p) for p in params):
+            raise ValueError(f"{name}: partition= shares out a replicated (DDP) model's state; FSDP2's params are "
+                             "sharded already: drop partition=")
+        if self._rule == "adafactor":
+            raise ValueError(f"{name}: partition= would split Adafactor's per-matrix statistics among ranks: not "
+                             "built (use AdamW, Adam, SGD or Lion)")
+        formats = {(p.dtype, p.device.type) for p in params} | set()
+        group_formats = {self._group_format(g) for g in self.param_groups}
+        if len(formats) != 1 or len(group_formats) != 1:
+            raise ValueError(f"{name}: partition= takes params of one dtype and device and one state format "
+                             f"(these are {sorted(str(f) for f in formats)}, {len(group_formats)} format(s))")
+        for i, p in enumerate(params):
+            if not p.is_contiguous() or _offload_of(p) is not None:
+                raise ValueError(f"{name}: partition= takes contiguous params in memory; parameter {i} is not")
+        world = len(self._ranks.ranks)
+        pieces = _ext().partition_elements([p.numel() for p in params], world)
+        empty = [r for r, mine in enumerate(pieces) if not mine]
+        if empty:
+            raise ValueError(f"{name}: partition= over {world} ranks: the params' {sum(p.numel() for p in params)} "
+                             f"elements make fewer 4096-element blocks than ranks (rank {empty[0]} would own none)")
+        self._pieces = pieces
+        self._rank = dist.get_rank(self._ranks.group)
+        slices: list[tuple[int, int] | None] = [None] * len(params)
+        for t, b, c in pieces[self._rank]:
+            slices[t] = (b, c)
+        return slices
+
+    def _gather_params(self) -> None:
+        """partition=: every rank's updated slices into every rank's params (one all-gather
+        through the ranks' gloo group, padded to the largest share)."""
+        import torch.distributed as dist
+        params = self._params()
+        counts = [sum(c for _, _, c in mine) for mine in self._pieces]
+        p0 = params[0]
+        out = torch.empty(max(counts), dtype=p0.dtype)
+        parts = [params[t].detach().view(-1)[b:b + c].cpu() for t, b, c in self._pieces[self._rank]]
+        torch.cat(parts, out=out[:counts[self._rank]])
+        everyone = [torch.empty_like(out) for _ in counts]
+        dist.all_gather(everyone, out, group=self._ranks.group)
+        with torch.no_grad():
+            for r, mine in enumerate(self._pieces):
+                if r == self._rank:
+                    continue
+                at = 0
+                for t, b, c in mine:
+                    params[t].view(-1)[b:b + c].copy_(everyone[r][at:at + c])
+                    at += c
 
     def _grad_hook(self, i: int, p: torch.Tensor) -> None:
         if self._closed or self._replaced is not None:
@@ -587,6 +717,8 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         if self._streaming_scale is not None:
             return self._finish_streaming(loss, scale, found_inf, unscaled)
         self._check_memory()
+        if self._slices is not None and "found_inf" in self.__dict__:  # (torch agrees it for DTensors only)
+            found_inf = self._ranks.any_nonfinite(found_inf)
         if found_inf:  # GradScaler's skip: nothing changes, the step count included
             self.last_step = {"skipped": True, "found_nonfinite": True, "step": self.step_count()}
             return loss
@@ -604,11 +736,13 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                 return loss
         results = []
         for key, shard in self._shards.items():
-            grads = [local_grad(params[i]) for i in self._members[key]]
+            grads = [self._mine_grad(i, params[i]) for i in self._members[key]]
             with _on(key[1]):
                 results.append(shard.step(grads, scale, _stream(key[1])))
-        self._note_versions()
         self.last_step = self._combine(results)
+        if self._slices is not None and not self.last_step["skipped"]:
+            self._gather_params()
+        self._note_versions()
         return loss
 
     @staticmethod
@@ -638,7 +772,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
             # one buffer (FSDP2's) share a version counter, which any of them bumps.
             final: dict[int, int] = {}
             for i, v in enumerate(self._grad_versions):
-                if v is not None:
+                if v is not None and i not in self._dropped and self._grad_storages[i] != 0:
                     final[self._grad_storages[i]] = max(v, final.get(self._grad_storages[i], v))
             # torch steps every param whose .grad is set: one used in fewer than micro_batches
             # backward passes (or given a .grad by hand) is handed over now, as it is.
@@ -651,7 +785,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                             self._shards[key].grad_ready(t, grad, _stream(key[1]))
                             self._arrivals[i] += 1
                 elif self._grad_versions[i] is not None and i not in self._dropped and (
-                        grad is None or grad._version != final[self._grad_storages[i]]):
+                        grad is None or grad._version != final.get(self._grad_storages[i], self._grad_versions[i])):
                     problems.append(i)
         except Exception as e:  # ended below all the same, then raised
             refusal, changed_hyper = e, False
@@ -721,6 +855,8 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
             return 0
         if i is None:
             return next(iter(self._shards.values())).step_count()
+        if self._where[i] is None:  # (partition: another rank's)
+            return self.step_count()
         key, _ = self._where[i]
         return self._shards[key].tensor_step_count(f"p{i}")
 
@@ -735,9 +871,12 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         self._refuse_if("get_state")
         self._build()
         i = self._index(param)
+        if self._slices is not None:
+            raise ValueError(f"{type(self).__name__}: get_state with partition=: each rank holds a slice of the "
+                             "state (its state_dict() has it); not built yet")
         key, _ = self._where[i]
         with _on(key[1]):
-            return self._shards[key].get_state(f"p{i}", slot).view(param.shape)
+            return self._shards[key].get_state(f"p{i}", slot).view(local(param).shape)
 
     def _index(self, param: torch.Tensor) -> int:
         for i, p in enumerate(self._params()):
@@ -814,6 +953,20 @@ class AdamW(_OffloadedAdamBase):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
                  **kwargs) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+class ShardedAdamW(AdamW):
+    """AdamW with partition=True (ZeRO-1) for a replicated model (DDP): each of torch.distributed's
+    ranks keeps the state of its share of the elements (ranks::partition_elements: one
+    contiguous range per rank cut at 4096-element blocks), steps that share from the reduced
+    gradients DDP left in .grad, and all-gathers the updated params. The inf check and
+    max_grad_norm's norm are every rank's (one process's norm, to the bit). partition= may
+    be a process group instead of True."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
+                 **kwargs) -> None:
+        kwargs.setdefault("partition", True)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, **kwargs)
 
 
 class Adam(_OffloadedAdamBase):

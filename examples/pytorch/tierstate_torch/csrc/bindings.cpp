@@ -9,6 +9,7 @@
 #include "shard.hpp"
 
 #include <tierstate/kernels/host/finite.hpp>
+#include <tierstate/ranks/partition.hpp>
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -23,6 +24,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -201,6 +203,15 @@ class py_param_store {
 class py_shard {
  public:
   explicit py_shard(config c) : dtype_(c.param), device_params_(c.device_params), shard_(make_shard(c)) {}
+  /// Python frees a shard with the GIL held; its driver thread, joined here, may be waiting
+  /// for the GIL (an across-ranks hook of a streaming step abandoned by an exception).
+  ~py_shard()
+  {
+    py::gil_scoped_release nogil;
+    shard_.reset();
+  }
+  py_shard(py_shard const&)            = delete;
+  py_shard& operator=(py_shard const&) = delete;
 
   std::size_t add_tensor(std::string const& name, at::Tensor const& p)
   {
@@ -708,6 +719,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
         "Whether the build has the compositions of params on a device (CUDA, or the emulated device)");
   m.def("any_nonfinite", &tt::any_nonfinite, py::arg("tensors"),
         "Whether any of these contiguous CPU tensors (float32, bfloat16, float16) holds an inf or a NaN");
+  m.def(
+    "partition_elements",
+    [](std::vector<std::size_t> const& sizes, std::size_t ranks) {
+      auto const p = tierstate::ranks::partition_elements(sizes, ranks);
+      std::vector<std::vector<std::tuple<std::size_t, std::size_t, std::size_t>>> out(p.ranks());
+      for (std::size_t r = 0; r < p.ranks(); ++r) {
+        for (auto const& pc : p.pieces[r]) { out[r].emplace_back(pc.tensor, pc.begin, pc.count); }
+      }
+      return out;
+    },
+    py::arg("sizes"), py::arg("ranks"),
+    "ZeRO-1's partition (tierstate/ranks/partition.hpp): per rank, its (tensor, begin, count) pieces");
   m.def("block_sums", &tt::block_sums, py::arg("tensor"), py::arg("offset"),
         "A slice's squares per 4096-element block of its tensor, the blocks that begin in it (the gradient norm's)");
   m.def("fold_squares", &tt::fold_squares, py::arg("prefix"), py::arg("tensor"),
