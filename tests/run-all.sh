@@ -271,6 +271,29 @@ run_offload_train() {
   "$py" bench/offload_train.py "$@" ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"}
 }
 
+# run_dist_step: bench/dist_step.py (issue 23: FSDP2 + AdamW, DDP + ShardedAdamW, the state
+# on NVMe) at 1 and 2 ranks under torchrun, with the pytorch stage's installed wheel, one
+# optimizer thread and OMP_NUM_THREADS=1 per rank. Skipped (failing in CI) without the wheel.
+run_dist_step() {
+  local py=build-pytorch/wheel-venv/bin/python mode n
+  if ! [ -x "$py" ] || ! "$py" -c "import tierstate_torch" >/dev/null 2>&1; then
+    echo "dist_step: skipped: no installed tierstate_torch in build-pytorch/wheel-venv (run the pytorch stage first)"
+    [ "${CI:-}" != true ]
+    return
+  fi
+  local out rc
+  for mode in fsdp ddp; do
+    for n in 1 2; do
+      out=$(OMP_NUM_THREADS=1 TIERSTATE_TORCH_TEST_INSTALLED=1 timeout 600 "$py" -m torch.distributed.run --standalone \
+        --nproc-per-node "$n" bench/dist_step.py --mode "$mode" --tier nvme \
+        ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} 2>&1)
+      rc=$?
+      grep -E '^\{' <<<"$out"
+      if [ "$rc" -ne 0 ]; then echo "dist_step --mode $mode at $n ranks: exit $rc"; tail -n 30 <<<"$out"; return 1; fi
+    done
+  done
+}
+
 # The parity tests' extension is built at -O1 (TIERSTATE_TORCH_CFLAGS): they check the
 # bindings, the hooks and the numbers against torch, which no optimization level changes, and
 # its host and emulated-device compositions took about 10 minutes of the stage at -O3 before
@@ -565,7 +588,8 @@ run_stage() {
     # The benchmarks: JSON lines for the record (host_step for AdamW, the default rule; bench-long
     # times every rule); speed is never a pass/fail.
     # nvme_step works in a fresh directory under /tmp (TIERSTATE_BENCH_PATH to choose); then
-    # param_offload, and offload_train with the pytorch stage's wheel (run_offload_train).
+    # param_offload, offload_train and dist_step with the pytorch stage's wheel (run_offload_train,
+    # run_dist_step).
     bench)
       [ -x build-gcc-native/bench/host_step ] && [ -x build-gcc-native/bench/nvme_step ] ||
         { configure gcc-native g++ -Darch=native && meson compile -C build-gcc-native; } || return 1
@@ -573,7 +597,8 @@ run_stage() {
       with_hugetlb_pages 132 build-gcc-native/bench/nvme_step --elements 20971520 \
         ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} || return 1
       build-gcc-native/bench/param_offload --layers 20 ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} &&
-        run_offload_train --min-free-gb 12 && run_offload_train --min-free-gb 12 --on-nonfinite ignore ;;
+        run_offload_train --min-free-gb 12 && run_offload_train --min-free-gb 12 --on-nonfinite ignore &&
+        run_dist_step ;;
     # Opt-in (named only): the benchmarks at the sizes and repetitions whose JSON lines go into
     # issue notes. host_step at 2^27 elements, 15 reps; nvme_step's two sizes over 20 steps;
     # torch_step at 2^26 elements, 11 reps (the pytorch stage's environment, made if missing,
