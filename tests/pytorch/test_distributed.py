@@ -18,7 +18,8 @@ torch.optim.AdamW on the whole batch, and the final params (gathered) within its
 - DDP with ShardedAdamW (partition=True: ZeRO-1), pinned and NVMe, clipped, a NaN in one
   rank's slice;
 - refusals: a plain param among DTensors, Shard(1) placements, a rank with no rows;
-  partition= with overlap_backward, delayed_update or Adafactor.
+  partition= with overlap_backward, delayed_update, Adafactor or two state formats; another
+  rank's state_dict.
 
 Run: torchrun --nproc-per-node 2 tests/pytorch/test_distributed.py (tests/run-all.sh's
 pytorch stage; OMP_NUM_THREADS=1). Each rank prints its checks; rank 0 the summary. A rank
@@ -440,6 +441,17 @@ def case_ddp_partition(ref):
     one.step()
     assert opt.last_step["grad_norm"] == one.last_step["grad_norm"], (opt.last_step, one.last_step)
     assert all(torch.equal(p, q) for p, q in zip(whole, model.parameters())), "one step differs from one process's"
+    # Each rank's state_dict is its share: a rank loads its own, and another's is refused.
+    sd = opt.state_dict()
+    every = [None] * WORLD
+    dist.all_gather_object(every, sd)
+    opt.load_state_dict(every[RANK])
+    try:
+        opt.load_state_dict(every[1 - RANK])
+    except ValueError as e:
+        assert f"rank {1 - RANK} of 2's share" in str(e), e
+    else:
+        raise AssertionError("another rank's share of the state was taken")
     # A NaN in rank 1's slice alone (after DDP's all-reduce): both skip.
     tp.loss_of(net, my_part(x), my_part(y)).backward()
     before = [p.detach().clone() for p in model.parameters()]
@@ -485,6 +497,12 @@ def case_refusals():
             assert words in str(e) and "partition=" in str(e), e
         else:
             raise AssertionError(f"partition= with {kw} was taken")
+    try:  # (min_8bit_size keeps the small tensors' state in fp32: a second shard, on some ranks only)
+        tierstate_torch.ShardedAdamW(tp.make_model().parameters(), state_dtype=torch.int8).step()
+    except ValueError as e:
+        assert "min_8bit_size=0" in str(e), e
+    else:
+        raise AssertionError("partition= over two shard formats was taken")
     try:
         tierstate_torch.Adafactor(tp.make_model().parameters(), partition=True).step()
     except ValueError as e:

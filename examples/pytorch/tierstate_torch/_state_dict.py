@@ -28,7 +28,12 @@ class _StateDicts:
             # Named by dtype and members, not device: it loads on another GPU, or the CPU.
             shards[self._saved_name(key)] = {"checkpoint": data, "params": list(self._members[key])}
         sd["tierstate"] = {"format": _FORMAT, "shards": shards}
+        if self._partition is not None:  # (a rank's share: loaded by the same rank of the same partition)
+            sd["tierstate"]["partition"] = self._partition_record()
         return sd
+
+    def _partition_record(self) -> dict[str, Any]:
+        return {"rank": self._rank, "world": len(self._pieces), "pieces": [list(x) for x in self._pieces[self._rank]]}
 
     def _saved_name(self, key: tuple) -> str:
         # (8-bit state and a master other than fp32 are named too: a state_dict of 8-bit state
@@ -51,6 +56,16 @@ class _StateDicts:
             raise ValueError(f"{type(self).__name__}: a state_dict of format {ts.get('format')!r}; "
                              f"this is {_FORMAT}")
         self._build()
+        saved = ts.get("partition")
+        mine = self._partition_record() if self._partition is not None else None
+        if saved != mine:
+            said = ("one process's state" if saved is None else
+                    f"rank {saved['rank']} of {saved['world']}'s share of the state (partition=)")
+            wants = ("one process's" if mine is None else f"rank {mine['rank']} of {mine['world']}'s share, "
+                     "of the same params")
+            raise ValueError(f"{type(self).__name__}: the state_dict holds {said}; this optimizer takes {wants} "
+                             "(each rank loads the state_dict it saved; loading at another world size is not "
+                             "built yet)")
         ours = {self._saved_name(key): key for key in self._shards}
         if set(ts["shards"]) != set(ours):
             raise ValueError(f"{type(self).__name__}: the state_dict has state for parameters of "

@@ -609,11 +609,16 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         if self._rule == "adafactor":
             raise ValueError(f"{name}: partition= would split Adafactor's per-matrix statistics among ranks: not "
                              "built (use AdamW, Adam, SGD or Lion)")
-        formats = {(p.dtype, p.device.type) for p in params} | set()
-        group_formats = {self._group_format(g) for g in self.param_groups}
-        if len(formats) != 1 or len(group_formats) != 1:
-            raise ValueError(f"{name}: partition= takes params of one dtype and device and one state format "
-                             f"(these are {sorted(str(f) for f in formats)}, {len(group_formats)} format(s))")
+        # One shard on every rank, so that every rank's shards call the hooks alike: the shard
+        # keys of all the params (not of this rank's alone: min_8bit_size keeps small tensors'
+        # state in fp32, in a shard of their own).
+        group_of = [g for g in self.param_groups for _ in g["params"]]
+        keys = {(p.dtype, p.device, *self._format_of(group_of[i], p)[:2]) for i, p in enumerate(params)}
+        if len(keys) != 1:
+            raise ValueError(f"{name}: partition= takes params of one dtype, device and state format, so that "
+                             f"every rank has one shard; these make {len(keys)} "
+                             f"({'; '.join(sorted(str(k) for k in keys))}) (with state_dtype=torch.int8, "
+                             "min_8bit_size=0 keeps every tensor's state in 8 bits)")
         for i, p in enumerate(params):
             if not p.is_contiguous() or _offload_of(p) is not None:
                 raise ValueError(f"{name}: partition= takes contiguous params in memory; parameter {i} is not")
