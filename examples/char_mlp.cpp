@@ -13,7 +13,16 @@
 //
 //   build/examples/char_mlp [--text FILE] [--steps N] [--batch B] [--threads T]
 //                           [--tier nvme|pinned] [--path DIR] [--help]
+//
+// Built with TIERSTATE_EXAMPLE_MPI (build/examples/char_mlp_mpi), it is data-parallel with
+// ZeRO-1 under MPI: every rank holds the model and computes the gradients of its part of each
+// batch, and ranks::sharded keeps 1/N of the optimizer state on each rank, reduce-scatters the
+// gradients and all-gathers the updated weights (ranks/sharded.hpp). Rank 0 prints.
+//   mpirun -np 2 build/examples/char_mlp_mpi --threads 1 [the options above]
 #include <tierstate/tierstate.hpp>
+#ifdef TIERSTATE_EXAMPLE_MPI
+#include <tierstate/ranks/mpi.hpp>
+#endif
 
 #include <algorithm>
 #include <charconv>
@@ -24,6 +33,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
 #include <random>
 #include <string>
 #include <system_error>
@@ -36,6 +46,57 @@
 namespace {
 
 using namespace tierstate;
+
+#ifdef TIERSTATE_EXAMPLE_MPI
+/// The ranks: MPI's world, its optimizer sharded over them (the gradients summed: each rank's
+/// are its part of the batch's mean).
+struct world_type : ranks::mpi {
+  using ranks::mpi::mpi;
+  double sum(double x) const
+  {
+    MPI_Allreduce(MPI_IN_PLACE, &x, 1, MPI_DOUBLE, MPI_SUM, handle());
+    return x;
+  }
+};
+template <class Opt>
+using optimizer_for = ranks::sharded<Opt, ranks::mpi>;
+template <class Opt>
+std::unique_ptr<optimizer_for<Opt>> make_optimizer(world_type& w, typename Opt::hyperparameters const& h,
+                                                   typename Opt::options const& o)
+{
+  return std::make_unique<optimizer_for<Opt>>(w, h, o, ranks::sharded_options{.average = false});
+}
+#else
+/// One process.
+struct world_type {
+  [[nodiscard]] std::size_t rank() const noexcept { return 0; }
+  [[nodiscard]] std::size_t size() const noexcept { return 1; }
+  [[nodiscard]] double sum(double x) const noexcept { return x; }
+};
+template <class Opt>
+using optimizer_for = Opt;
+template <class Opt>
+std::unique_ptr<Opt> make_optimizer(world_type&, typename Opt::hyperparameters const& h, typename Opt::options const& o)
+{
+  return std::make_unique<Opt>(h, o);
+}
+#endif
+
+/// This rank's state: its bytes, chunks and staging, and its threads.
+template <class Opt>
+std::string state_summary(Opt& opt, std::string const& where)
+{
+  if constexpr (requires { opt.local(); }) {
+    auto* const local = opt.local();  // (a rank that owns no element has none)
+    return local == nullptr ? std::string("none") : state_summary(*local, where);
+  } else {
+    auto const& lay = opt.state_layout();
+    return std::to_string(lay.total_bytes()) + " bytes (fp32 master, exp_avg, exp_avg_sq) in " + where + ", " +
+           std::to_string(lay.chunk_count()) + " chunks of " + std::to_string(lay.chunk_elements()) + " elements, " +
+           std::to_string(opt.staging_bytes()) + " bytes of staging; " + std::to_string(opt.pool().size()) +
+           " threads";
+  }
+}
 
 constexpr int context = 8;    // characters of context
 constexpr int embed   = 16;   // embedding width
@@ -160,7 +221,7 @@ void forward(weights const& w, int const* window, int vocab, float* x, float* h,
 
 /// Builds the model, trains it with `Optimizer`, samples from it; returns the exit code.
 template <class Optimizer>
-int train(options const& o, std::string const& text, std::vector<int> const& ids,
+int train(world_type& world, options const& o, std::string const& text, std::vector<int> const& ids,
           std::vector<unsigned char> const& chars, int vocab, typename Optimizer::options opt_options,
           std::string const& where)
 {
@@ -176,7 +237,8 @@ int train(options const& o, std::string const& text, std::vector<int> const& ids
 
   opt_options.threads        = o.threads;
   opt_options.chunk_elements = 16384;  // several chunks, so the pipeline has something to overlap
-  Optimizer opt({.lr = 3e-3, .weight_decay = 0.01}, opt_options);
+  auto const made      = make_optimizer<Optimizer>(world, {.lr = 3e-3, .weight_decay = 0.01}, opt_options);
+  auto& opt            = *made;
   std::size_t n_params = 0;
   for (auto& p : params) {
     opt.add_tensor(p.name, p.w.data(), p.w.size());
@@ -184,13 +246,15 @@ int train(options const& o, std::string const& text, std::vector<int> const& ids
   }
   opt.add_group({.lr = 3e-3, .weight_decay = 0.0}, {"hidden.bias", "out.bias", "embedding"});
 
-  std::size_t const state_bytes = opt.state_layout().total_bytes();
   std::printf("char_mlp: %zu parameters (bf16, %zu bytes) over %zu characters of %s (vocabulary %d)\n",
               n_params, n_params * sizeof(bf16), text.size(), o.text.c_str(), vocab);
-  std::printf("optimizer state: %zu bytes (fp32 master, exp_avg, exp_avg_sq) in %s, %zu chunks of %zu elements, "
-              "%zu bytes of staging; %zu threads\n",
-              state_bytes, where.c_str(), opt.state_layout().chunk_count(), opt.state_layout().chunk_elements(),
-              opt.staging_bytes(), opt.pool().size());
+  std::string const summary = state_summary(opt, where);  // (every rank makes its own state: no collective)
+  if (world.size() == 1) {
+    std::printf("optimizer state: %s\n", summary.c_str());
+  } else {
+    std::printf("optimizer state: %zu ranks, each with about 1/%zu of it; rank 0's: %s\n", world.size(), world.size(),
+                summary.c_str());
+  }
 
   int const B = o.batch;
   std::vector<float> x(static_cast<std::size_t>(B) * in_width), h(static_cast<std::size_t>(B) * hidden),
@@ -207,11 +271,14 @@ int train(options const& o, std::string const& text, std::vector<int> const& ids
     auto const& w2 = wt.w2;
     for (auto& p : params) { std::fill(p.acc.begin(), p.acc.end(), 0.0f); }
     double loss = 0;
-    // Forward.
+    // Forward, of this rank's examples (every rank draws the whole batch: the same batches
+    // whatever the rank count).
+    auto const mine = [&world](int s) { return static_cast<std::size_t>(s) % world.size() == world.rank(); };
     for (int s = 0; s < B; ++s) {
       std::size_t const at = pick(rng);
       std::copy_n(&ids[at], context, &ctx[static_cast<std::size_t>(s) * context]);
       target[s] = ids[at + context];
+      if (!mine(s)) { continue; }
       float* ls = &logits[static_cast<std::size_t>(s) * vocab];
       forward(wt, &ctx[static_cast<std::size_t>(s) * context], vocab, &x[static_cast<std::size_t>(s) * in_width],
               &h[static_cast<std::size_t>(s) * hidden], ls);
@@ -225,9 +292,10 @@ int train(options const& o, std::string const& text, std::vector<int> const& ids
       }
       ls[target[s]] -= 1.0f / static_cast<float>(B);
     }
-    loss /= B;
+    loss = world.sum(loss) / B;
     // Backward.
     for (int s = 0; s < B; ++s) {
+      if (!mine(s)) { continue; }
       float const* ls = &logits[static_cast<std::size_t>(s) * vocab];
       float const* hs = &h[static_cast<std::size_t>(s) * hidden];
       float* dhs      = &dh[static_cast<std::size_t>(s) * hidden];
@@ -314,9 +382,8 @@ int train(options const& o, std::string const& text, std::vector<int> const& ids
   return 0;
 }
 
-}  // namespace
 
-int main(int argc, char** argv)
+int run(world_type& world, int argc, char** argv)
 {
   options const o = parse(argc, argv);
   std::ifstream in(o.text, std::ios::binary);
@@ -345,7 +412,7 @@ int main(int argc, char** argv)
   try {
     if (o.tier == "pinned") {
       using Optimizer = OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost>;
-      return train<Optimizer>(o, text, ids, chars, vocab, {}, "PinnedHost (host memory)");
+      return train<Optimizer>(world, o, text, ids, chars, vocab, {}, "PinnedHost (host memory)");
     }
     // NvmeFile: its scratch file is nameless (O_TMPFILE; where the filesystem lacks it,
     // created and unlinked at once), so it can go straight into the temporary directory
@@ -354,9 +421,30 @@ int main(int argc, char** argv)
     using Optimizer = OffloadedOptimizer<AdamW, Bf16Mixed, NvmeFile, Pipelined<2>>;
     Optimizer::options opt_options;
     opt_options.tier.directory = dir;
-    return train<Optimizer>(o, text, ids, chars, vocab, opt_options, "NvmeFile (a nameless scratch file in " + dir + ")");
+    return train<Optimizer>(world, o, text, ids, chars, vocab, opt_options,
+                            "NvmeFile (a nameless scratch file in " + dir + ")");
   } catch (std::exception const& e) {
     std::fprintf(stderr, "char_mlp: %s\n", e.what());
     return 1;
   }
+}
+
+}  // namespace
+
+int main(int argc, char** argv)
+{
+#ifdef TIERSTATE_EXAMPLE_MPI
+  MPI_Init(&argc, &argv);
+  int rc = 0;
+  {
+    world_type world(MPI_COMM_WORLD);
+    if (world.rank() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) { return 1; }  // rank 0 prints
+    rc = run(world, argc, argv);
+  }
+  MPI_Finalize();
+  return rc;
+#else
+  world_type world;
+  return run(world, argc, argv);
+#endif
 }

@@ -29,7 +29,9 @@
 #include <tierstate/kernels/host/on_host.hpp>
 #include <tierstate/kernels/host/update.hpp>
 #include <tierstate/optimizer.hpp>
+#include <tierstate/ranks/communicator.hpp>
 #include <tierstate/ranks/partition.hpp>
+#include <tierstate/ranks/sharded.hpp>
 #include <tierstate/rules/adafactor.hpp>
 #include <tierstate/rules/adam.hpp>
 #include <tierstate/rules/lion.hpp>
