@@ -248,7 +248,8 @@ int train(world_type& world, options const& o, std::string const& text, std::vec
 
   std::printf("char_mlp: %zu parameters (bf16, %zu bytes) over %zu characters of %s (vocabulary %d)\n",
               n_params, n_params * sizeof(bf16), text.size(), o.text.c_str(), vocab);
-  std::string const summary = state_summary(opt, where);  // (every rank makes its own state: no collective)
+  if constexpr (requires { opt.prepare(); }) { opt.prepare(); }  // (every rank hears of a rank's failure)
+  std::string const summary = state_summary(opt, where);
   if (world.size() == 1) {
     std::printf("optimizer state: %s\n", summary.c_str());
   } else {

@@ -14,6 +14,11 @@
 #include <tierstate/tierstate.hpp>
 
 #include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <utility>
+
+#include <unistd.h>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -25,7 +30,14 @@ using namespace tierstate;
 
 ranks::mpi* world = nullptr;
 
-std::vector<std::size_t> const sizes{10000, 3 * 4096 + 17, 33, 70001, 4097, 8192};
+std::vector<std::size_t> sizes{10000, 3 * 4096 + 17, 33, 70001, 4097, 8192};
+
+/// Other tensor sizes for a scope.
+struct with_sizes {
+  std::vector<std::size_t> old;
+  explicit with_sizes(std::vector<std::size_t> s) : old(std::exchange(sizes, std::move(s))) {}
+  ~with_sizes() { sizes = old; }
+};
 
 std::string name_of(std::size_t t) { return "t" + std::to_string(t); }
 
@@ -71,7 +83,7 @@ struct model {
       }
     }
     if (step == 3 && (r == std::min<std::size_t>(1, ranks - 1) || r == ranks)) {
-      grads[3][5000] = T(std::numeric_limits<float>::infinity());
+      grads.back()[grads.back().size() / 2] = T(std::numeric_limits<float>::infinity());
     }
   }
   std::vector<grad_view<T>> views() const
@@ -106,19 +118,22 @@ void check_against_one(typename Opt::options o, double clip, nonfinite_policy p)
   model<T> ref_m;
   Opt ref(h, o);
   for (std::size_t t = 0; t < sizes.size(); ++t) { ref.add_tensor(name_of(t), ref_m.params[t].data(), sizes[t]); }
-  ref.add_group(h2, {"t2", "t4"});
+  if (sizes.size() > 4) { ref.add_group(h2, {"t2", "t4"}); }
 
   model<T> m;
   ranks::sharded<Opt, ranks::mpi> sh(*world, h, o);
   for (std::size_t t = 0; t < sizes.size(); ++t) { sh.add_tensor(name_of(t), m.params[t].data(), sizes[t]); }
-  sh.add_group(h2, {"t2", "t4"});
+  if (sizes.size() > 4) { sh.add_group(h2, {"t2", "t4"}); }
 
   for (int step = 1; step <= 6; ++step) {
     INFO("step " << step);
     ref_m.fill(n, n, step);
-    auto const expected = ref.step(ref_m.views(), static_cast<double>(n));
+    auto rv = ref_m.views();
+    auto mv = m.views();
+    if (step == 5 && rv.size() > 2) { rv[2] = mv[2] = {}; }  // no gradient, on every rank
+    auto const expected = ref.step(rv, static_cast<double>(n));
     m.fill(w.rank(), n, step);
-    auto const got = sh.step(m.views());
+    auto const got = sh.step(mv);
     CHECK(got.skipped == expected.skipped);
     CHECK(got.found_nonfinite == expected.found_nonfinite);
     CHECK(got.grad_norm == expected.grad_norm);
@@ -149,6 +164,44 @@ void check_against_one(typename Opt::options o, double clip, nonfinite_policy p)
   CHECK(sh.state_bytes() <= total / n + chunk);
 }
 
+/// The first n ranks of the world as a communicator (MPI_COMM_NULL on the others).
+struct sub_world {
+  MPI_Comm comm = MPI_COMM_NULL;
+  explicit sub_world(std::size_t n)
+  {
+    int const r = static_cast<int>(world->rank());
+    MPI_Comm_split(MPI_COMM_WORLD, static_cast<std::size_t>(r) < n ? 0 : MPI_UNDEFINED, r, &comm);
+  }
+  ~sub_world()
+  {
+    if (comm != MPI_COMM_NULL) { MPI_Comm_free(&comm); }
+  }
+};
+
+/// A directory every rank sees: rank 0 makes it, and removes it at the end.
+struct shared_dir {
+  std::filesystem::path path;
+  shared_dir()
+  {
+    long id = static_cast<long>(::getpid());
+    MPI_Bcast(&id, 1, MPI_LONG, 0, MPI_COMM_WORLD);
+    path = std::filesystem::temp_directory_path() / ("tierstate-test-mpi-" + std::to_string(id));
+    if (world->rank() == 0) { std::filesystem::create_directories(path); }
+    MPI_Barrier(MPI_COMM_WORLD);
+  }
+  ~shared_dir()
+  {
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (world->rank() == 0) { std::filesystem::remove_all(path); }
+  }
+  [[nodiscard]] std::size_t files() const
+  {
+    std::size_t n = 0;
+    for (auto const& e : std::filesystem::directory_iterator(path)) { n += e.is_regular_file() ? 1 : 0; }
+    return n;
+  }
+};
+
 }  // namespace
 
 TEST_CASE("sharded steps equal one optimizer given the reduced gradients, bit for bit", "[mpi]")
@@ -170,17 +223,42 @@ TEST_CASE("sharded steps equal one optimizer given the reduced gradients, bit fo
   SECTION("bf16, reported, not clipped") {
     check_against_one<OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost>>({}, 0.0, nonfinite_policy::report);
   }
+  SECTION("bf16, reported, clipped") {
+    check_against_one<OffloadedOptimizer<AdamW, Bf16Mixed, PinnedHost>>({}, 2.0, nonfinite_policy::report);
+  }
+  SECTION("fp16 (its sum by ranks::mpi's own reduction), clipped") {
+    check_against_one<OffloadedOptimizer<AdamW, Fp16Mixed, PinnedHost>>({}, 2.0, nonfinite_policy::skip_step);
+  }
+  SECTION("two blocks: at 3 ranks one owns nothing and still takes part") {
+    with_sizes const two_blocks({8192});
+    check_against_one<OffloadedOptimizer<AdamW, Fp32, PinnedHost>>({}, 2.0, nonfinite_policy::skip_step);
+  }
 }
 
-TEST_CASE("a rank that fails makes every rank fail, naming it, with nothing changed", "[mpi][errors]")
+/// An optimizer whose step fails on demand before it does anything (an error before the
+/// ranks' agreements: the failing rank never calls the hooks, ranks::sharded plays them).
+struct failing_optimizer : OffloadedOptimizer<AdamW, Bf16Mixed, test::memory_tier> {
+  using base = OffloadedOptimizer<AdamW, Bf16Mixed, test::memory_tier>;
+  using base::base;
+  static inline bool fail_next = false;
+  step_result step(std::span<grad_view<bf16> const> g, double scale)
+  {
+    if (fail_next) { throw io_error(EIO, "/dev/test-tier", "read"); }
+    return base::step(g, scale);
+  }
+};
+
+TEST_CASE("a rank that fails makes every rank fail, naming it", "[mpi][errors]")
 {
-  using Opt             = OffloadedOptimizer<AdamW, Bf16Mixed, test::memory_tier>;  // writes fail on demand
+  using Opt             = failing_optimizer;
   auto const& w         = *world;
   std::size_t const bad = w.size() - 1;
   int budget            = 1 << 20;  // the writes this rank's tier takes before they fail
+  bool fail_reads       = false;
+  shared_dir dir;
   auto const make = [&](model<bf16>& m, double clip, nonfinite_policy p) {
     Opt::options o = base<Opt>({}, clip, p);
-    o.tier         = {&budget, {}};
+    o.tier         = {&budget, {}, &fail_reads};
     auto sh        = std::make_unique<ranks::sharded<Opt, ranks::mpi>>(*world, Opt::hyperparameters{.lr = 1e-2}, o);
     for (std::size_t t = 0; t < sizes.size(); ++t) { sh->add_tensor(name_of(t), m.params[t].data(), sizes[t]); }
     m.fill(w.rank(), w.size(), 1);
@@ -194,42 +272,82 @@ TEST_CASE("a rank that fails makes every rank fail, naming it, with nothing chan
     } catch (ranks::rank_failed const& e) {
       CHECK(w.rank() != bad);
       CHECK(e.failed_ranks() == std::vector<std::size_t>{bad});
-      CHECK_THAT(e.what(), Catch::Contains("rank " + std::to_string(bad) + " failed") && Catch::Contains(others_say));
+      CHECK_THAT(e.what(), Catch::Contains("rank " + std::to_string(bad) + " ") && Catch::Contains(others_say));
     } catch (std::exception const& e) {
       CHECK(w.rank() == bad);
-      CHECK_THAT(e.what(), Catch::Contains("memory_tier: write failed"));
+      CHECK_THAT(e.what(), Catch::Contains("memory_tier: write failed") || Catch::Contains("memory_tier: read failed") ||
+                             Catch::Contains("/dev/test-tier"));
     }
   };
-  auto const before_update = [&](double clip, nonfinite_policy p) {
-    model<bf16> m;
-    model<bf16> const before;
-    auto sh = make(m, clip, p);
-    if (w.rank() == bad) { budget = 0; }  // its state cannot be made
-    refused(*sh, m, "nothing changed");
-    CHECK(sh->step_count() == 0);
+  auto const unchanged = [&](auto& sh, model<bf16> const& m, model<bf16> const& before) {
+    CHECK(sh.step_count() == 0);
     for (std::size_t t = 0; t < sizes.size(); ++t) {
       CHECK(std::memcmp(m.params[t].data(), before.params[t].data(), sizes[t] * sizeof(bf16)) == 0);
     }
-    budget = 1 << 20;  // and once it can, the step is taken on every rank
-    CHECK(sh->step(m.views()).step == 1);
   };
-  SECTION("before its update, checked and clipped (it says so in the non-finite flags' all-reduce)") {
-    before_update(2.0, nonfinite_policy::skip_step);
-  }
-  SECTION("before its update, clipped, not checked (in the norm's gather)") {
-    before_update(2.0, nonfinite_policy::ignore);
-  }
-  SECTION("before its update, neither (in the status word)") { before_update(0.0, nonfinite_policy::ignore); }
-  SECTION("during its update: the others' updates stand, and every rank refuses steps until a load")
+  SECTION("its state cannot be made (the first step's prepare()): nothing changed, and once it can, the step is taken")
   {
     model<bf16> m;
+    model<bf16> const before;
     auto sh = make(m, 2.0, nonfinite_policy::skip_step);
-    if (Opt* local = sh->local()) { (void)local->state_layout(); }  // (the state made)
-    if (w.rank() == bad) { budget = 1; }                             // its update's second write fails
-    refused(*sh, m, "states disagree");
+    if (w.rank() == bad) { budget = 0; }
+    refused(*sh, m, "nothing changed");
+    unchanged(*sh, m, before);
     budget = 1 << 20;
+    CHECK(sh->step(m.views()).step == 1);
+  }
+  /// It fails before the agreements (which it then makes, saying so): nothing changes anywhere.
+  auto const before_agreeing = [&](double clip, nonfinite_policy p) {
+    model<bf16> m;
+    model<bf16> const before;
+    auto sh = make(m, clip, p);
+    sh->prepare();
+    Opt::fail_next = w.rank() == bad;
+    refused(*sh, m, "nothing changed");
+    Opt::fail_next = false;
+    unchanged(*sh, m, before);
+    CHECK(sh->step(m.views()).step == 1);
+  };
+  SECTION("before its update, checked and clipped (in the non-finite flags' all-reduce)") {
+    before_agreeing(2.0, nonfinite_policy::skip_step);
+  }
+  SECTION("before its update, clipped, not checked (in the norm's gather)") {
+    before_agreeing(2.0, nonfinite_policy::ignore);
+  }
+  SECTION("before its update, reported, not clipped") { before_agreeing(0.0, nonfinite_policy::report); }
+  SECTION("before its update, neither (in the status word; the others' updates stand)")
+  {
+    model<bf16> m;
+    auto sh = make(m, 0.0, nonfinite_policy::ignore);
+    sh->prepare();
+    Opt::fail_next = w.rank() == bad;
+    refused(*sh, m, "states disagree");
+    Opt::fail_next = false;
     CHECK_THROWS(sh->step(m.views()));
   }
+  /// Its tier fails during its update (reads, or writes): the others' updates stand, every rank
+  /// refuses steps, and a load ends it.
+  auto const during_update = [&](bool reads) {
+    model<bf16> m;
+    auto sh = make(m, 2.0, nonfinite_policy::skip_step);
+    (void)sh->step(m.views());
+    sh->save(dir.path);
+    model<bf16> const saved = m;
+    m.fill(w.rank(), w.size(), 2);
+    if (w.rank() == bad && reads) { fail_reads = true; }
+    if (w.rank() == bad && !reads) { budget = 1; }  // its update's second write fails
+    refused(*sh, m, "states disagree");
+    fail_reads = false;
+    budget     = 1 << 20;
+    CHECK_THROWS_WITH(sh->step(m.views()), Catch::Contains("states disagree") || Catch::Contains("failed before"));
+    sh->load(dir.path);
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      CHECK(std::memcmp(m.params[t].data(), saved.params[t].data(), sizes[t] * sizeof(bf16)) == 0);
+    }
+    CHECK(sh->step(m.views()).step == 2);
+  };
+  SECTION("during its update, a read fails") { during_update(true); }
+  SECTION("during its update, a write fails") { during_update(false); }
 }
 
 TEST_CASE("a rank's bad arguments refuse the step on every rank, before any gradient moves", "[mpi][errors]")
@@ -252,9 +370,174 @@ TEST_CASE("a rank's bad arguments refuse the step on every rank, before any grad
     if (w.size() > 1) {
       views = m.views();
       if (w.rank() == 0) { views[2] = {}; }  // rank 0 alone says t2 has no gradient
-      CHECK_THROWS_WITH(sh.step(views), Catch::Contains("disagree"));
+      CHECK_THROWS_WITH(sh.step(views), Catch::Contains("differ"));
     }
     CHECK(sh.step(m.views()).step == 1);  // then a good step is taken
+  }
+}
+
+namespace {
+
+template <class Opt>
+using sharded_mpi = ranks::sharded<Opt, ranks::mpi>;
+
+template <class Opt, class T = typename Opt::param_type>
+std::unique_ptr<sharded_mpi<Opt>> make_sharded(ranks::mpi& w, model<T>& m, typename Opt::options const& o)
+{
+  auto sh = std::make_unique<sharded_mpi<Opt>>(w, typename Opt::hyperparameters{.lr = 1e-2, .weight_decay = 0.1}, o);
+  for (std::size_t t = 0; t < sizes.size(); ++t) { sh->add_tensor(name_of(t), m.params[t].data(), sizes[t]); }
+  sh->add_group({.lr = 3e-3, .weight_decay = 0.0}, {"t2", "t4"});
+  return sh;
+}
+
+/// 3 steps on `before` ranks, saved; loaded by `after` ranks into a fresh model, 3 more steps:
+/// one optimizer's 6 steps given the same reduced gradients, bit for bit.
+template <class Opt>
+void check_resume(std::size_t before, std::size_t after, typename Opt::options o)
+{
+  using T = typename Opt::param_type;
+  o       = base<Opt>(o, 2.0, nonfinite_policy::skip_step);
+  model<T> ref_m;
+  Opt ref({.lr = 1e-2, .weight_decay = 0.1}, o);
+  for (std::size_t t = 0; t < sizes.size(); ++t) { ref.add_tensor(name_of(t), ref_m.params[t].data(), sizes[t]); }
+  ref.add_group({.lr = 3e-3, .weight_decay = 0.0}, {"t2", "t4"});
+  shared_dir dir;
+  model<T> m;  // (without a master, the params are the model's, which the trainer saves: this)
+  {
+    sub_world sub(before);
+    if (sub.comm != MPI_COMM_NULL) {
+      ranks::mpi w(sub.comm);
+      auto sh = make_sharded<Opt>(w, m, o);
+      for (int step = 1; step <= 3; ++step) {
+        m.fill(w.rank(), before, step);
+        (void)sh->step(m.views());
+      }
+      sh->set_hyperparameters(1, {.lr = 2e-3, .weight_decay = 0.0});  // (saved, and loaded)
+      sh->save(dir.path);
+    }
+  }
+  for (int step = 1; step <= 6; ++step) {
+    std::size_t const n = step <= 3 ? before : after;
+    if (step == 4) { ref.set_hyperparameters(1, {.lr = 2e-3, .weight_decay = 0.0}); }
+    ref_m.fill(n, n, step);
+    (void)ref.step(ref_m.views(), static_cast<double>(n));
+  }
+  sub_world sub(after);
+  if (sub.comm == MPI_COMM_NULL) { return; }
+  ranks::mpi w(sub.comm);
+  if constexpr (Opt::precision_type::has_master) {
+    m = model<T>{};  // its params as at the start: the load replaces them
+  } else {
+    for (auto& p : m.params) { MPI_Bcast(p.data(), static_cast<int>(p.size() * sizeof(T)), MPI_BYTE, 0, sub.comm); }
+  }
+  auto sh = make_sharded<Opt>(w, m, o);
+  sh->load(dir.path);
+  CHECK(sh->step_count() == 2);  // (step 3 was skipped)
+  for (int step = 4; step <= 6; ++step) {
+    m.fill(w.rank(), after, step);
+    (void)sh->step(m.views());
+  }
+  CHECK(sh->step_count() == ref.step_count());
+  for (std::size_t t = 0; t < sizes.size(); ++t) {
+    INFO("tensor " << t);
+    CHECK(std::memcmp(m.params[t].data(), ref_m.params[t].data(), sizes[t] * sizeof(T)) == 0);
+  }
+  if (Opt* local = sh->local()) {
+    for (auto const& pc : sh->shares().pieces[w.rank()]) {
+      for (slot const s : ref.state_layout().slots()) {
+        std::vector<float> whole(sizes[pc.tensor]);
+        std::vector<float> part(pc.count);
+        ref.copy_state(name_of(pc.tensor), s, std::span<float>(whole));
+        local->copy_state(sh->piece_name(pc), s, std::span<float>(part));
+        INFO("piece " << sh->piece_name(pc));
+        CHECK(std::memcmp(part.data(), whole.data() + pc.begin, pc.count * sizeof(float)) == 0);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a sharded checkpoint loads at any rank count, re-partitioned exactly", "[mpi][checkpoint]")
+{
+  using Nvme = OffloadedOptimizer<AdamW, Bf16Mixed, NvmeFile, Pipelined<2>>;
+  Nvme::options nvme;
+  nvme.tier.directory = "/tmp";
+  for (auto const& [before, after] : {std::pair{2, 2}, {2, 1}, {1, 2}, {1, 3}, {2, 3}, {3, 2}}) {
+    if (static_cast<std::size_t>(std::max(before, after)) > world->size()) { continue; }
+    SECTION(std::to_string(before) + " ranks to " + std::to_string(after) + ", bf16 on NVMe") {
+      check_resume<Nvme>(before, after, nvme);
+    }
+    SECTION(std::to_string(before) + " ranks to " + std::to_string(after) + ", fp32 in host memory") {
+      check_resume<OffloadedOptimizer<AdamW, Fp32, PinnedHost>>(before, after, {});
+    }
+  }
+}
+
+TEST_CASE("a sharded checkpoint refused or failed changes nothing, and leaves nothing behind", "[mpi][checkpoint][errors]")
+{
+  using Opt             = OffloadedOptimizer<AdamW, Bf16Mixed, test::memory_tier>;
+  auto& w               = *world;
+  std::size_t const bad = w.size() - 1;
+  bool fail_reads       = false;
+  Opt::options o        = base<Opt>({}, 2.0, nonfinite_policy::skip_step);
+  o.tier                = {nullptr, {}, &fail_reads};
+  shared_dir dir;
+  model<bf16> m;
+  auto sh = make_sharded<Opt>(w, m, o);
+  m.fill(w.rank(), w.size(), 1);
+  (void)sh->step(m.views());
+  sh->save(dir.path);
+  std::size_t const files = w.rank() == 0 ? dir.files() : 0;
+  m.fill(w.rank(), w.size(), 2);
+  (void)sh->step(m.views());
+  model<bf16> const after_two = m;
+
+  SECTION("a save that fails on one rank fails on every rank; the previous save stays whole and alone")
+  {
+    fail_reads = w.rank() == bad;  // its state cannot be read
+    CHECK_THROWS_AS(sh->save(dir.path), std::exception);
+    fail_reads = false;
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (w.rank() == 0) { CHECK(dir.files() == files); }
+    sh->load(dir.path);  // the first save's
+    CHECK(sh->step_count() == 1);
+    sh->save(dir.path);  // and a good one replaces it, its files with it
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (w.rank() == 0) { CHECK(dir.files() == files); }
+  }
+  SECTION("a damaged file refuses the load on every rank, naming it, with nothing changed")
+  {
+    if (w.rank() == 0) {
+      for (auto const& e : std::filesystem::directory_iterator(dir.path)) {
+        if (e.path().filename().string().rfind("rank" + std::to_string(bad) + "-", 0) == 0) {
+          std::FILE* f = std::fopen(e.path().c_str(), "r+b");
+          std::fseek(f, 5000, SEEK_SET);
+          std::fputc(0x5a, f);
+          std::fclose(f);
+        }
+      }
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    try {
+      sh->load(dir.path);
+      FAIL("loaded");
+    } catch (ranks::rank_failed const& e) {
+      CHECK_THAT(e.what(), Catch::Contains("refused the load"));
+    } catch (checkpoint_error const& e) {
+      CHECK_THAT(e.what(), Catch::Contains("rank" + std::to_string(bad) + "-of-") && Catch::Contains("checksum"));
+    }
+    CHECK(sh->step_count() == 2);
+    for (std::size_t t = 0; t < sizes.size(); ++t) {
+      CHECK(std::memcmp(m.params[t].data(), after_two.params[t].data(), sizes[t] * sizeof(bf16)) == 0);
+    }
+  }
+  SECTION("a manifest for other tensors is refused by name")
+  {
+    model<bf16> other;
+    ranks::sharded<Opt, ranks::mpi> sh2(w, {}, o);
+    sh2.add_tensor("t0", other.params[0].data(), sizes[0]);
+    CHECK_THROWS_WITH(sh2.load(dir.path), Catch::Contains("tensors") || Catch::Contains("refused the load"));
   }
 }
 
@@ -276,6 +559,21 @@ TEST_CASE("ranks::sharded refuses what it cannot do, by name", "[mpi][errors]")
   CHECK_THROWS_WITH(sh.add_group({}, {"b"}), Catch::Contains("no tensor 'b'"));
   (void)sh.shares();
   CHECK_THROWS_WITH(sh.add_tensor("c", p.data(), p.size()), Catch::Contains("fixed"));
+  // Hyper-parameters are checked on every rank, owner of the group's elements or not.
+  CHECK_THROWS_AS(sh.set_hyperparameters(0, {.lr = -1.0}), invalid_option);
+  CHECK_THROWS_WITH(sh.set_hyperparameters(3, {}), Catch::Contains("no group 3"));
+}
+
+TEST_CASE("ranks whose settings differ are told so on every rank, without a hang", "[mpi][errors]")
+{
+  using Host = OffloadedOptimizer<AdamW, Fp32, PinnedHost>;
+  auto const& w = *world;
+  model<float> m;
+  auto o = base<Host>({}, w.rank() == 0 ? 1.0 : 2.0, nonfinite_policy::skip_step);  // rank 0 clips elsewhere
+  ranks::sharded<Host, ranks::mpi> sh(*world, {}, o);
+  for (std::size_t t = 0; t < sizes.size(); ++t) { sh.add_tensor(name_of(t), m.params[t].data(), sizes[t]); }
+  m.fill(w.rank(), w.size(), 1);
+  if (w.size() > 1) { CHECK_THROWS_WITH(sh.step(m.views()), Catch::Contains("differ")); }
 }
 
 int main(int argc, char** argv)

@@ -31,12 +31,14 @@
 #endif
 #include <mpi.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace tierstate::inline TIERSTATE_ABI::ranks {
@@ -59,7 +61,10 @@ class mpi {
     rank_ = static_cast<std::size_t>(r);
     size_ = static_cast<std::size_t>(n);
     check(MPI_Op_create(&sum16<bf16>, 1, &sum_bf16_), "MPI_Op_create");
-    check(MPI_Op_create(&sum16<fp16>, 1, &sum_fp16_), "MPI_Op_create");
+    if (int const rc = MPI_Op_create(&sum16<fp16>, 1, &sum_fp16_); rc != MPI_SUCCESS) {
+      MPI_Op_free(&sum_bf16_);
+      check(rc, "MPI_Op_create");
+    }
   }
   ~mpi()
   {
