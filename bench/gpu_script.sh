@@ -60,6 +60,23 @@ stamp "GPU tests"
 logged 30 "$B/bin/test_pinned_host_cuda"
 logged 90 "$B/bin/test_device_cuda"
 
+stamp "nccl: ranks::sharded over NCCL, one rank (NCCL refuses two ranks on one GPU)"
+# Built here: libnccl (about 200 MB) is not carried. The toolkit's, else PyTorch's (nvidia-nccl).
+nccl_dir=""
+for d in /usr/local/cuda /usr/local/cuda-*; do [ -f "$d/include/nccl.h" ] && nccl_dir=$d && break; done
+if [ -z "$nccl_dir" ]; then
+  nccl_dir=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0])" 2>/dev/null || true)
+fi
+nccl_lib=$(ls "$nccl_dir"/lib*/libnccl.so* 2>/dev/null | head -1)
+if [ -n "$nccl_dir" ] && [ -n "$nccl_lib" ]; then
+  nvcc -O2 -std=c++20 -DTIERSTATE_ENABLE_CUDA -Xcompiler -march=x86-64-v3,-pthread -Iinclude -isystem "$B/include" \
+    -isystem "$nccl_dir/include" tests/test_nccl.cpp -o "$B/bin/test_nccl" "$nccl_lib" "$B/lib/liburing.a" \
+    -Xlinker -rpath="$(dirname "$nccl_lib")" 2>&1 | tail -20 | tee -a "$LOG"
+  logged 60 "$B/bin/test_nccl"
+else
+  echo "no NCCL here (nccl.h and libnccl under a CUDA toolkit or PyTorch's nvidia.nccl): not run" | tee -a "$LOG"
+fi
+
 stamp "pinned_alloc"
 timeout 45 "$B/bin/pinned_alloc_cuda" 2>&1 | tee -a "$JSON"
 echo "rc ${PIPESTATUS[0]}" | tee -a "$LOG"

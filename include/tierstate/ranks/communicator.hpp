@@ -12,6 +12,7 @@
 #include <tierstate/core/config.hpp>
 #include <tierstate/core/error.hpp>
 #include <tierstate/core/numeric.hpp>
+#include <tierstate/core/tensor.hpp>
 
 #include <concepts>
 #include <cstddef>
@@ -39,8 +40,8 @@ class rank_failed : public std::runtime_error {
   std::vector<std::size_t> failed_;
 };
 
-/// The collectives a sharded step makes, for gradients and params of type T (float, double
-/// or bf16) in the communicator's memory.
+/// The collectives a sharded step makes, for gradients and params of type T (float, double,
+/// bf16 or fp16) in the communicator's memory (memory_of<C>(): host words stay host words).
 ///   rank(), size()             this rank and the rank count
 ///   max(words)                 all-reduce, element-wise maximum, of host words, in place
 ///   gather(mine, all)          all-gather of one host word per rank: all[r] is rank r's
@@ -66,6 +67,18 @@ concept communicator_for = requires(C& c, std::span<std::uint64_t> words, std::u
   c.reduce_scatter(send, mine, counts);
   c.all_gather(buffer, counts);
 };
+
+/// Where a communicator's gradients and params are: its `memory` (location::device for NCCL),
+/// else host memory.
+template <class C>
+[[nodiscard]] consteval location memory_of() noexcept
+{
+  if constexpr (requires { C::memory; }) {
+    return C::memory;
+  } else {
+    return location::host;
+  }
+}
 
 namespace detail {
 

@@ -65,6 +65,11 @@ class sharded {
   using options         = typename Opt::options;
   using tensor_id       = std::size_t;
   using group_id        = std::size_t;
+  /// Where the params and gradients are: the communicator's memory (host, or device for NCCL).
+  static constexpr location memory = memory_of<Comm>();
+  static_assert(memory == location::host || Opt::takes_device_params,
+                "ranks::sharded: a communicator of device memory needs an optimizer that takes device params "
+                "(CudaOverlapped or OnDevice)");
 
   /// `o.ranks` is this object's (set on the copy it keeps); delayed_update is refused.
   sharded(Comm& comm, hyperparameters const& defaults = {}, options o = {}, sharded_options s = {})
@@ -87,7 +92,7 @@ class sharded {
   sharded& operator=(sharded const&) = delete;
 
   /// Registers a whole (replicated) param tensor, as OffloadedOptimizer::add_tensor, in the
-  /// same order on every rank; before the first step, save or load.
+  /// communicator's memory, in the same order on every rank; before the first step, save or load.
   tensor_id add_tensor(std::string name, param_type* param, std::size_t count)
   {
     check_open("add_tensor");
@@ -232,7 +237,8 @@ class sharded {
   partition part_;
   std::unique_ptr<Opt> local_;
   std::vector<std::optional<std::size_t>> inner_group_;
-  std::vector<grad_type> share_;  ///< this rank's reduced gradients, its pieces back to back
+  /// This rank's reduced gradients, its pieces back to back, in the communicator's memory.
+  std::unique_ptr<grad_type, void (*)(grad_type*)> share_{nullptr, [](grad_type*) {}};
   std::vector<std::vector<std::size_t>> counts_;  ///< [tensor][rank]: its elements on each rank
   std::vector<std::size_t> offsets_;              ///< [tensor]: where its piece begins in share_
   std::uint64_t settings_ = 0;                    ///< a hash of what every rank must have alike

@@ -14,6 +14,9 @@ template <class Opt, class Comm>
   requires communicator_for<Comm, typename Opt::grad_type> && communicator_for<Comm, typename Opt::param_type>
 void sharded<Opt, Comm>::save(std::filesystem::path const& dir)
 {
+  if constexpr (memory != location::host) {
+    throw logic_error("ranks::sharded::save: not built for a communicator of device memory yet (host params only)");
+  }
   std::exception_ptr failure;
   std::uint64_t agreed[2] = {0, 0};  // a failure; the generation (rank 0's random number, by max)
   prepare();
@@ -119,6 +122,9 @@ template <class Opt, class Comm>
   requires communicator_for<Comm, typename Opt::grad_type> && communicator_for<Comm, typename Opt::param_type>
 void sharded<Opt, Comm>::load(std::filesystem::path const& dir)
 {
+  if constexpr (memory != location::host) {
+    throw logic_error("ranks::sharded::load: not built for a communicator of device memory yet (host params only)");
+  }
   std::exception_ptr failure;
   detail::manifest m;
   bool direct = false;  // each rank owns what it owned then: its own file

@@ -69,7 +69,9 @@ void sharded<Opt, Comm>::build()
   std::unique_ptr<Opt> opt;
   if (!mine.empty()) {
     opt = std::make_unique<Opt>(groups_[0].h, opts_);
-    for (auto const& pc : mine) { opt->add_tensor(piece_name(pc), tensors_[pc.tensor].param + pc.begin, pc.count); }
+    for (auto const& pc : mine) {
+      opt->add_tensor(piece_name(pc), tensors_[pc.tensor].param + pc.begin, pc.count, memory);
+    }
     inner[0] = 0;
     for (std::size_t g = 1; g < groups_.size(); ++g) {
       std::vector<std::string> names;
@@ -81,7 +83,12 @@ void sharded<Opt, Comm>::build()
       if (!names.empty()) { inner[g] = opt->add_group(groups_[g].h, names); }
     }
   }
-  share_.resize(p.elements(rank_));
+  if (std::size_t const n = p.elements(rank_); n > 0 && memory == location::host) {
+    share_ = {new grad_type[n], [](grad_type* g) { delete[] g; }};
+  } else if (n > 0) {
+    share_ = {static_cast<grad_type*>(device::allocate_async(n * sizeof(grad_type), {})),
+              [](grad_type* g) { device::deallocate_async(g, {}); }};
+  }
   part_        = std::move(p);
   counts_      = std::move(counts);
   offsets_     = std::move(offsets);
@@ -164,11 +171,12 @@ step_result sharded<Opt, Comm>::step(std::span<grad_view<grad_type> const> grads
     }
     for (std::size_t t = 0; t < grads.size(); ++t) {
       auto const& g = grads[t];
-      if (g.size != 0 && (g.size != tensors_[t].count || g.data == nullptr || g.where != location::host)) {
+      if (g.size != 0 && (g.size != tensors_[t].count || g.data == nullptr || g.where != memory)) {
         throw invalid_option("step", "gradient of '" + tensors_[t].name + "'",
-                             g.where != location::host ? std::string("is in device memory; ranks::sharded takes host gradients")
-                                                       : "has " + std::to_string(g.size) + " elements; the tensor has " +
-                                                           std::to_string(tensors_[t].count));
+                             g.where != memory ? std::string("is not in the communicator's memory (") +
+                                                   (memory == location::host ? "host" : "device") + ")"
+                                               : "has " + std::to_string(g.size) + " elements; the tensor has " +
+                                                   std::to_string(tensors_[t].count));
       }
       shape = detail::mix(shape, g.size != 0 ? 1 : 0);
     }
@@ -182,12 +190,12 @@ step_result sharded<Opt, Comm>::step(std::span<grad_view<grad_type> const> grads
   for (auto const& pc : part_.pieces[rank_]) {
     mine.push_back(grads[pc.tensor].size == 0
                      ? grad_view<grad_type>{}
-                     : grad_view<grad_type>{share_.data() + offsets_[pc.tensor], pc.count, location::host});
+                     : grad_view<grad_type>{share_.get() + offsets_[pc.tensor], pc.count, memory});
   }
   for (std::size_t t = 0; t < tensors_.size(); ++t) {
     if (grads[t].size == 0) { continue; }
     comm_.reduce_scatter(std::span<grad_type const>(grads[t].data, grads[t].size),
-                         std::span<grad_type>(share_.data() + offsets_[t], counts_[t][rank_]),
+                         std::span<grad_type>(share_.get() + offsets_[t], counts_[t][rank_]),
                          std::span<std::size_t const>(counts_[t]));
   }
   double const scale = how_.average ? grad_scale * static_cast<double>(size_) : grad_scale;
