@@ -271,6 +271,21 @@ run_offload_train() {
   "$py" bench/offload_train.py "$@" ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"}
 }
 
+# run_sharded_step: bench/sharded_step (ranks::sharded over MPI, the state on NVMe) at 1 and 2
+# ranks, one optimizer thread each. Skipped where the build found no MPI.
+run_sharded_step() {
+  local n exe=build-gcc-native/bench/sharded_step
+  if ! [ -x "$exe" ]; then
+    echo "sharded_step: skipped: not built (no MPI: Debian's libopenmpi-dev, openmpi-bin)"
+    [ "${CI:-}" != true ]
+    return
+  fi
+  for n in 1 2; do
+    OMP_NUM_THREADS=1 timeout 600 mpirun --allow-run-as-root --oversubscribe -np "$n" "$exe" --elements 8388608 \
+      --steps 5 ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} || return 1
+  done
+}
+
 # run_dist_step: bench/dist_step.py (issue 23: FSDP2 + AdamW, DDP + ShardedAdamW, the state
 # on NVMe) at 1 and 2 ranks under torchrun, with the pytorch stage's installed wheel, one
 # optimizer thread and OMP_NUM_THREADS=1 per rank. Skipped (failing in CI) without the wheel.
@@ -597,8 +612,8 @@ run_stage() {
       with_hugetlb_pages 132 build-gcc-native/bench/nvme_step --elements 20971520 \
         ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} || return 1
       build-gcc-native/bench/param_offload --layers 20 ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} &&
-        run_offload_train --min-free-gb 12 && run_offload_train --min-free-gb 12 --on-nonfinite ignore &&
-        run_dist_step ;;
+        run_sharded_step && run_offload_train --min-free-gb 12 &&
+        run_offload_train --min-free-gb 12 --on-nonfinite ignore && run_dist_step ;;
     # Opt-in (named only): the benchmarks at the sizes and repetitions whose JSON lines go into
     # issue notes. host_step at 2^27 elements, 15 reps; nvme_step's two sizes over 20 steps;
     # torch_step at 2^26 elements, 11 reps (the pytorch stage's environment, made if missing,
