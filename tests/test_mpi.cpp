@@ -541,6 +541,40 @@ TEST_CASE("a sharded checkpoint refused or failed changes nothing, and leaves no
   }
 }
 
+TEST_CASE("a sharded checkpoint's manifest: written and read back, and refused by name when wrong", "[checkpoint]")
+{
+  namespace rd = ranks::detail;
+  rd::manifest m;
+  m.step       = 7;
+  m.generation = 0x0123456789abcdefULL;
+  m.tensors    = {{"embed weight", 10000}, {"b", 33}};
+  m.files      = {{"rank0-of-2.x.tsck", 4096, 99, {{0, 0, 8192}}}, {"rank1-of-2.x.tsck", 8192, 5, {{0, 8192, 1808}, {1, 0, 33}}}};
+  auto const text = rd::to_text(m);
+  auto const back = rd::parse_manifest(text, "m");
+  CHECK(back.tensors == m.tensors);
+  CHECK(back.step == 7);
+  CHECK(back.generation == m.generation);
+  REQUIRE(back.files.size() == 2);
+  CHECK(back.files[1].pieces == m.files[1].pieces);
+  CHECK(back.files[1].checksum == 5);
+  auto changed = text;
+  changed[text.find("step 7") + 5] = '8';
+  CHECK_THROWS_WITH(rd::parse_manifest(changed, "m"), Catch::Contains("checksum"));
+  CHECK_THROWS_WITH(rd::parse_manifest(text.substr(0, text.size() - 3), "m"), Catch::Contains("cut short"));
+  auto gap = m;
+  gap.files[1].pieces[0].begin = 8200;
+  gap.files[1].pieces[0].count = 1800;
+  CHECK_THROWS_WITH(rd::parse_manifest(rd::to_text(gap), "m"), Catch::Contains("exactly once") && Catch::Contains("embed weight"));
+  auto beyond = m;
+  beyond.files[1].pieces[1].count = 34;
+  CHECK_THROWS_WITH(rd::parse_manifest(rd::to_text(beyond), "m"), Catch::Contains("do not have"));
+  auto words = rd::to_text(m);
+  words.replace(words.find("ranks 2"), 7, "ranks x");
+  words = words.substr(0, words.rfind("end ")); // (its checksum made again)
+  words += "end " + rd::hex16(checkpoint::checksum(words.data(), words.size())) + "\n";
+  CHECK_THROWS_WITH(rd::parse_manifest(words, "m"), Catch::Contains("where a number belongs"));
+}
+
 TEST_CASE("ranks::sharded refuses what it cannot do, by name", "[mpi][errors]")
 {
   using Host = OffloadedOptimizer<AdamW, Fp32, PinnedHost>;

@@ -9,7 +9,8 @@
 //   tierstate::ranks::sharded<Opt, tierstate::ranks::nccl> opt(world, {.lr = 1e-3}, o);
 //
 // Every call is queued on `stream` and waited for before it returns (the sharded step reads
-// its results on the host next). NCCL has no variable-count reduce-scatter or all-gather:
+// its results on the host next). The gradients must be complete when a step begins: where
+// backward ran on another stream, make `stream` wait for it (an event) or synchronize first. NCCL has no variable-count reduce-scatter or all-gather:
 // each is a group of one reduction, or one broadcast, per rank that owns elements. The small
 // host words (flags, counts, block sums) go through a device buffer of this object's. NCCL
 // refuses two ranks on one GPU: on a single-GPU machine only one rank runs.
@@ -92,7 +93,7 @@ class nccl {
       if (counts[r] == 0) { continue; }
       check(ncclReduce(send.data() + at, r == rank_ ? mine.data() : nullptr, counts[r], type<T>(), ncclSum,
                        static_cast<int>(r), comm_, stream_),
-            "ncclReduce");
+            "ncclReduce", true);
     }
     check(ncclGroupEnd(), "ncclGroupEnd");
     synchronize();
@@ -105,9 +106,11 @@ class nccl {
   }
 
  private:
-  static void check(ncclResult_t rc, char const* call)
+  static void check(ncclResult_t rc, char const* call, bool in_group = false)
   {
-    if (rc != ncclSuccess) { throw std::runtime_error(std::string(call) + " failed: " + ncclGetErrorString(rc)); }
+    if (rc == ncclSuccess) { return; }
+    if (in_group) { ncclGroupEnd(); }  // (never left open)
+    throw std::runtime_error(std::string(call) + " failed: " + ncclGetErrorString(rc));
   }
   template <class T>
   static ncclDataType_t type()
@@ -129,7 +132,7 @@ class nccl {
     for (std::size_t r = 0; r < counts.size(); at += counts[r], ++r) {
       if (counts[r] == 0) { continue; }
       check(ncclBroadcast(buffer + at, buffer + at, counts[r], t, static_cast<int>(r), comm_, stream_),
-            "ncclBroadcast");
+            "ncclBroadcast", true);
     }
     check(ncclGroupEnd(), "ncclGroupEnd");
   }

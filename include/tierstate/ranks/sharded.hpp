@@ -99,6 +99,9 @@ class sharded {
     if (param == nullptr || count == 0) {
       throw invalid_option("add_tensor", name, "needs a param array of at least one element");
     }
+    if (name.empty() || name.find('\n') != std::string::npos) {  // (a manifest line holds it)
+      throw invalid_option("add_tensor", "\"" + name + "\"", "a name is one line of at least one character");
+    }
     for (auto const& t : tensors_) {
       if (t.name == name) { throw logic_error("add_tensor: tensor '" + name + "' is registered already"); }
     }

@@ -27,7 +27,9 @@
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <new>
 #include <sstream>
+#include <string_view>
 #include <string>
 #include <system_error>
 #include <vector>
@@ -75,7 +77,8 @@ inline std::string hex16(std::uint64_t v)
   return text + "end " + hex16(checkpoint::checksum(text.data(), text.size())) + "\n";
 }
 
-/// The manifest in `text` (read from `path`); checkpoint_error naming what is wrong.
+/// The manifest in `text` (read from `path`); checkpoint_error naming what is wrong. Every
+/// number is a whole field of digits; the files' pieces must cover each tensor exactly once.
 [[nodiscard]] inline manifest parse_manifest(std::string const& text, std::string const& path)
 {
   auto bad = [&path](std::string const& why) { return checkpoint_error(path, "not a sharded checkpoint's manifest: " + why); };
@@ -86,64 +89,95 @@ inline std::string hex16(std::uint64_t v)
   if (text.substr(end + 4, 16) != hex16(checkpoint::checksum(text.data(), end))) {
     throw bad("its checksum does not match its contents (changed or damaged)");
   }
-  std::istringstream in(text.substr(0, end));
-  std::string line;
-  std::size_t at = 0;
-  auto next = [&](char const* key) {
-    if (!std::getline(in, line)) { throw bad(std::string("it ends before '") + key + "'"); }
+  std::size_t at   = 0;  // the line
+  std::size_t from = 0;  // where it starts
+  std::string_view rest;  // what is left of it
+  auto next = [&](std::string_view key) {
+    std::size_t const stop = text.find('\n', from);
+    if (from >= end || stop == std::string::npos || stop > end) { throw bad("it ends before '" + std::string(key) + "'"); }
+    std::string_view const line(text.data() + from, stop - from);
     ++at;
-    std::string const k = std::string(key) + " ";
-    if (line.compare(0, k.size(), k) != 0) {
-      throw bad("line " + std::to_string(at) + " is not '" + key + " ...': " + line.substr(0, 80));
+    from = stop + 1;
+    if (line.substr(0, key.size()) != key || line.size() <= key.size() || line[key.size()] != ' ') {
+      throw bad("line " + std::to_string(at) + " is not '" + std::string(key) + " ...'");
     }
-    return line.substr(k.size());
+    rest = line.substr(key.size() + 1);
   };
-  auto number = [&](std::istream& s) {
+  // The next space-separated field of the line (the last: the rest of it).
+  auto field = [&](bool last = false) {
+    std::size_t const cut = last ? rest.size() : std::min(rest.find(' '), rest.size());
+    std::string_view const f = rest.substr(0, cut);
+    rest = rest.substr(std::min(cut + 1, rest.size()));
+    return f;
+  };
+  auto number = [&](int base = 10, bool last = false) {
+    std::string_view const f = field(last);
     std::uint64_t v = 0;
-    if (!(s >> v)) { throw bad("line " + std::to_string(at) + " has no number where one belongs"); }
+    auto const [p, ec] = std::from_chars(f.data(), f.data() + f.size(), v, base);
+    if (f.empty() || ec != std::errc{} || p != f.data() + f.size()) {
+      throw bad("line " + std::to_string(at) + " has '" + std::string(f.substr(0, 40)) + "' where a number belongs");
+    }
     return v;
   };
   manifest m;
-  if (next("tierstate-sharded-checkpoint") != "1") { throw bad("an unknown version (this reader knows 1)"); }
-  std::size_t const ranks = std::stoull(next("ranks"));
-  m.block                 = std::stoull(next("block"));
-  m.step                  = std::stoll(next("step"));
-  m.generation            = std::stoull(next("generation"), nullptr, 16);
-  std::size_t const count = std::stoull(next("tensors"));
-  if (ranks == 0 || ranks > (1u << 24) || count > text.size()) { throw bad("an impossible rank or tensor count"); }
-  for (std::size_t t = 0; t < count; ++t) {
-    std::istringstream s(next("tensor"));
-    std::size_t const n = number(s);
-    s.get();
-    std::string name;
-    std::getline(s, name);
-    m.tensors.emplace_back(name, n);
+  next("tierstate-sharded-checkpoint");
+  if (number(10, true) != 1) { throw bad("an unknown version (this reader knows 1)"); }
+  next("ranks");
+  std::uint64_t const ranks = number(10, true);
+  next("block");
+  m.block = number(10, true);
+  next("step");
+  m.step = static_cast<std::int64_t>(number(10, true));
+  next("generation");
+  m.generation = number(16, true);
+  next("tensors");
+  std::uint64_t const count = number(10, true);
+  if (ranks == 0 || ranks > (1u << 24) || count > text.size() || m.block == 0 || m.step < 0) {
+    throw bad("an impossible rank count, tensor count, block or step");
   }
+  for (std::size_t t = 0; t < count; ++t) {
+    next("tensor");
+    std::uint64_t const n = number();
+    m.tensors.emplace_back(std::string(field(true)), n);
+  }
+  std::vector<std::vector<piece>> by_tensor(count);
   for (std::size_t r = 0; r < ranks; ++r) {
-    std::istringstream s(next("file"));
+    next("file");
     manifest_file f;
-    if (number(s) != r) { throw bad("line " + std::to_string(at) + " is not rank " + std::to_string(r) + "'s"); }
-    f.bytes = number(s);
-    std::string sum;
-    s >> sum;
-    f.checksum                = std::stoull(sum, nullptr, 16);
-    std::size_t const pieces  = number(s);
-    s >> f.name;
+    if (number() != r) { throw bad("line " + std::to_string(at) + " is not rank " + std::to_string(r) + "'s"); }
+    f.bytes                   = number();
+    f.checksum                = number(16);
+    std::uint64_t const count_r = number();
+    f.name                    = std::string(field(true));
     if (f.name == "-") { f.name.clear(); }
-    if (f.name.find('/') != std::string::npos || pieces > count + ranks) { throw bad("rank " + std::to_string(r) + "'s file line is wrong"); }
-    for (std::size_t k = 0; k < pieces; ++k) {
-      std::istringstream q(next("piece"));
+    if (f.name.find('/') != std::string::npos || count_r > count + ranks || f.name.empty() != (count_r == 0)) {
+      throw bad("rank " + std::to_string(r) + "'s file line is wrong");
+    }
+    for (std::size_t k = 0; k < count_r; ++k) {
+      next("piece");
       piece p;
-      p.tensor = number(q);
-      p.begin  = number(q);
-      p.count  = number(q);
+      p.tensor = number();
+      p.begin  = number();
+      p.count  = number(10, true);
       if (p.tensor >= count || p.count == 0 || p.begin > m.tensors[p.tensor].second ||
           p.count > m.tensors[p.tensor].second - p.begin) {
         throw bad("line " + std::to_string(at) + " names elements the tensors do not have");
       }
       f.pieces.push_back(p);
+      by_tensor[p.tensor].push_back(p);
     }
     m.files.push_back(std::move(f));
+  }
+  if (from != end) { throw bad("it has lines after the last rank's"); }
+  for (std::size_t t = 0; t < count; ++t) {  // (in rank order, the pieces of a tensor follow each other)
+    std::size_t covered = 0;
+    for (auto const& p : by_tensor[t]) {
+      if (p.begin != covered) { break; }
+      covered += p.count;
+    }
+    if (covered != m.tensors[t].second) {
+      throw bad("its files do not hold every element of tensor '" + m.tensors[t].first + "' exactly once");
+    }
   }
   return m;
 }
@@ -154,6 +188,10 @@ inline std::string hex16(std::uint64_t v)
   int const fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) { throw io_error(errno, path.string(), "open"); }
   XXH3_state_t* st = XXH3_createState();
+  if (st == nullptr) {
+    ::close(fd);
+    throw std::bad_alloc();
+  }
   XXH3_64bits_reset(st);
   std::vector<char> buf(1 << 20);
   std::uint64_t total = 0;

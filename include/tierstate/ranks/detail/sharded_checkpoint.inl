@@ -67,7 +67,7 @@ void sharded<Opt, Comm>::save(std::filesystem::path const& dir)
           for (auto const& f : detail::parse_manifest(detail::read_small(path), path.string()).files) {
             if (!f.name.empty()) { previous.push_back(f.name); }
           }
-        } catch (checkpoint_error const&) {  // (a damaged one names nothing to remove)
+        } catch (std::exception const&) {  // (a damaged one names nothing to remove)
         }
       }
       detail::manifest m;
@@ -84,9 +84,11 @@ void sharded<Opt, Comm>::save(std::filesystem::path const& dir)
     }
   }
   all_well("could not write the manifest");
-  for (auto const& f : previous) {
+  for (auto const& f : previous) {  // only files of a save's own naming, and none of this one's
+    bool const ours = f.starts_with("rank") && f.ends_with(".tsck") && f.find("-of-") != std::string::npos &&
+                      f.find(detail::hex16(agreed[1])) == std::string::npos;
     std::error_code ec;
-    std::filesystem::remove(dir / f, ec);  // (already gone: nothing to do)
+    if (ours) { std::filesystem::remove(dir / f, ec); }  // (already gone: nothing to do)
   }
 }
 
@@ -108,6 +110,7 @@ std::unique_ptr<Opt> sharded<Opt, Comm>::open_rank_file(detail::manifest const& 
   auto o           = opts_;
   o.ranks          = {};
   o.chunk_elements = 0;  // the file's
+  if constexpr (requires { o.tier.file_name; }) { o.tier.file_name.clear(); }  // (a name of its own)
   auto opt         = std::make_unique<Opt>(groups_[0].h, o);
   params.assign(f.pieces.size(), {});
   for (std::size_t k = 0; k < f.pieces.size(); ++k) {
@@ -125,8 +128,10 @@ void sharded<Opt, Comm>::load(std::filesystem::path const& dir)
   if constexpr (memory != location::host) {
     throw logic_error("ranks::sharded::load: not built for a communicator of device memory yet (host params only)");
   }
+  prepare();  // (a refused load then leaves what prepare() would have made)
   std::exception_ptr failure;
   detail::manifest m;
+  std::uint64_t read = settings_;  // the settings and the manifest this rank read: alike on every rank
   bool direct = false;  // each rank owns what it owned then: its own file
   std::vector<piece> mine;  // (this rank's pieces)
   // Re-partitioned: each of this rank's pieces' slots, params, step counts and hyper-parameters.
@@ -134,16 +139,13 @@ void sharded<Opt, Comm>::load(std::filesystem::path const& dir)
   std::vector<std::vector<param_type>> params;
   std::vector<std::int64_t> counts;
   std::vector<std::optional<hyperparameters>> hypers;
-  auto const agree = [&](char const* what) {
-    std::vector<std::uint64_t> words(size_);
-    comm_.gather(failure ? detail::failure_word(rank_) : 0, std::span(words));
-    if (auto const failed = detail::failed_in(words); !failed.empty()) { fail(failure, what, failed); }
-  };
   try {
     build();
     mine            = part_.pieces[rank_];
     auto const path = dir / "manifest";
-    m               = detail::parse_manifest(detail::read_small(path), path.string());
+    auto const text = detail::read_small(path);
+    m               = detail::parse_manifest(text, path.string());
+    read            = detail::mix(read, checkpoint::checksum(text.data(), text.size()));
     bool same       = m.tensors.size() == tensors_.size();
     for (std::size_t t = 0; same && t < tensors_.size(); ++t) {
       same = m.tensors[t] == std::pair{tensors_[t].name, tensors_[t].count};
@@ -209,7 +211,7 @@ void sharded<Opt, Comm>::load(std::filesystem::path const& dir)
   } catch (...) {
     failure = std::current_exception();
   }
-  agree_to_begin(failure, settings_, "refused the load (nothing changed on any rank)");
+  agree_to_begin(failure, read, "refused the load (nothing changed on any rank)");
   // Everything is read and checked: now the state is replaced.
   try {
     if (direct && local_) {
@@ -238,7 +240,15 @@ void sharded<Opt, Comm>::load(std::filesystem::path const& dir)
   } catch (...) {
     failure = std::current_exception();
   }
-  agree("failed to load its share (the others loaded theirs: load again)");
+  {
+    std::vector<std::uint64_t> words(size_);
+    comm_.gather(failure ? detail::failure_word(rank_) : 0, std::span(words));
+    if (auto const failed = detail::failed_in(words); !failed.empty()) {  // some ranks loaded, some did not
+      diverged_ = detail::rank_list(failed) + " failed to load while the others loaded: the ranks' states disagree; "
+                  "load again";
+      fail(failure, "failed to load its share", failed);
+    }
+  }
   for (std::size_t t = 0; t < tensors_.size(); ++t) {  // every rank's params, from the ranks that loaded them
     comm_.all_gather(tensors_[t].param, std::span<std::size_t const>(counts_[t]));
   }

@@ -85,9 +85,10 @@ void sharded<Opt, Comm>::build()
   }
   if (std::size_t const n = p.elements(rank_); n > 0 && memory == location::host) {
     share_ = {new grad_type[n], [](grad_type* g) { delete[] g; }};
-  } else if (n > 0) {
+  } else if (n > 0) {  // (on the legacy default stream, and waited for: the communicator's stream may be any)
     share_ = {static_cast<grad_type*>(device::allocate_async(n * sizeof(grad_type), {})),
               [](grad_type* g) { device::deallocate_async(g, {}); }};
+    device::stream_view{}.synchronize();
   }
   part_        = std::move(p);
   counts_      = std::move(counts);
@@ -119,8 +120,8 @@ void sharded<Opt, Comm>::agree_to_begin(std::exception_ptr failure, std::uint64_
   }
   if (!failed.empty()) { fail(failure, what, failed); }
   if (differ) {
-    throw logic_error(std::string("ranks::sharded: the ranks differ in their tensors, groups, options or this call's "
-                                  "arguments (which tensors have gradients, grad_scale)"));
+    throw logic_error(std::string("ranks::sharded: the ranks differ in their tensors, groups or options, or in this "
+                                  "call's arguments (a step's gradients and grad_scale; a load's manifest)"));
   }
 }
 
