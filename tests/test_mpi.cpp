@@ -548,6 +548,7 @@ TEST_CASE("a sharded checkpoint's manifest: written and read back, and refused b
   m.step       = 7;
   m.generation = 0x0123456789abcdefULL;
   m.tensors    = {{"embed weight", 10000}, {"b", 33}};
+  m.groups     = {{1e-3, 0.9, 0.999, 1e-8, 0.01, 0.0}, {3e-4, 0.9, 0.95, 1e-8, 0.0, 1.0}};
   m.files      = {{"rank0-of-2.x.tsck", 4096, 99, {{0, 0, 8192}}}, {"rank1-of-2.x.tsck", 8192, 5, {{0, 8192, 1808}, {1, 0, 33}}}};
   auto const text = rd::to_text(m);
   auto const back = rd::parse_manifest(text, "m");
@@ -557,6 +558,7 @@ TEST_CASE("a sharded checkpoint's manifest: written and read back, and refused b
   REQUIRE(back.files.size() == 2);
   CHECK(back.files[1].pieces == m.files[1].pieces);
   CHECK(back.files[1].checksum == 5);
+  CHECK(back.groups == m.groups);
   auto changed = text;
   changed[text.find("step 7") + 5] = '8';
   CHECK_THROWS_WITH(rd::parse_manifest(changed, "m"), Catch::Contains("checksum"));
@@ -608,6 +610,13 @@ TEST_CASE("ranks whose settings differ are told so on every rank, without a hang
   for (std::size_t t = 0; t < sizes.size(); ++t) { sh.add_tensor(name_of(t), m.params[t].data(), sizes[t]); }
   m.fill(w.rank(), w.size(), 1);
   if (w.size() > 1) { CHECK_THROWS_WITH(sh.step(m.views()), Catch::Contains("differ")); }
+
+  // A learning rate set on one rank only.
+  ranks::sharded<Host, ranks::mpi> same(*world, {}, base<Host>({}, 1.0, nonfinite_policy::skip_step));
+  for (std::size_t t = 0; t < sizes.size(); ++t) { same.add_tensor(name_of(t), m.params[t].data(), sizes[t]); }
+  CHECK(same.step(m.views()).step == 1);
+  if (w.rank() == 0) { same.set_hyperparameters(0, {.lr = 5e-4}); }
+  if (w.size() > 1) { CHECK_THROWS_WITH(same.step(m.views()), Catch::Contains("differ")); }
 }
 
 int main(int argc, char** argv)

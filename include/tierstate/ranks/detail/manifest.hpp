@@ -9,6 +9,9 @@
 //   generation G                  (16 hex digits: the files' suffix)
 //   tensors T
 //   tensor COUNT NAME             (T lines, in registration order; the name to the line's end)
+//   groups G
+//   group V...                    (G lines: each group's hyper-parameters in the rule's table
+//                                  order, each double's bits as 16 hex digits)
 //   file RANK BYTES CHECKSUM PIECES NAME   (N lines; a rank without pieces: 0 0 0 0 -)
 //   piece TENSOR BEGIN COUNT      (PIECES lines after each file line)
 //   end CHECKSUM                  (XXH3-64 of the bytes before this line, 16 hex digits)
@@ -22,6 +25,7 @@
 #include <tierstate/io/error.hpp>
 #include <tierstate/ranks/partition.hpp>
 
+#include <bit>
 #include <cerrno>
 #include <charconv>
 #include <cstdint>
@@ -51,6 +55,7 @@ struct manifest {
   std::int64_t step       = 0;
   std::uint64_t generation = 0;
   std::vector<std::pair<std::string, std::size_t>> tensors;  ///< (name, elements)
+  std::vector<std::vector<double>> groups;                   ///< each group's hyper-parameters
   std::vector<manifest_file> files;                          ///< one per rank
 };
 
@@ -67,6 +72,12 @@ inline std::string hex16(std::uint64_t v)
   o << "tierstate-sharded-checkpoint 1\nranks " << m.files.size() << "\nblock " << m.block << "\nstep " << m.step
     << "\ngeneration " << hex16(m.generation) << "\ntensors " << m.tensors.size() << "\n";
   for (auto const& [name, count] : m.tensors) { o << "tensor " << count << " " << name << "\n"; }
+  o << "groups " << m.groups.size() << "\n";
+  for (auto const& g : m.groups) {
+    o << "group";
+    for (double const v : g) { o << " " << hex16(std::bit_cast<std::uint64_t>(v)); }
+    o << "\n";
+  }
   for (std::size_t r = 0; r < m.files.size(); ++r) {
     auto const& f = m.files[r];
     o << "file " << r << " " << f.bytes << " " << hex16(f.checksum) << " " << f.pieces.size() << " "
@@ -139,6 +150,15 @@ inline std::string hex16(std::uint64_t v)
     next("tensor");
     std::uint64_t const n = number();
     m.tensors.emplace_back(std::string(field(true)), n);
+  }
+  next("groups");
+  std::uint64_t const groups = number(10, true);
+  if (groups > count + 1) { throw bad("more groups than tensors"); }
+  for (std::size_t g = 0; g < groups; ++g) {
+    next("group");
+    std::vector<double> values;
+    while (!rest.empty() && values.size() < 64) { values.push_back(std::bit_cast<double>(number(16))); }
+    m.groups.push_back(std::move(values));
   }
   std::vector<std::vector<piece>> by_tensor(count);
   for (std::size_t r = 0; r < ranks; ++r) {

@@ -75,6 +75,10 @@ void sharded<Opt, Comm>::save(std::filesystem::path const& dir)
       m.step       = steps_;
       m.generation = agreed[1];
       for (auto const& t : tensors_) { m.tensors.emplace_back(t.name, t.count); }
+      for (auto const& g : groups_) {
+        auto const v = hyperparameter_values<typename Opt::rule_type>(g.h);
+        m.groups.emplace_back(v.begin(), v.end());
+      }
       for (std::size_t r = 0; r < size_; ++r) {
         m.files.push_back({part_.pieces[r].empty() ? std::string() : name(r), bytes[r], sums[r], part_.pieces[r]});
       }
@@ -138,7 +142,7 @@ void sharded<Opt, Comm>::load(std::filesystem::path const& dir)
   std::vector<staged> slots;
   std::vector<std::vector<param_type>> params;
   std::vector<std::int64_t> counts;
-  std::vector<std::optional<hyperparameters>> hypers;
+  std::vector<hyperparameters> hypers;  // each group's, the manifest's
   try {
     build();
     mine            = part_.pieces[rank_];
@@ -151,6 +155,11 @@ void sharded<Opt, Comm>::load(std::filesystem::path const& dir)
       same = m.tensors[t] == std::pair{tensors_[t].name, tensors_[t].count};
     }
     if (!same) { throw checkpoint_error(path.string(), "its tensors (names and sizes, in order) are not this optimizer's"); }
+    if (m.groups.size() != groups_.size()) {
+      throw checkpoint_error(path.string(), "saved with " + std::to_string(m.groups.size()) +
+                                              " parameter groups; this optimizer has " + std::to_string(groups_.size()));
+    }
+    for (auto const& g : m.groups) { hypers.push_back(hyperparameters_from_values<typename Opt::rule_type>(g)); }
     if (m.block != how_.block) {
       throw checkpoint_error(path.string(), "saved with a partition block of " + std::to_string(m.block) +
                                               " elements; this optimizer's is " + std::to_string(how_.block));
@@ -169,7 +178,6 @@ void sharded<Opt, Comm>::load(std::filesystem::path const& dir)
       slots.assign(mine.size(), staged(layout_slots.size()));
       params.assign(mine.size(), {});
       counts.assign(mine.size(), m.step);
-      hypers.assign(mine.size(), std::nullopt);
       for (std::size_t k = 0; k < mine.size(); ++k) {
         for (auto& s : slots[k]) { s.resize(mine[k].count); }
         params[k].resize(mine[k].count);
@@ -203,7 +211,6 @@ void sharded<Opt, Comm>::load(std::filesystem::path const& dir)
             std::copy(old_params[j].begin() + (from - old[j].begin), old_params[j].begin() + (until - old[j].begin),
                       params[k].begin() + (from - mine[k].begin));
             counts[k] = scratch->step_count(on);
-            hypers[k] = scratch->get_hyperparameters(scratch->group_of(on));
           }
         }
       }
@@ -216,9 +223,6 @@ void sharded<Opt, Comm>::load(std::filesystem::path const& dir)
   try {
     if (direct && local_) {
       local_->load(dir / m.files[rank_].name);
-      for (std::size_t g = 0; g < groups_.size(); ++g) {
-        if (inner_group_[g]) { groups_[g].h = local_->get_hyperparameters(*inner_group_[g]); }
-      }
     } else if (local_) {
       auto const layout_slots = local_->state_layout().slots();
       local_->set_step_count(m.step);
@@ -228,14 +232,14 @@ void sharded<Opt, Comm>::load(std::filesystem::path const& dir)
           local_->write_state(pn, layout_slots[s], std::span<float const>(slots[k][s]));
         }
         local_->set_step_count(pn, counts[k]);
-        if (hypers[k]) { local_->set_hyperparameters(local_->group_of(pn), *hypers[k]); }
         if constexpr (Opt::precision_type::has_master) {  // (else the params are the model's own, not the state's)
           std::copy(params[k].begin(), params[k].end(), tensors_[mine[k].tensor].param + mine[k].begin);
         }
       }
-      for (std::size_t g = 0; g < groups_.size(); ++g) {
-        if (inner_group_[g]) { groups_[g].h = local_->get_hyperparameters(*inner_group_[g]); }
-      }
+    }
+    for (std::size_t g = 0; g < groups_.size(); ++g) {  // (every rank's, its own group or not)
+      if (local_ && inner_group_[g]) { local_->set_hyperparameters(*inner_group_[g], hypers[g]); }
+      groups_[g].h = hypers[g];
     }
   } catch (...) {
     failure = std::current_exception();

@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // ranks::sharded's step and its agreements (the bottom half of ranks/sharded.hpp). Every rank
 // makes the same collectives in the same order, whatever fails where:
-//   begin      a gather of one word per rank: its failure, or a hash of its settings and its
-//              step's arguments (all must be alike)
+//   begin      a gather of one word per rank: its failure, or a hash of its settings, its
+//              groups' hyper-parameters and its step's arguments (all must be alike)
 //   reduce     a reduce-scatter per tensor with gradients
 //   check      (on_nonfinite not ignore) a max of {non-finite, failure}: the inner optimizer's
 //              any_nonfinite hook, or played for it where it made none (it owns nothing, or failed)
@@ -182,6 +182,11 @@ step_result sharded<Opt, Comm>::step(std::span<grad_view<grad_type> const> grads
       shape = detail::mix(shape, g.size != 0 ? 1 : 0);
     }
     shape = detail::mix(shape, std::bit_cast<std::uint64_t>(grad_scale));
+    for (auto const& g : groups_) {  // (a schedule set on one rank only would step the shards differently)
+      for (double const v : hyperparameter_values<typename Opt::rule_type>(g.h)) {
+        shape = detail::mix(shape, std::bit_cast<std::uint64_t>(v));
+      }
+    }
   } catch (...) {
     failure = std::current_exception();
   }
