@@ -88,7 +88,9 @@ int run(ranks::mpi& world, options const& o, typename Opt::options oo)
     }
   }
   ranks::sharded<Opt, ranks::mpi> opt(world, {.lr = 1e-3, .weight_decay = 0.01}, oo);
-  for (std::size_t t = 0; t < params.size(); ++t) { opt.add_tensor("t" + std::to_string(t), params[t].data(), params[t].size()); }
+  for (std::size_t t = 0; t < params.size(); ++t) {  // ("t" appended to: GCC 12's -Wrestrict)
+    opt.add_tensor(std::string("t").append(std::to_string(t)), params[t].data(), params[t].size());
+  }
   std::vector<grad_view<bf16>> views;
   for (auto const& g : grads) { views.push_back({g.data(), g.size(), location::host}); }
   opt.prepare();

@@ -73,8 +73,9 @@ int main()
       sh_w.push_back(on_device(w));
       g_host.emplace_back(sizes[t]);
       grads.push_back(on_device(g_host.back()));
-      ref.add_tensor("t" + std::to_string(t), ref_w.back(), sizes[t], location::device);
-      sh.add_tensor("t" + std::to_string(t), sh_w.back(), sizes[t]);
+      std::string const name = std::string("t").append(std::to_string(t));  // (GCC 12's -Wrestrict: appended)
+      ref.add_tensor(name, ref_w.back(), sizes[t], location::device);
+      sh.add_tensor(name, sh_w.back(), sizes[t]);
     }
     for (int step = 1; step <= 6; ++step) {
       std::vector<grad_view<bf16>> views;

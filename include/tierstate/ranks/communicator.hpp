@@ -19,7 +19,9 @@
 #include <cstdint>
 #include <span>
 #include <stdexcept>
+#include <initializer_list>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -81,6 +83,14 @@ template <class C>
 }
 
 namespace detail {
+
+/// The parts, appended: GCC 12 warns falsely (-Wrestrict, bug 105329) on "literal" + string&&.
+[[nodiscard]] inline std::string cat(std::initializer_list<std::string_view> parts)
+{
+  std::string s;
+  for (auto const p : parts) { s.append(p); }
+  return s;
+}
 
 /// What a rank says in a status word: 0 when it is well, else its rank + 1 (so that max()
 /// names the highest rank that failed).
