@@ -186,7 +186,7 @@ struct shared_dir {
   {
     long id = static_cast<long>(::getpid());
     MPI_Bcast(&id, 1, MPI_LONG, 0, MPI_COMM_WORLD);
-    path = std::filesystem::temp_directory_path() / ranks::detail::cat({"tierstate-test-mpi-", std::to_string(id)});
+    path = std::filesystem::temp_directory_path() / ranks::detail::cat("tierstate-test-mpi-", std::to_string(id));
     if (world->rank() == 0) { std::filesystem::create_directories(path); }
     MPI_Barrier(MPI_COMM_WORLD);
   }
@@ -273,7 +273,7 @@ TEST_CASE("a rank that fails makes every rank fail, naming it", "[mpi][errors]")
     } catch (ranks::rank_failed const& e) {
       CHECK(w.rank() != bad);
       CHECK(e.failed_ranks() == std::vector<std::size_t>{bad});
-      CHECK_THAT(e.what(), Catch::Contains(ranks::detail::cat({"rank ", std::to_string(bad), " "})) &&
+      CHECK_THAT(e.what(), Catch::Contains(ranks::detail::cat("rank ", std::to_string(bad), " ")) &&
                              Catch::Contains(others_say));
     } catch (std::exception const& e) {
       CHECK(w.rank() == bad);
@@ -512,7 +512,7 @@ TEST_CASE("a sharded checkpoint refused or failed changes nothing, and leaves no
   {
     if (w.rank() == 0) {
       for (auto const& e : std::filesystem::directory_iterator(dir.path)) {
-        if (e.path().filename().string().rfind(ranks::detail::cat({"rank", std::to_string(bad), "-"}), 0) == 0) {
+        if (e.path().filename().string().rfind(ranks::detail::cat("rank", std::to_string(bad), "-"), 0) == 0) {
           std::FILE* f = std::fopen(e.path().c_str(), "r+b");
           std::fseek(f, 5000, SEEK_SET);
           std::fputc(0x5a, f);
@@ -527,7 +527,7 @@ TEST_CASE("a sharded checkpoint refused or failed changes nothing, and leaves no
     } catch (ranks::rank_failed const& e) {
       CHECK_THAT(e.what(), Catch::Contains("refused the load"));
     } catch (checkpoint_error const& e) {
-      CHECK_THAT(e.what(), Catch::Contains(ranks::detail::cat({"rank", std::to_string(bad), "-of-"})) &&
+      CHECK_THAT(e.what(), Catch::Contains(ranks::detail::cat("rank", std::to_string(bad), "-of-")) &&
                              Catch::Contains("checksum"));
     }
     CHECK(sh->step_count() == 2);
@@ -576,7 +576,7 @@ TEST_CASE("a sharded checkpoint's manifest: written and read back, and refused b
   auto words = rd::to_text(m);
   words.replace(words.find("ranks 2"), 7, "ranks x");
   words = words.substr(0, words.rfind("end ")); // (its checksum made again)
-  words += rd::cat({"end ", rd::hex16(checkpoint::checksum(words.data(), words.size())), "\n"});
+  words += rd::cat("end ", rd::hex16(checkpoint::checksum(words.data(), words.size())), "\n");
   CHECK_THROWS_WITH(rd::parse_manifest(words, "m"), Catch::Contains("where a number belongs"));
 }
 

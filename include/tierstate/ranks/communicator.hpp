@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <span>
 #include <stdexcept>
-#include <initializer_list>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -85,10 +84,11 @@ template <class C>
 namespace detail {
 
 /// The parts, appended: GCC 12 warns falsely (-Wrestrict, bug 105329) on "literal" + string&&.
-[[nodiscard]] inline std::string cat(std::initializer_list<std::string_view> parts)
+template <class... Parts>
+[[nodiscard]] std::string cat(Parts const&... parts)
 {
   std::string s;
-  for (auto const p : parts) { s.append(p); }
+  (s.append(std::string_view(parts)), ...);
   return s;
 }
 

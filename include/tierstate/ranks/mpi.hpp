@@ -170,7 +170,7 @@ class mpi {
   static int narrow(std::size_t n)
   {
     if (n > static_cast<std::size_t>(INT_MAX)) {
-      throw std::length_error(detail::cat({"ranks::mpi: ", std::to_string(n), " elements in one call (MPI counts are int)"}));
+      throw std::length_error(detail::cat("ranks::mpi: ", std::to_string(n), " elements in one call (MPI counts are int)"));
     }
     return static_cast<int>(n);
   }

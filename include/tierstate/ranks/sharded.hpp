@@ -120,7 +120,7 @@ class sharded {
   /// Every rank alike (a rank without the group's elements checks `h` all the same).
   void set_hyperparameters(group_id g, hyperparameters const& h)
   {
-    if (g >= groups_.size()) { throw logic_error(detail::cat({"set_hyperparameters: no group ", std::to_string(g)})); }
+    if (g >= groups_.size()) { throw logic_error(detail::cat("set_hyperparameters: no group ", std::to_string(g))); }
     validate_hyperparameters<typename Opt::rule_type>(h);
     if (local_ && inner_group_[g]) { local_->set_hyperparameters(*inner_group_[g], h); }
     groups_[g].h = h;

@@ -106,12 +106,12 @@ inline std::string hex16(std::uint64_t v)
   std::string_view rest;  // what is left of it
   auto next = [&](std::string_view key) {
     std::size_t const stop = text.find('\n', from);
-    if (from >= end || stop == std::string::npos || stop > end) { throw bad(cat({"it ends before '", key, "'"})); }
+    if (from >= end || stop == std::string::npos || stop > end) { throw bad(cat("it ends before '", key, "'")); }
     std::string_view const line(text.data() + from, stop - from);
     ++at;
     from = stop + 1;
     if (line.substr(0, key.size()) != key || line.size() <= key.size() || line[key.size()] != ' ') {
-      throw bad(cat({"line ", std::to_string(at), " is not '", key, " ...'"}));
+      throw bad(cat("line ", std::to_string(at), " is not '", key, " ...'"));
     }
     rest = line.substr(key.size() + 1);
   };
@@ -127,7 +127,7 @@ inline std::string hex16(std::uint64_t v)
     std::uint64_t v = 0;
     auto const [p, ec] = std::from_chars(f.data(), f.data() + f.size(), v, base);
     if (f.empty() || ec != std::errc{} || p != f.data() + f.size()) {
-      throw bad(cat({"line ", std::to_string(at), " has '", f.substr(0, 40), "' where a number belongs"}));
+      throw bad(cat("line ", std::to_string(at), " has '", f.substr(0, 40), "' where a number belongs"));
     }
     return v;
   };
@@ -165,14 +165,14 @@ inline std::string hex16(std::uint64_t v)
   for (std::size_t r = 0; r < ranks; ++r) {
     next("file");
     manifest_file f;
-    if (number() != r) { throw bad(cat({"line ", std::to_string(at), " is not rank ", std::to_string(r), "'s"})); }
+    if (number() != r) { throw bad(cat("line ", std::to_string(at), " is not rank ", std::to_string(r), "'s")); }
     f.bytes                   = number();
     f.checksum                = number(16);
     std::uint64_t const count_r = number();
     f.name                    = std::string(field(true));
     if (f.name == "-") { f.name.clear(); }
     if (f.name.find('/') != std::string::npos || count_r > count + ranks || f.name.empty() != (count_r == 0)) {
-      throw bad(cat({"rank ", std::to_string(r), "'s file line is wrong"}));
+      throw bad(cat("rank ", std::to_string(r), "'s file line is wrong"));
     }
     for (std::size_t k = 0; k < count_r; ++k) {
       next("piece");
@@ -182,7 +182,7 @@ inline std::string hex16(std::uint64_t v)
       p.count  = number(10, true);
       if (p.tensor >= count || p.count == 0 || p.begin > m.tensors[p.tensor].second ||
           p.count > m.tensors[p.tensor].second - p.begin) {
-        throw bad(cat({"line ", std::to_string(at), " names elements the tensors do not have"}));
+        throw bad(cat("line ", std::to_string(at), " names elements the tensors do not have"));
       }
       f.pieces.push_back(p);
       by_tensor[p.tensor].push_back(p);
@@ -239,7 +239,7 @@ inline std::string hex16(std::uint64_t v)
 /// directory fsync'd. On failure the temporary is removed and io_error names the step.
 inline void write_atomically(std::filesystem::path const& path, std::string const& text)
 {
-  auto const tmp = path.parent_path() / cat({".", path.filename().string(), ".tmp"});
+  auto const tmp = path.parent_path() / cat(".", path.filename().string(), ".tmp");
   int const fd   = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) { throw io_error(errno, tmp.string(), "create"); }
   auto fail = [&](char const* what) {
@@ -259,7 +259,7 @@ inline void write_atomically(std::filesystem::path const& path, std::string cons
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     int const e = errno;
     ::unlink(tmp.c_str());
-    throw io_error(e, tmp.string(), cat({"rename to ", path.string()}));
+    throw io_error(e, tmp.string(), cat("rename to ", path.string()));
   }
   int const dir = ::open(path.parent_path().empty() ? "." : path.parent_path().c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dir >= 0) {
@@ -273,7 +273,7 @@ inline void write_atomically(std::filesystem::path const& path, std::string cons
 {
   std::error_code ec;
   auto const size = std::filesystem::file_size(path, ec);
-  if (ec) { throw checkpoint_error(path.string(), cat({"no sharded checkpoint's manifest here: ", ec.message()})); }
+  if (ec) { throw checkpoint_error(path.string(), cat("no sharded checkpoint's manifest here: ", ec.message())); }
   if (size > (64u << 20)) { throw checkpoint_error(path.string(), "too large for a manifest"); }
   std::string text(size, '\0');
   std::FILE* f = std::fopen(path.c_str(), "rb");

@@ -30,7 +30,7 @@ void sharded<Opt, Comm>::save(std::filesystem::path const& dir)
   comm_.max(agreed);
   if (agreed[0] != 0) { fail(failure, "could not save", {static_cast<std::size_t>(agreed[0] - 1)}); }
   auto const name = [&](std::size_t r) {
-    return detail::cat({"rank", std::to_string(r), "-of-", std::to_string(size_), ".", detail::hex16(agreed[1]), ".tsck"});
+    return detail::cat("rank", std::to_string(r), "-of-", std::to_string(size_), ".", detail::hex16(agreed[1]), ".tsck");
   };
   std::pair<std::uint64_t, std::uint64_t> sum{0, 0};  // this rank's file's checksum and bytes
   bool wrote = false;
@@ -108,8 +108,8 @@ std::unique_ptr<Opt> sharded<Opt, Comm>::open_rank_file(detail::manifest const& 
   auto const path = dir / f.name;
   auto const sum  = detail::file_checksum(path);
   if (sum.first != f.checksum || sum.second != f.bytes) {
-    throw checkpoint_error(path.string(), detail::cat({"does not match the manifest's checksum and size for rank ",
-                                                        std::to_string(q), " (from another save, or changed since)"}));
+    throw checkpoint_error(path.string(), detail::cat("does not match the manifest's checksum and size for rank ",
+                                                        std::to_string(q), " (from another save, or changed since)"));
   }
   auto o           = opts_;
   o.ranks          = {};
@@ -156,14 +156,14 @@ void sharded<Opt, Comm>::load(std::filesystem::path const& dir)
     }
     if (!same) { throw checkpoint_error(path.string(), "its tensors (names and sizes, in order) are not this optimizer's"); }
     if (m.groups.size() != groups_.size()) {
-      throw checkpoint_error(path.string(), detail::cat({"saved with ", std::to_string(m.groups.size()),
+      throw checkpoint_error(path.string(), detail::cat("saved with ", std::to_string(m.groups.size()),
                                                           " parameter groups; this optimizer has ",
-                                                          std::to_string(groups_.size())}));
+                                                          std::to_string(groups_.size())));
     }
     for (auto const& g : m.groups) { hypers.push_back(hyperparameters_from_values<typename Opt::rule_type>(g)); }
     if (m.block != how_.block) {
-      throw checkpoint_error(path.string(), detail::cat({"saved with a partition block of ", std::to_string(m.block),
-                                                          " elements; this optimizer's is ", std::to_string(how_.block)}));
+      throw checkpoint_error(path.string(), detail::cat("saved with a partition block of ", std::to_string(m.block),
+                                                          " elements; this optimizer's is ", std::to_string(how_.block)));
     }
     direct = m.files.size() == size_;
     for (std::size_t r = 0; direct && r < size_; ++r) { direct = m.files[r].pieces == part_.pieces[r]; }

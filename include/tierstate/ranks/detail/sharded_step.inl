@@ -168,17 +168,17 @@ step_result sharded<Opt, Comm>::step(std::span<grad_view<grad_type> const> grads
     }
     if (grads.size() != tensors_.size()) {
       throw invalid_option("step", std::to_string(grads.size()) + " gradients",
-                           detail::cat({"this rank registered ", std::to_string(tensors_.size()), " tensors"}));
+                           detail::cat("this rank registered ", std::to_string(tensors_.size()), " tensors"));
     }
     for (std::size_t t = 0; t < grads.size(); ++t) {
       auto const& g = grads[t];
       if (g.size != 0 && (g.size != tensors_[t].count || g.data == nullptr || g.where != memory)) {
-        throw invalid_option("step", detail::cat({"gradient of '", tensors_[t].name, "'"}),
+        throw invalid_option("step", detail::cat("gradient of '", tensors_[t].name, "'"),
                              g.where != memory
-                               ? detail::cat({"is not in the communicator's memory (",
-                                              memory == location::host ? "host" : "device", ")"})
-                               : detail::cat({"has ", std::to_string(g.size), " elements; the tensor has ",
-                                              std::to_string(tensors_[t].count)}));
+                               ? detail::cat("is not in the communicator's memory (",
+                                              memory == location::host ? "host" : "device", ")")
+                               : detail::cat("has ", std::to_string(g.size), " elements; the tensor has ",
+                                              std::to_string(tensors_[t].count)));
       }
       shape = detail::mix(shape, g.size != 0 ? 1 : 0);
     }
@@ -287,8 +287,8 @@ TIERSTATE_SHARDED_TEMPLATE
 void sharded<Opt, Comm>::throw_aborted(std::size_t r) const
 {
   std::vector<std::size_t> const who{r};
-  throw rank_failed(who, detail::cat({"rank ", std::to_string(rank_), ": the step was refused on every rank: ",
-                                      detail::rank_list(who), " failed in it (its own error says why)"}));
+  throw rank_failed(who, detail::cat("rank ", std::to_string(rank_), ": the step was refused on every rank: ",
+                                      detail::rank_list(who), " failed in it (its own error says why)"));
 }
 
 TIERSTATE_SHARDED_TEMPLATE
@@ -296,9 +296,9 @@ void sharded<Opt, Comm>::fail(std::exception_ptr own, char const* what, std::vec
 {
   if (own) { std::rethrow_exception(own); }
   std::string const list = detail::rank_list(who);
-  throw rank_failed(who, detail::cat({"rank ", std::to_string(rank_), ": ", list, " ", what, " (its own error says why); ",
+  throw rank_failed(who, detail::cat("rank ", std::to_string(rank_), ": ", list, " ", what, " (its own error says why); ",
                                       diverged_ ? std::string_view(*diverged_)
-                                                : std::string_view("this rank refused it, with nothing changed")}));
+                                                : std::string_view("this rank refused it, with nothing changed")));
 }
 
 #undef TIERSTATE_SHARDED_TEMPLATE
