@@ -12,6 +12,7 @@
 //   tier_bytes_rank     the largest rank's tier bytes per step (read + written)
 //   load                the 1-minute load average when it started (the machine is shared)
 #include <tierstate/ranks/mpi.hpp>
+#include <tierstate/ranks/sharded.hpp>
 #include <tierstate/tierstate.hpp>
 
 #include <algorithm>

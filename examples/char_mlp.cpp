@@ -22,6 +22,7 @@
 #include <tierstate/tierstate.hpp>
 #ifdef TIERSTATE_EXAMPLE_MPI
 #include <tierstate/ranks/mpi.hpp>
+#include <tierstate/ranks/sharded.hpp>
 #endif
 
 #include <algorithm>

@@ -2,7 +2,9 @@
 // tierstate: offloaded optimizer state for training, as a C++20 header-only library.
 // The umbrella header: everything public that needs no more than a C++20 compiler (and,
 // with TIERSTATE_ENABLE_CUDA, the CUDA runtime). The device kernels, and the OnDevice
-// compute that runs them, need Thrust: include <tierstate/kernels/device/on_device.hpp>.
+// compute that runs them, need Thrust: include <tierstate/kernels/device/on_device.hpp>. Across
+// ranks, include <tierstate/ranks/sharded.hpp> and a communicator's header (ranks/mpi.hpp,
+// ranks/nccl.hpp): they are left out here, as a trainer on one process need not compile them.
 #pragma once
 
 #include <tierstate/core/config.hpp>  // first: it stops a compiler that is not in C++20 mode
@@ -29,9 +31,7 @@
 #include <tierstate/kernels/host/on_host.hpp>
 #include <tierstate/kernels/host/update.hpp>
 #include <tierstate/optimizer.hpp>
-#include <tierstate/ranks/communicator.hpp>
 #include <tierstate/ranks/partition.hpp>
-#include <tierstate/ranks/sharded.hpp>
 #include <tierstate/rules/adafactor.hpp>
 #include <tierstate/rules/adam.hpp>
 #include <tierstate/rules/lion.hpp>
