@@ -20,7 +20,7 @@ prefix=$work/prefix
 
 echo "== meson install into $prefix"
 CXX=$cxx meson setup "$work/build" "$src" --prefix="$prefix" -Dtests=false -Dbenchmarks=false \
-  -Dexamples=false -Dcuda=disabled >/dev/null
+  -Dexamples=false -Dcuda=disabled -Doptimization=0 >/dev/null
 meson install -C "$work/build" >/dev/null
 pc=$(dirname "$(find "$prefix" -name tierstate.pc | head -1)")
 cm=$(dirname "$(find "$prefix" -name tierstateConfig.cmake | head -1)")
@@ -49,21 +49,21 @@ LD_LIBRARY_PATH=$lib "$work/consumer_c"
 
 echo "== CMake tierstate_add_host_kernels (the host kernels dispatched at run time)"
 CXX=$cxx cmake -S "$src/tests/install/cmake_dispatch" -B "$work/cmake_dispatch" -DCMAKE_PREFIX_PATH="$prefix" \
-  -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$work/cmake_dispatch" >/dev/null
+  >/dev/null
+cmake --build "$work/cmake_dispatch" --parallel 2 >/dev/null
 "$work/cmake_dispatch/dispatch_consumer" | tail -n 1
 
 echo "== CMake find_package"
 CXX=$cxx cmake -S "$src/tests/install/cmake" -B "$work/cmake" -DCMAKE_PREFIX_PATH="$prefix" \
-  -DEXPECTED_VERSION="$version" -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$work/cmake" >/dev/null
+  -DEXPECTED_VERSION="$version" >/dev/null
+cmake --build "$work/cmake" --parallel 2 >/dev/null
 "$work/cmake/consumer"
 LD_LIBRARY_PATH=$lib "$work/cmake/consumer_c"
 # The C API alone (COMPONENTS c), with a PKG_CONFIG_PATH that holds none of the C++
 # dependencies' .pc files: it must not look for them.
 PKG_CONFIG_LIBDIR=/nonexistent cmake -S "$src/tests/install/cmake_c" -B "$work/cmake_c" -DCMAKE_PREFIX_PATH="$prefix" \
-  -DEXPECTED_VERSION="$version" -DCMAKE_BUILD_TYPE=Release >/dev/null
-cmake --build "$work/cmake_c" >/dev/null
+  -DEXPECTED_VERSION="$version" >/dev/null
+cmake --build "$work/cmake_c" --parallel 2 >/dev/null
 LD_LIBRARY_PATH=$lib "$work/cmake_c/consumer_c"
 
 echo "== Meson subproject"
@@ -73,7 +73,7 @@ cp -r "$src/tests/dispatch" "$work/sub/dispatch"
 sed -i "s|'../consumer.cpp'|'consumer.cpp'|" "$work/sub/meson.build"
 ln -s "$(cd "$src" && pwd)" "$work/sub/subprojects/tierstate"
 CXX=$cxx meson setup "$work/sub/build" "$work/sub" --werror -Dwarning_level=2 -Dtierstate:tests=false \
-  -Dtierstate:benchmarks=false -Dtierstate:examples=false -Dtierstate:cuda=disabled >/dev/null
+  -Dtierstate:benchmarks=false -Dtierstate:examples=false -Dtierstate:cuda=disabled -Dtierstate:capi=false >/dev/null
 meson compile -C "$work/sub/build" >/dev/null
 "$work/sub/build/consumer"
 "$work/sub/build/dispatch_consumer" | tail -n 1
