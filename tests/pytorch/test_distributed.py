@@ -413,6 +413,208 @@ def case_resume(ref):
           flush=True)
 
 
+def train_segment(net, opt, sched, batches, split: bool) -> list[float]:
+    """Steps over `batches`: each rank its part of each batch (split: FSDP2, DDP), or one
+    process's whole batch (every rank alike, no collective)."""
+    losses = []
+    for x, y in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = tp.loss_of(net, my_part(x) if split else x, my_part(y) if split else y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(mean_over_ranks(loss.item()) if split else loss.item())
+    return losses
+
+
+def assert_params_close(what: str, ref_model, model, lr=tp.LR, tol: float = 1e-4):
+    for (name, p), q in zip(ref_model.named_parameters(), model.parameters()):
+        p, q = full(p.detach()).float(), full(q.detach()).float()
+        excess = ((p - q).abs() - tol * (p.abs() + lr)).max().item()
+        assert excess <= 0.0, f"{what}: parameter {name} differs beyond {tol}*(|p|+lr)"
+
+
+def case_torch_state_across_world_sizes(ref=None):
+    """A torch state_dict across world sizes: ShardedAdamW's torch_state_dict() gathers every
+    rank's slices into torch.optim.AdamW's whole state on every rank; torch.optim.AdamW and one
+    process's tierstate optimizer load it and go on (2 ranks -> 1 process), and ShardedAdamW
+    loads one process's (1 process -> 2 ranks). Each resumed run's losses are within 1e-4 of
+    the uninterrupted reference's; its params within 1e-4 of torch.optim.AdamW's resumed from
+    the same state."""
+    ref = ref or reference(tp.STEPS)  # (ONLY= runs a case alone)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    half = tp.STEPS // 2
+    data = tp.batches(tp.STEPS)
+
+    def torch_resumed(state_dict, model_state, sched_state):
+        t_model = tp.make_model()
+        t_model.load_state_dict(model_state)
+        t_opt = torch.optim.AdamW(tp.groups(t_model), lr=tp.LR, foreach=False)
+        t_sched = tp.schedule(t_opt)
+        t_opt.load_state_dict(copy.deepcopy(state_dict))
+        t_sched.load_state_dict(sched_state)
+        train_segment(t_model, t_opt, t_sched, data[half:], split=False)
+        return t_model
+
+    # 2 ranks -> 1 process
+    model = tp.make_model()
+    opt = tierstate_torch.ShardedAdamW(tp.groups(model), lr=tp.LR)
+    sched = tp.schedule(opt)
+    first = train_segment(DDP(model), opt, sched, data[:half], split=True)
+    sd = opt.torch_state_dict()
+    assert sorted(sd["state"]) == list(range(len(list(model.parameters())))), sorted(sd["state"])
+    for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):  # (the state's order)
+        s = sd["state"][i]
+        assert s["exp_avg"].shape == p.shape and s["exp_avg_sq"].shape == p.shape and s["step"].item() == half, i
+    every = [None] * WORLD
+    dist.all_gather_object(every, {i: (s["exp_avg"].sum().item(), s["exp_avg_sq"].sum().item())
+                                   for i, s in sd["state"].items()})
+    assert all(e == every[0] for e in every), "the ranks' gathered states differ"
+    t_model = torch_resumed(sd, model.state_dict(), sched.state_dict())
+    one_model = tp.make_model()
+    one_model.load_state_dict(model.state_dict())
+    one = tierstate_torch.AdamW(tp.groups(one_model), lr=tp.LR)
+    one_sched = tp.schedule(one)
+    one.load_state_dict(sd)
+    one_sched.load_state_dict(sched.state_dict())
+    assert one.step_count() == half, one.step_count()
+    rest = train_segment(one_model, one, one_sched, data[half:], split=False)
+    what = "DDP ShardedAdamW, 2 ranks -> 1 process (torch_state_dict)"
+    assert_parity(what, ref[0], first + rest, t_model, one_model)
+    print(f"rank {RANK}: {what}: torch.optim.AdamW and one tierstate process go on from it, within 1e-4", flush=True)
+
+    # 1 process -> 2 ranks
+    one_model = tp.make_model()
+    one = tierstate_torch.AdamW(tp.groups(one_model), lr=tp.LR)
+    one_sched = tp.schedule(one)
+    first = train_segment(one_model, one, one_sched, data[:half], split=False)
+    sd = one.torch_state_dict()
+    t_model = torch_resumed(sd, one_model.state_dict(), one_sched.state_dict())
+    model = tp.make_model()
+    model.load_state_dict(one_model.state_dict())
+    net = DDP(model)
+    opt = tierstate_torch.ShardedAdamW(tp.groups(model), lr=tp.LR)
+    sched = tp.schedule(opt)
+    opt.load_state_dict(sd)
+    sched.load_state_dict(one_sched.state_dict())
+    rest = train_segment(net, opt, sched, data[half:], split=True)
+    what = "one process -> DDP ShardedAdamW at 2 ranks (torch_state_dict)"
+    assert_parity(what, ref[0], first + rest, t_model, model)
+    print(f"rank {RANK}: {what}: within 1e-4", flush=True)
+
+    # FSDP2: full=True gathers whole tensors (2 ranks -> 1 process), and FSDP2 loads whole ones
+    model = shard_model(tp.make_model())
+    opt = tierstate_torch.AdamW(tp.groups(model), lr=tp.LR)
+    sched = tp.schedule(opt)
+    first = train_segment(model, opt, sched, data[:half], split=True)
+    sd = opt.torch_state_dict(full=True)
+    whole_model = {k: full(v) for k, v in model.state_dict().items()}
+    assert not any(hasattr(v, "full_tensor") for s in sd["state"].values() for v in s.values()), "a DTensor"
+    t_model = torch_resumed(sd, whole_model, sched.state_dict())
+    one_model = tp.make_model()
+    one_model.load_state_dict(whole_model)
+    one = tierstate_torch.AdamW(tp.groups(one_model), lr=tp.LR)
+    one_sched = tp.schedule(one)
+    one.load_state_dict(sd)
+    one_sched.load_state_dict(sched.state_dict())
+    rest = train_segment(one_model, one, one_sched, data[half:], split=False)
+    what = "FSDP2, 2 ranks -> 1 process (torch_state_dict(full=True))"
+    assert_parity(what, ref[0], first + rest, t_model, one_model)
+    model2 = shard_model(tp.make_model())
+    model2.load_state_dict(model.state_dict())
+    opt2 = tierstate_torch.AdamW(tp.groups(model2), lr=tp.LR)
+    sched2 = tp.schedule(opt2)
+    opt2.load_state_dict(sd)  # (whole tensors: each rank takes its shard's part)
+    sched2.load_state_dict(sched.state_dict())
+    rest2 = train_segment(model2, opt2, sched2, data[half:], split=True)
+    assert_parity(what + ", loaded back into FSDP2", ref[0], first + rest2, t_model, model2)
+    print(f"rank {RANK}: {what}, and back into FSDP2 from whole tensors: within 1e-4", flush=True)
+
+
+def case_dcp(ref=None):
+    """torch.distributed.checkpoint, as FSDP2's users save: get_optimizer_state_dict of an
+    optimizer with state_dict_format="torch" (a trained one is not stepped by it), dcp.save at
+    2 ranks, then dcp.load and set_optimizer_state_dict into a new FSDP2 model and optimizer
+    at 2 ranks, and into one process's (rank 0 alone, no_dist: resharded 2 -> 1). Each goes on
+    within 1e-4 of the uninterrupted reference's losses and of torch.optim.AdamW resumed
+    through the same checkpoint."""
+    ref = ref or reference(tp.STEPS)  # (ONLY= runs a case alone)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    half = tp.STEPS // 2
+    data = tp.batches(tp.STEPS)
+    root = os.path.join(os.environ.get("TIERSTATE_TEST_DIR", tempfile.gettempdir()),
+                        f"tierstate-dist-{os.getppid()}-dcp")
+    for tier in ("pinned", "nvme"):
+        model = shard_model(tp.make_model())
+        path = scratch("dcp-state") if tier == "nvme" else None
+        opt = tierstate_torch.AdamW(tp.groups(model), lr=tp.LR, tier=tier, path=path, state_dict_format="torch")
+        sched = tp.schedule(opt)
+        first = train_segment(model, opt, sched, data[:half], split=True)
+        before = opt.step_count()
+        osd = get_optimizer_state_dict(model, opt)
+        assert opt.step_count() == before, "get_optimizer_state_dict stepped a trained optimizer"
+        dcp.save({"model": get_model_state_dict(model), "optim": osd}, checkpoint_id=root)
+        sched_state = sched.state_dict()
+        if path is not None:
+            opt.close()
+            cleanup(path)
+
+        # 2 ranks -> 2 ranks: DCP's recipe (the new optimizer's state_dict is the template)
+        model2 = shard_model(tp.make_model())
+        opt2 = tierstate_torch.AdamW(tp.groups(model2), lr=tp.LR, state_dict_format="torch")
+        sched2 = tp.schedule(opt2)
+        sd2 = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+        dcp.load(sd2, checkpoint_id=root)
+        set_model_state_dict(model2, sd2["model"])
+        set_optimizer_state_dict(model2, opt2, sd2["optim"])
+        sched2.load_state_dict(sched_state)
+        assert opt2.step_count() == half, opt2.step_count()
+        rest2 = train_segment(model2, opt2, sched2, data[half:], split=True)
+
+        # torch.optim.AdamW through the same checkpoint, one process (the params' reference)
+        dist.barrier()
+        if RANK == 0:
+            t_model = tp.make_model()
+            t_opt = torch.optim.AdamW(tp.groups(t_model), lr=tp.LR, foreach=False)
+            t_sched = tp.schedule(t_opt)
+            tsd = {"model": get_model_state_dict(t_model), "optim": get_optimizer_state_dict(t_model, t_opt)}
+            dcp.load(tsd, checkpoint_id=root, no_dist=True)
+            set_model_state_dict(t_model, tsd["model"])
+            set_optimizer_state_dict(t_model, t_opt, tsd["optim"])
+            t_sched.load_state_dict(sched_state)
+            train_segment(t_model, t_opt, t_sched, data[half:], split=False)
+            # 2 ranks -> 1 process: rank 0 alone
+            m1 = tp.make_model()
+            o1 = tierstate_torch.AdamW(tp.groups(m1), lr=tp.LR, state_dict_format="torch")
+            s1 = tp.schedule(o1)
+            sd1 = {"model": get_model_state_dict(m1), "optim": get_optimizer_state_dict(m1, o1)}
+            dcp.load(sd1, checkpoint_id=root, no_dist=True)
+            set_model_state_dict(m1, sd1["model"])
+            set_optimizer_state_dict(m1, o1, sd1["optim"])
+            s1.load_state_dict(sched_state)
+            assert o1.step_count() == half, o1.step_count()
+            rest1 = train_segment(m1, o1, s1, data[half:], split=False)
+            assert_parity(f"FSDP2 {tier} DCP, 2 ranks -> 1 process", ref[0], first + rest1, t_model, m1)
+            whole = [p.detach().clone() for p in t_model.parameters()]
+        else:
+            whole = None
+        box = [whole]
+        dist.broadcast_object_list(box, src=0)
+        t_model = tp.make_model()
+        with torch.no_grad():
+            for p, w in zip(t_model.parameters(), box[0]):
+                p.copy_(w)
+        assert_parity(f"FSDP2 {tier} DCP, 2 ranks -> 2 ranks", ref[0], first + rest2, t_model, model2)
+        dist.barrier()
+        if RANK == 0:
+            shutil.rmtree(root, ignore_errors=True)
+        dist.barrier()
+        print(f"rank {RANK}: FSDP2 {tier}: DCP saved at step {half} (the optimizer not stepped by it), loaded at 2 "
+              "ranks and at 1 (resharded): within 1e-4", flush=True)
+
+
 def case_ddp_partition(ref):
     """DDP (each rank a replica, the gradients all-reduced) with ShardedAdamW: each rank keeps
     the state of its share of the elements, in PinnedHost and NvmeFile; within 1e-4 of one
@@ -551,6 +753,8 @@ def main() -> int:
         case_rows_fewer_than_ranks()
         case_resume(ref)
         case_ddp_partition(ref)
+        case_torch_state_across_world_sizes(ref)
+        case_dcp(ref)
         case_refusals()
     except BaseException:
         traceback.print_exc()

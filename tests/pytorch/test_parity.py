@@ -544,6 +544,70 @@ class Parity(unittest.TestCase):
         for p, q in zip(model.parameters(), model2.parameters()):
             self.assertTrue(torch.equal(p, q))
 
+    def test_state_dict_format_torch_round_trip_is_exact(self):
+        """state_dict_format="torch": torch's format, the slots in fp32 and the master kept, so
+        that a bf16 model's run (fp32 or 8-bit moments) goes on bit for bit from it; torch's own
+        AdamW loads it too."""
+        data = batches(16, seed=17)
+        for state_dtype in (torch.float32, torch.int8):
+            model = make_model(torch.bfloat16)
+            opt = tierstate_torch.AdamW(groups(model), lr=LR, state_dtype=state_dtype, min_8bit_size=0,
+                                        state_dict_format="torch")
+            train(model, opt, data[:8])
+            sd = opt.state_dict()
+            self.assertNotIn("tierstate", sd)
+            for i, p in enumerate(p for g in opt.param_groups for p in g["params"]):  # (the state's order)
+                s = sd["state"][i]
+                self.assertEqual(sorted(s), ["exp_avg", "exp_avg_sq", "master", "step"])
+                self.assertEqual((s["exp_avg"].dtype, s["master"].dtype, s["master"].shape),
+                                 (torch.float32, torch.float32, p.shape))
+            saved = copy.deepcopy(sd)
+            model2 = copy.deepcopy(model)
+            rest_a = train(model, opt, data[8:])
+            opt2 = tierstate_torch.AdamW(groups(model2), lr=LR, state_dtype=state_dtype, min_8bit_size=0,
+                                         state_dict_format="torch")
+            opt2.load_state_dict(saved)
+            rest_b = train(model2, opt2, data[8:])
+            self.assertEqual(rest_a, rest_b, state_dtype)
+            for p, q in zip(model.parameters(), model2.parameters()):
+                self.assertTrue(torch.equal(p, q), state_dtype)
+        ref = make_model(torch.bfloat16)
+        ref_opt = torch.optim.AdamW(groups(ref), lr=LR)
+        ref_opt.load_state_dict(saved)  # (torch's: it keeps "master" as one more entry, and casts the slots)
+        self.assertEqual(float(ref_opt.state[next(ref.parameters())]["step"]), 8.0)
+
+    def test_distributed_checkpoint_does_not_step_a_trained_optimizer(self):
+        """torch.distributed.checkpoint's get_optimizer_state_dict steps an optimizer whose
+        `state` is empty (with zero gradients and lr 0) to make its state: tierstate's `state`
+        is true once it stepped, so a trained one is read as it is; with state_dict_format=
+        "torch", set_optimizer_state_dict loads what get gave into a new one, which goes on bit
+        for bit."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+        data = batches(12, seed=19)
+        model = make_model()
+        opt = tierstate_torch.AdamW(groups(model), lr=LR, state_dict_format="torch")
+        self.assertFalse(opt.state)
+        train(model, opt, data[:6])
+        self.assertTrue(opt.state)
+        before = {n: opt.get_state(p, "exp_avg").clone() for n, p in model.named_parameters()}
+        osd = get_optimizer_state_dict(model, opt)
+        self.assertEqual(opt.step_count(), 6)
+        for n, p in model.named_parameters():
+            self.assertTrue(torch.equal(opt.get_state(p, "exp_avg"), before[n]), n)
+            self.assertTrue(torch.equal(osd["state"][n]["exp_avg"], before[n]), n)
+        saved = copy.deepcopy(osd)
+        model2 = copy.deepcopy(model)
+        rest_a = train(model, opt, data[6:])
+        opt2 = tierstate_torch.AdamW(groups(model2), lr=LR, state_dict_format="torch")
+        set_optimizer_state_dict(model2, opt2, saved)
+        self.assertEqual(opt2.step_count(), 6)
+        rest_b = train(model2, opt2, data[6:])
+        self.assertEqual(rest_a, rest_b)
+        for p, q in zip(model.parameters(), model2.parameters()):
+            self.assertTrue(torch.equal(p, q))
+        with self.assertRaisesRegex(ValueError, "state_dict_format must be"):
+            tierstate_torch.AdamW(groups(make_model()), state_dict_format="dcp")
+
     def test_converts_to_and_from_torch_adamw(self):
         data = batches(30, seed=13)
         # torch -> tierstate

@@ -47,15 +47,29 @@ def local_grad(p: torch.Tensor) -> torch.Tensor | None:
     return None if g is None else local(g)
 
 
-def as_param(flat: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """A state slot of this rank's shard as torch keeps p's: p's shape, dtype and device; for
-    FSDP2's p, a DTensor placed as p is (its local part the slot), as torch.optim's state of
-    a fully_shard model is, which torch.distributed.checkpoint saves and reshards."""
+def as_param(flat: torch.Tensor, p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A state slot of this rank's shard as torch keeps p's: p's shape, dtype (or `dtype`) and
+    device; for FSDP2's p, a DTensor placed as p is (its local part the slot), as torch.optim's
+    state of a fully_shard model is, which torch.distributed.checkpoint saves and reshards."""
+    dtype = p.dtype if dtype is None else dtype
     if not is_sharded(p):
-        return flat.view(p.shape).to(device=p.device, dtype=p.dtype)
+        return flat.view(p.shape).to(device=p.device, dtype=dtype)
     mine = local(p)
-    part = flat.view(mine.shape).to(device=mine.device, dtype=mine.dtype)
+    part = flat.view(mine.shape).to(device=mine.device, dtype=dtype)
     return type(p).from_local(part, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def local_of_whole(v: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A state tensor for FSDP2's p: a DTensor's local shard, or, of a whole tensor (a full
+    state_dict, one process's), the part this rank's shard of p holds (cut as p is: no
+    communication)."""
+    if is_sharded(v):
+        return local(v)
+    if is_sharded(p) and v.numel() == p.numel() and v.numel() != local(p).numel():
+        from torch.distributed.tensor import distribute_tensor
+        whole = v.detach().reshape(p.shape).to(local(p).device)
+        return distribute_tensor(whole, p.device_mesh, p.placements, src_data_rank=None).to_local()
+    return v
 
 
 def shard_offset(p: torch.Tensor, name: str, i: int) -> int:

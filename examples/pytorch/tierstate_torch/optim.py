@@ -18,10 +18,14 @@ are handled as device params on tierstate's emulated device (device memory is ho
 its streams are threads), so the GPU compositions run on a machine without a GPU.
 
 What differs from torch.optim:
-- The state is not in `optimizer.state` (it is not made of tensors); read a slot with
-  `get_state(param, "exp_avg")`, convert the whole state with `torch_state_dict()`.
+- The state is not in `optimizer.state` (it is not made of tensors; `optimizer.state` is
+  empty, but true once a step was taken); read a slot with `get_state(param, "exp_avg")`,
+  convert the whole state with `torch_state_dict()` (`full=True`: FSDP2's gathered whole).
 - `state_dict()` carries tierstate checkpoints (master included) plus the param groups;
-  `load_state_dict()` takes those, or the state_dict of the torch optimizer it stands in for.
+  `load_state_dict()` takes those, or the state_dict of the torch optimizer it stands in for
+  (with FSDP2 or partition=, its slots whole or as DTensors: any world size). With
+  `state_dict_format="torch"`, `state_dict()` gives torch's format (slots in fp32, the master
+  kept), which torch.distributed.checkpoint's get/set_optimizer_state_dict save and reshard.
 - SGD chooses its rule by momentum (0: no buffer), so every group's momentum is 0, or none is.
 - Step counts are per param, as torch keeps them: a param whose `.grad` is None in a step
   is left as it is and its count does not advance. `step_count()` is the optimizer's (the
@@ -171,8 +175,12 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         partition: Any = False,
         micro_batches: int = 1,
         grad_scaler: "torch.amp.GradScaler | None" = None,
+        state_dict_format: str = "tierstate",
     ) -> None:
         name = type(self).__name__
+        if state_dict_format not in ("tierstate", "torch"):
+            raise ValueError(f"{name}: state_dict_format must be 'tierstate' (its checkpoints, as bytes) or 'torch' "
+                             f"(torch's format: what torch.distributed.checkpoint saves), not {state_dict_format!r}")
         path, self._made_dir = _rank_path(name, tier, path)
         _check_tier(name, tier, path, _TIERS)
         if compute not in _COMPUTES:
@@ -219,6 +227,8 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         self._closed = False
         self._replaced: str | None = None  # by what, over which params: for the messages
         super().__init__(params, defaults)
+        self._state_dict_format = state_dict_format
+        self._keep_state_view()
         self._options = dict(tier=tier, compute=compute, directory=str(path) if path is not None else "",
                              chunk_elements=int(chunk_elements), threads=int(threads),
                              max_grad_norm=float(max_grad_norm or 0.0), on_nonfinite=on_nonfinite,
