@@ -110,8 +110,8 @@ class _StateDicts:
             wants = ("one process's" if mine is None else f"rank {mine['rank']} of {mine['world']}'s share, "
                      "of the same params")
             raise ValueError(f"{type(self).__name__}: the state_dict holds {said}; this optimizer takes {wants} "
-                             "(each rank loads the state_dict it saved; loading at another world size is not "
-                             "built yet)")
+                             "(each rank loads the tierstate state_dict it saved; at another world size, "
+                             "save torch_state_dict(), or make the optimizer with state_dict_format='torch')")
         ours = {self._saved_name(key): key for key in self._shards}
         if set(ts["shards"]) != set(ours):
             raise ValueError(f"{type(self).__name__}: the state_dict has state for parameters of "

@@ -888,7 +888,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         i = self._index(param)
         if self._slices is not None:
             raise ValueError(f"{type(self).__name__}: get_state with partition=: each rank holds a slice of the "
-                             "state (its state_dict() has it); not built yet")
+                             "state (torch_state_dict() gathers the whole of it)")
         key, _ = self._where[i]
         with _on(key[1]):
             return self._shards[key].get_state(f"p{i}", slot).view(local(param).shape)
