@@ -258,7 +258,9 @@ run_torch_bench() {
 # in memory) with the pytorch stage's installed wheel (build-pytorch/wheel-venv: its compositions
 # at -O1, its host kernels at -O3, dispatched). Without that environment it says so and is
 # skipped, but for CI, where the pytorch stage runs first: there it fails. Its defaults: 310M
-# params (24 blocks of width 1024), batch 4 x 256 tokens, 3 timed steps. The bench stage runs it
+# params (24 blocks of width 1024), batch 4 x 256 tokens, 3 timed steps; the bench stage runs
+# 8 blocks (about 120M params: at 24 it took over 6 minutes of the stage on a loaded day), and
+# bench-long the defaults and 1B. The bench stage runs it
 # with the optimizer's default check for inf/NaN (skip_step, whose update overlaps backward into
 # a shadowed state: about 10 GB of scratch); bench-long also without it (ignore), to compare.
 run_offload_train() {
@@ -614,7 +616,7 @@ run_stage() {
       with_hugetlb_pages 132 build-gcc-native/bench/nvme_step --elements 20971520 \
         ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} || return 1
       build-gcc-native/bench/param_offload --layers 20 ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} &&
-        run_sharded_step && run_offload_train --min-free-gb 12 && run_dist_step ;;
+        run_sharded_step && run_offload_train --layers 8 --min-free-gb 12 && run_dist_step ;;
     # Opt-in (named only): the benchmarks at the sizes and repetitions whose JSON lines go into
     # issue notes. host_step at 2^27 elements, 15 reps; nvme_step's two sizes over 20 steps;
     # torch_step at 2^26 elements, 11 reps (the pytorch stage's environment, made if missing,
@@ -631,7 +633,8 @@ run_stage() {
       build-gcc-native/bench/host_step --elements 134217728 --reps 15 && torch_venv deepspeed &&
         PATH="$venv_path/bin:$PATH" with_hugetlb_pages 132 build-gcc-native/bench/nvme_step --steps 20 \
           ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} &&
-        run_torch_bench --elements 67108864 --reps 11 && run_offload_train --min-free-gb 12 --on-nonfinite ignore &&
+        run_torch_bench --elements 67108864 --reps 11 && run_offload_train --min-free-gb 12 &&
+        run_offload_train --min-free-gb 12 --on-nonfinite ignore &&
         run_offload_train --layers 20 --dim 2048 --min-free-gb 32 ;;
     *) echo "unknown stage $name (stages: ${all_stages[*]} ${extra_stages[*]})"; return 1 ;;
   esac
