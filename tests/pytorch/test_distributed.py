@@ -427,13 +427,6 @@ def train_segment(net, opt, sched, batches, split: bool) -> list[float]:
     return losses
 
 
-def assert_params_close(what: str, ref_model, model, lr=tp.LR, tol: float = 1e-4):
-    for (name, p), q in zip(ref_model.named_parameters(), model.parameters()):
-        p, q = full(p.detach()).float(), full(q.detach()).float()
-        excess = ((p - q).abs() - tol * (p.abs() + lr)).max().item()
-        assert excess <= 0.0, f"{what}: parameter {name} differs beyond {tol}*(|p|+lr)"
-
-
 def case_torch_state_across_world_sizes(ref=None):
     """A torch state_dict across world sizes: ShardedAdamW's torch_state_dict() gathers every
     rank's slices into torch.optim.AdamW's whole state on every rank; torch.optim.AdamW and one
@@ -456,6 +449,17 @@ def case_torch_state_across_world_sizes(ref=None):
         train_segment(t_model, t_opt, t_sched, data[half:], split=False)
         return t_model
 
+    def tierstate_resumed(state_dict, model_state, sched_state):
+        """One tierstate process going on from a whole torch state_dict: its model, losses."""
+        one_model = tp.make_model()
+        one_model.load_state_dict(model_state)
+        one = tierstate_torch.AdamW(tp.groups(one_model), lr=tp.LR)
+        one_sched = tp.schedule(one)
+        one.load_state_dict(state_dict)
+        one_sched.load_state_dict(sched_state)
+        assert one.step_count() == half, one.step_count()
+        return one_model, train_segment(one_model, one, one_sched, data[half:], split=False)
+
     # 2 ranks -> 1 process
     model = tp.make_model()
     opt = tierstate_torch.ShardedAdamW(tp.groups(model), lr=tp.LR)
@@ -471,14 +475,7 @@ def case_torch_state_across_world_sizes(ref=None):
                                    for i, s in sd["state"].items()})
     assert all(e == every[0] for e in every), "the ranks' gathered states differ"
     t_model = torch_resumed(sd, model.state_dict(), sched.state_dict())
-    one_model = tp.make_model()
-    one_model.load_state_dict(model.state_dict())
-    one = tierstate_torch.AdamW(tp.groups(one_model), lr=tp.LR)
-    one_sched = tp.schedule(one)
-    one.load_state_dict(sd)
-    one_sched.load_state_dict(sched.state_dict())
-    assert one.step_count() == half, one.step_count()
-    rest = train_segment(one_model, one, one_sched, data[half:], split=False)
+    one_model, rest = tierstate_resumed(sd, model.state_dict(), sched.state_dict())
     what = "DDP ShardedAdamW, 2 ranks -> 1 process (torch_state_dict)"
     assert_parity(what, ref[0], first + rest, t_model, one_model)
     print(f"rank {RANK}: {what}: torch.optim.AdamW and one tierstate process go on from it, within 1e-4", flush=True)
@@ -511,13 +508,7 @@ def case_torch_state_across_world_sizes(ref=None):
     whole_model = {k: full(v) for k, v in model.state_dict().items()}
     assert not any(hasattr(v, "full_tensor") for s in sd["state"].values() for v in s.values()), "a DTensor"
     t_model = torch_resumed(sd, whole_model, sched.state_dict())
-    one_model = tp.make_model()
-    one_model.load_state_dict(whole_model)
-    one = tierstate_torch.AdamW(tp.groups(one_model), lr=tp.LR)
-    one_sched = tp.schedule(one)
-    one.load_state_dict(sd)
-    one_sched.load_state_dict(sched.state_dict())
-    rest = train_segment(one_model, one, one_sched, data[half:], split=False)
+    one_model, rest = tierstate_resumed(sd, whole_model, sched.state_dict())
     what = "FSDP2, 2 ranks -> 1 process (torch_state_dict(full=True))"
     assert_parity(what, ref[0], first + rest, t_model, one_model)
     model2 = shard_model(tp.make_model())
