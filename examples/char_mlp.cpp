@@ -35,6 +35,7 @@
 #include <fstream>
 #include <iterator>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <system_error>
@@ -107,6 +108,7 @@ struct options {
   std::string text = std::string(TIERSTATE_SOURCE_DIR) + "/README.md";
   std::string tier = "nvme";
   std::string path;  // NvmeFile's directory; empty: the system's temporary directory
+  std::string trace;  // where to write the last step's timeline (Chrome trace JSON); empty: none
   int steps        = 400;
   int batch        = 128;
   std::size_t threads = 0;
@@ -120,7 +122,9 @@ constexpr long long max_threads = 4096;
 
 constexpr char const* usage_text =
   "usage: char_mlp [--text FILE] [--steps N (1..1000000000)] [--batch B (1..1048576)] "
-  "[--threads T (0..4096, 0: the CPUs)] [--tier nvme|pinned] [--path DIR]\n";
+  "[--threads T (0..4096, 0: the CPUs)] [--tier nvme|pinned] [--path DIR] [--trace FILE]\n"
+  "  --trace FILE  write the last step's timeline to FILE as Chrome trace-event JSON\n"
+  "                (open it in ui.perfetto.dev; bench/trace_png.py draws it)\n";
 
 [[noreturn]] void usage(std::string const& why)
 {
@@ -162,6 +166,8 @@ options parse(int argc, char** argv)
       o.tier = v;
     } else if (a == "--path" && !v.empty()) {
       o.path = v;
+    } else if (a == "--trace" && !v.empty()) {
+      o.trace = v;
     } else if (a == "--steps") {
       o.steps = static_cast<int>(integer(a, v, 1, max_steps));
     } else if (a == "--batch") {
@@ -340,7 +346,21 @@ int train(world_type& world, options const& o, std::string const& text, std::vec
     double const lr = 3e-3 * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(3.141592653589793 * (step - 1) / o.steps)));
     opt.set_hyperparameters(0, {.lr = lr, .weight_decay = 0.01});
     opt.set_hyperparameters(1, {.lr = lr, .weight_decay = 0.0});
+    // The last step traced, with --trace (tierstate/core/trace.hpp).
+    constexpr bool can_trace = requires { opt.trace(nullptr); };
+    std::optional<tracer> timeline;
+    if constexpr (can_trace) {
+      if (!o.trace.empty() && step == o.steps) { opt.trace(&timeline.emplace()); }
+    }
     step_result const r = opt.step(grads);
+    if constexpr (can_trace) {
+      if (timeline) {
+        opt.trace(nullptr);
+        timeline->save(o.trace);
+        std::printf("step %d's timeline: %zu events in %s (open it in ui.perfetto.dev)\n", step,
+                    timeline->events().size(), o.trace.c_str());
+      }
+    }
     optimizer_seconds += r.stats.total_seconds;
     wait_seconds += r.stats.wait_seconds;
     io_bytes += r.stats.tier_bytes_read + r.stats.tier_bytes_written;

@@ -31,6 +31,7 @@
 #include <tierstate/core/stats.hpp>
 #include <tierstate/core/tensor.hpp>
 #include <tierstate/core/thread_pool.hpp>
+#include <tierstate/core/trace.hpp>
 #include <tierstate/detail/optimizer/registry_parts.hpp>
 #include <tierstate/io/engine.hpp>
 #include <tierstate/kernels/host/finite.hpp>
@@ -290,6 +291,15 @@ class OffloadedOptimizer {
   [[nodiscard]] bool state_lost() const noexcept { return store_.lost(); }  ///< see "Failures" above
   [[nodiscard]] thread_pool& pool() noexcept { return pool_; }
 
+  /// Records the timeline of every later step, save and load into `t` (core/trace.hpp): each
+  /// chunk's read, wait, gradients, compute (and each thread's part of it) and write, the
+  /// checks, with bytes; null stops. `t` must outlive its use here (until trace(nullptr) or
+  /// destruction). Refused during a streaming step (tierstate::logic_error); waits for a
+  /// delayed update in flight first (flush()), so the tracer changes between steps. In a
+  /// build with TIERSTATE_TRACE=0 it is accepted and records nothing.
+  void trace(tracer* t);
+  [[nodiscard]] tracer* tracing() const noexcept { return tracer_; }
+
  private:
   using store_type   = detail::state_store<Precision, rule_type, StateTier, placement>;
   using coefficients_type = typename rule_type::coefficients;
@@ -372,6 +382,7 @@ class OffloadedOptimizer {
   std::atomic<std::int64_t> step_{0};  ///< (step_count() may read it while a streaming step counts)
   std::int64_t rounding_step_ = 0;  ///< the step StochasticRounding's keys are made for
   thread_pool pool_;
+  tracer* tracer_ = nullptr;  ///< see trace(); read by the legs of a step, set between steps
   /// The layout, the tier, the staging, the I/O thread, the device resources and the lost state, made
   /// by materialize() (declared before what uses them: the delayed update and the streaming driver stop first).
   store_type store_;

@@ -170,10 +170,20 @@
 #else
 #define TIERSTATE_ABI_ISA generic
 #endif
-#define TIERSTATE_ABI_NAME2(cuda, isa) abi_##cuda##_##isa
-#define TIERSTATE_ABI_NAME(cuda, isa) TIERSTATE_ABI_NAME2(cuda, isa)
-#if defined(TIERSTATE_ENABLE_CUDA)
-#define TIERSTATE_ABI TIERSTATE_ABI_NAME(cuda, TIERSTATE_ABI_ISA)
+// Tracing (core/trace.hpp) is compiled in unless TIERSTATE_TRACE is defined to 0; a build
+// without it ends the name in "_notrace".
+#ifndef TIERSTATE_TRACE
+#define TIERSTATE_TRACE 1
+#endif
+#if TIERSTATE_TRACE
+#define TIERSTATE_ABI_TRACE
 #else
-#define TIERSTATE_ABI TIERSTATE_ABI_NAME(host, TIERSTATE_ABI_ISA)
+#define TIERSTATE_ABI_TRACE _notrace
+#endif
+#define TIERSTATE_ABI_NAME2(cuda, isa, trace) abi_##cuda##_##isa##trace
+#define TIERSTATE_ABI_NAME(cuda, isa, trace) TIERSTATE_ABI_NAME2(cuda, isa, trace)
+#if defined(TIERSTATE_ENABLE_CUDA)
+#define TIERSTATE_ABI TIERSTATE_ABI_NAME(cuda, TIERSTATE_ABI_ISA, TIERSTATE_ABI_TRACE)
+#else
+#define TIERSTATE_ABI TIERSTATE_ABI_NAME(host, TIERSTATE_ABI_ISA, TIERSTATE_ABI_TRACE)
 #endif

@@ -14,6 +14,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save(
 {
   detail::gate_entry const gate(gate_, "save");
   check_not_streaming("save");
+  detail::trace_scope const traced(tracer_, trace_phase::save);
   flush();
   detail::flush_sources(sources_);  // a write of params that failed behind is this save's error, before any file
   store_.check_not_lost("save");
@@ -120,6 +121,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
 {
   detail::gate_entry const gate(gate_, "load");
   check_not_streaming("load");
+  detail::trace_scope const traced(tracer_, trace_phase::load);
   flush_before_load();
   io::engine_options const eo = checkpoint_io(o);
   if (tensors_.empty()) { throw logic_error("load: no tensor is registered: add_tensor first"); }

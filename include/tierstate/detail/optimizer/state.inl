@@ -133,6 +133,15 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::check_sl
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
+void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::trace(tracer* t)
+{
+  detail::gate_entry const gate(gate_, "trace");
+  check_not_streaming("trace");
+  flush();
+  tracer_ = detail::traced(t);
+}
+
+template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::set_step_count(std::int64_t n)
 {
   detail::gate_entry const gate(gate_, "set_step_count");

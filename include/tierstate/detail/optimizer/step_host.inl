@@ -66,6 +66,7 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
                                      device::stream_view ready)
 {
   detail::gate_entry const gate(gate_, "step");
+  detail::trace_scope const traced_step(tracer_, trace_phase::step);
   auto const t_start = std::chrono::steady_clock::now();
   check_not_streaming("step");
   if (opts_.delayed_update) { return step_delayed(grads, grad_scale, ready); }
@@ -86,7 +87,10 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
     d.h2d.wait(d.ready);
   }
   step_result result;
-  if (!check_and_clip(grads, grad_scale, coefficients, result)) {
+  detail::trace_scope checking(tracer_, trace_phase::check);
+  bool const go = check_and_clip(grads, grad_scale, coefficients, result);
+  checking.done();
+  if (!go) {
     result.skipped             = true;
     result.step                = step_;
     result.stats.total_seconds = detail::seconds_since(t_start);
@@ -105,6 +109,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::reduce_t
     std::span<grad_view<grad_type> const> grads, std::vector<coefficients_type> const& coefficients)
 {
   if constexpr (has_tensor_phase<rule_type>) {
+    detail::trace_scope const traced(tracer_, trace_phase::reduce);
     tensor_phase_.reduce(grads, std::span<tensor_entry const>(tensors_), coefficients, pool_,
                          [this](void* to, void const* from, std::size_t bytes) {
                            if constexpr (placement::device_params) {  // after the gradients' own work

@@ -155,6 +155,7 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::f
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::drive_streaming_step()
 {
+  detail::trace_scope const traced_step(tracer_, trace_phase::step);  // (from begin_step to the last write)
   auto& result = streaming_.result();
   try {
     // A shadowed state: the update goes to its spare places, kept if the step passes its

@@ -13,6 +13,7 @@
 // requests it will never report (a hang). What such a tier still holds is its own affair.
 #pragma once
 
+#include <tierstate/core/trace.hpp>
 #include <tierstate/tiers/tier.hpp>
 
 #include <algorithm>
@@ -46,13 +47,15 @@ class io_worker {
   io_worker& operator=(io_worker const&) = delete;
 
   /// Queues one read or write through staging buffer `buffer`; returns its ticket. A job
-  /// that reuses a buffer starts only after every job queued before it has finished.
-  std::uint64_t enqueue(tier_io const& io, unsigned buffer)
+  /// that reuses a buffer starts only after every job queued before it has finished. With a
+  /// tracer, the job's time from its start in the tier to its end is recorded as chunk
+  /// `chunk`'s read or write, on the buffer's I/O track.
+  std::uint64_t enqueue(tier_io const& io, unsigned buffer, tracer* trace = nullptr, std::int64_t chunk = -1)
   {
     std::uint64_t ticket;
     {
       std::scoped_lock lock(mutex_);
-      queue_.push_back({io, buffer});
+      queue_.push_back({io, buffer, detail::traced(trace), chunk});
       ticket = ++queued_;
     }
     work_.notify_one();
@@ -90,7 +93,24 @@ class io_worker {
   struct job {
     tier_io io;
     unsigned buffer;
+    tracer* trace      = nullptr;
+    std::int64_t chunk = -1;
   };
+
+  /// A job the tier has started (streaming): its ticket, and what its trace event needs.
+  struct started_job {
+    std::uint64_t ticket;
+    job j;
+    tracer::clock::time_point begin{};
+  };
+
+  static void record(job const& j, tracer::clock::time_point begin, tracer::clock::time_point end) noexcept
+  {
+    if (j.trace != nullptr) [[unlikely]] {
+      j.trace->record(j.io.write ? trace_phase::write : trace_phase::read, j.chunk, j.io.length, begin, end,
+                      tracer::io_track(j.buffer));
+    }
+  }
 
   [[nodiscard]] bool is_done(std::uint64_t ticket) const { return ticket <= done_ || finished_.count(ticket) > 0; }
 
@@ -112,7 +132,7 @@ class io_worker {
 
   void run_streaming()
   {
-    std::vector<std::pair<std::uint64_t, unsigned>> started;  // (ticket, buffer)
+    std::vector<started_job> started;
     std::vector<std::pair<std::uint64_t, std::exception_ptr>> finished;
     std::uint64_t next_ticket = 1;
     std::exception_ptr given_up;  // what the tier threw with requests active: never driven again
@@ -129,11 +149,11 @@ class io_worker {
         }
         job const j = queue_.front();
         bool clash  = false;
-        for (auto const& st : started) { clash = clash || st.second == j.buffer; }
+        for (auto const& st : started) { clash = clash || st.j.buffer == j.buffer; }
         if (clash) { break; }
         queue_.pop_front();
         std::uint64_t const ticket = next_ticket++;
-        started.push_back({ticket, j.buffer});
+        started.push_back({ticket, j, j.trace != nullptr ? tracer::clock::now() : tracer::clock::time_point{}});
         lock.unlock();
         try {
           tier_.stream_start(j.io, ticket);
@@ -161,15 +181,24 @@ class io_worker {
         auto const e = std::current_exception();
         for (auto const& st : started) {
           bool const reported = std::any_of(finished.begin(), finished.end(),
-                                            [&](auto const& f) { return f.first == st.first; });
-          if (!reported) { finished.push_back({st.first, e}); }
+                                            [&](auto const& f) { return f.first == st.ticket; });
+          if (!reported) { finished.push_back({st.ticket, e}); }
         }
         if (tier_.stream_active() != 0) { given_up = e; }
+      }
+      if (!finished.empty()) {
+        // Traced before they are marked done: a waiter's return orders the event before it.
+        tracer::clock::time_point const end = tracer::clock::now();
+        for (auto const& [ticket, e] : finished) {
+          for (auto const& st : started) {
+            if (st.ticket == ticket && !e) { record(st.j, st.begin, end); }
+          }
+        }
       }
       lock.lock();
       for (auto& [ticket, e] : finished) {
         if (e && !error_) { error_ = e; }
-        std::erase_if(started, [t = ticket](auto const& st) { return st.first == t; });
+        std::erase_if(started, [t = ticket](auto const& st) { return st.ticket == t; });
         mark_done(ticket);
       }
       if (!finished.empty()) { done_cv_.notify_all(); }
@@ -203,6 +232,8 @@ class io_worker {
       }
       lock.unlock();
       std::exception_ptr failure;
+      bool const traced = std::any_of(batch.begin(), batch.end(), [](job const& j) { return j.trace != nullptr; });
+      auto const begin  = traced ? tracer::clock::now() : tracer::clock::time_point{};
       try {
         if constexpr (batched_tier<Tier>) {
           ops.clear();
@@ -210,15 +241,21 @@ class io_worker {
           tier_.transfer(ops);
         } else {
           for (auto const& j : batch) {
+            auto const t0 = j.trace != nullptr ? tracer::clock::now() : tracer::clock::time_point{};
             if (j.io.write) {
               tier_.write(j.io.offset, {j.io.data, j.io.length});
             } else {
               tier_.read(j.io.offset, {j.io.data, j.io.length});
             }
+            if (j.trace != nullptr) { record(j, t0, tracer::clock::now()); }
           }
         }
       } catch (...) {
         failure = std::current_exception();
+      }
+      if (batched_tier<Tier> && traced && !failure) {  // (the batch's jobs ran together)
+        auto const end = tracer::clock::now();
+        for (auto const& j : batch) { record(j, begin, end); }
       }
       lock.lock();
       if (failure && !error_) { error_ = failure; }

@@ -12,6 +12,7 @@
 
 #include <tierstate/core/stats.hpp>
 #include <tierstate/core/tensor.hpp>
+#include <tierstate/core/trace.hpp>
 #include <tierstate/kernels/host/update.hpp>
 #include <tierstate/transfer/routes/detail/route_base.hpp>
 
@@ -41,8 +42,12 @@ class host_in_place : public detail::route_base<Optimizer> {
     if (!streaming()) {
       std::size_t const ce = lay.chunk_elements();
       changed_             = true;
+      tracer* const trace  = tierstate::detail::traced(o_.tracer_);
+      std::size_t const bpe = lay.chunk_bytes() / ce;
+      tierstate::detail::trace_scope const whole(trace, trace_phase::compute, -1, lay.total_bytes());
       auto const t0        = std::chrono::steady_clock::now();
       o_.pool_.parallel_for(lay.total_elements(), grain, [&](std::size_t b, std::size_t e) {
+        tierstate::detail::trace_scope const part(trace, trace_phase::kernel, -1, (e - b) * bpe);
         for (std::size_t k = b / ce; k * ce < e; ++k) {
           o_.update_chunk_range(k, chunk(k), std::max(b, k * ce) - k * ce, std::min(e, (k + 1) * ce) - k * ce,
                                 grads_, coefficients_);
@@ -68,8 +73,14 @@ class host_in_place : public detail::route_base<Optimizer> {
       total += (lay.chunk_size(k) + grain - 1) / grain * grain;  // each chunk's part boundaries stay aligned
     }
     changed_      = true;
+    tracer* const trace = tierstate::detail::traced(o_.tracer_);
+    std::size_t const bpe = lay.chunk_bytes() / lay.chunk_elements();
+    tierstate::detail::trace_scope const whole(trace, trace_phase::compute, static_cast<std::int64_t>(o_.chunk_at(j)),
+                                               total * bpe);
     auto const t0 = std::chrono::steady_clock::now();
     o_.pool_.parallel_for(total, grain, [&](std::size_t b, std::size_t e) {
+      tierstate::detail::trace_scope const part(trace, trace_phase::kernel, static_cast<std::int64_t>(o_.chunk_at(j)),
+                                                (e - b) * bpe);
       auto at = std::upper_bound(run_.begin(), run_.end(), b, [](std::size_t x, run_entry const& r) { return x < r.at; });
       for (--at; at != run_.end() && at->at < e; ++at) {
         std::size_t const size = lay.chunk_size(at->chunk);

@@ -9,6 +9,7 @@
 
 #include <tierstate/core/stats.hpp>
 #include <tierstate/core/tensor.hpp>
+#include <tierstate/core/trace.hpp>
 #include <tierstate/kernels/host/update.hpp>
 #include <tierstate/transfer/routes/detail/route_base.hpp>
 #include <tierstate/transfer/routes/detail/tier_io.hpp>
@@ -41,15 +42,24 @@ class host_staged : public detail::route_base<Optimizer> {
     o_.await_chunk(k, stats_);
     changed_ = true;
     std::byte* const chunk = o_.store_.staging(b);
+    tracer* const trace    = tierstate::detail::traced(o_.tracer_);
     auto const t_kept      = std::chrono::steady_clock::now();
     auto const* kept       = read_kept_grads(k);  // (I/O: counted as waiting)
-    stats_.wait_seconds += tierstate::detail::seconds_since(t_kept);
-    auto const t0 = std::chrono::steady_clock::now();
+    auto const t0          = std::chrono::steady_clock::now();
+    stats_.wait_seconds += std::chrono::duration<double>(t0 - t_kept).count();
+    auto const ck = static_cast<std::int64_t>(k);
+    if (trace != nullptr && kept != nullptr) [[unlikely]] { trace->record(trace_phase::grads, ck, 0, t_kept, t0); }
     o_.pool_.parallel_for(o_.store_.layout().chunk_size(k), detail::host_grain<Optimizer>,
                           [&](std::size_t begin, std::size_t end) {
+                            tierstate::detail::trace_scope const part(trace, trace_phase::kernel, ck,
+                                                                      (end - begin) * bytes_per_element());
                             o_.update_chunk_range(k, chunk, begin, end, grads_, coefficients_, kept);
                           });
-    stats_.compute_seconds += tierstate::detail::seconds_since(t0);
+    auto const t1 = std::chrono::steady_clock::now();
+    stats_.compute_seconds += std::chrono::duration<double>(t1 - t0).count();
+    if (trace != nullptr) [[unlikely]] {
+      trace->record(trace_phase::compute, ck, o_.store_.layout().chunk_bytes(), t0, t1);
+    }
   }
 
   void retire(std::size_t j, unsigned b)
@@ -60,6 +70,7 @@ class host_staged : public detail::route_base<Optimizer> {
 
   void finish()
   {
+    tierstate::detail::trace_scope const waiting(o_.tracer_, trace_phase::write_wait);
     auto const t0 = std::chrono::steady_clock::now();
     io_.wait_all();
     stats_.wait_seconds += tierstate::detail::seconds_since(t0);
@@ -69,6 +80,13 @@ class host_staged : public detail::route_base<Optimizer> {
   void abandon() { io_.drain(); }
 
  private:
+  /// A chunk's state bytes per element (its slots and master), for the kernel events.
+  [[nodiscard]] std::size_t bytes_per_element() const noexcept
+  {
+    auto const& lay = o_.store_.layout();
+    return lay.chunk_bytes() / lay.chunk_elements();
+  }
+
   /// The gradients of chunk k kept in the tensors' sources (a streaming step's, offloaded
   /// params'), read once a piece, at their place in the chunk; null when it has none.
   typename Optimizer::grad_type const* read_kept_grads(std::size_t k)

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <tierstate/core/stats.hpp>
+#include <tierstate/core/trace.hpp>
 #include <tierstate/tiers/tier.hpp>
 
 #include <chrono>
@@ -32,13 +33,18 @@ class tier_io {
   /// Starts (threaded) or does the read of the j-th chunk into `to`, staging buffer b.
   void read(std::size_t j, std::byte* to, unsigned b)
   {
-    std::size_t const offset = o_.store_.chunk_offset(o_.chunk_at(j));
+    std::size_t const k      = o_.chunk_at(j);
+    std::size_t const offset = o_.store_.chunk_offset(k);
     if constexpr (threaded) {
-      tickets_[j] = o_.store_.io().enqueue({offset, to, bytes_, false}, b);
+      tickets_[j] = o_.store_.io().enqueue({offset, to, bytes_, false}, b, o_.tracer_, static_cast<std::int64_t>(k));
     } else {
       auto const t0 = std::chrono::steady_clock::now();
       o_.store_.tier().read(offset, std::span<std::byte>(to, bytes_));
-      stats_.wait_seconds += tierstate::detail::seconds_since(t0);
+      auto const t1 = std::chrono::steady_clock::now();
+      stats_.wait_seconds += std::chrono::duration<double>(t1 - t0).count();
+      if (auto* t = tierstate::detail::traced(o_.tracer_)) [[unlikely]] {
+        t->record(trace_phase::read, static_cast<std::int64_t>(k), bytes_, t0, t1);
+      }
     }
     stats_.tier_bytes_read += bytes_;
   }
@@ -49,7 +55,11 @@ class tier_io {
     if constexpr (threaded) {
       auto const t0 = std::chrono::steady_clock::now();
       o_.store_.io().wait(tickets_[j]);
-      stats_.wait_seconds += tierstate::detail::seconds_since(t0);
+      auto const t1 = std::chrono::steady_clock::now();
+      stats_.wait_seconds += std::chrono::duration<double>(t1 - t0).count();
+      if (auto* t = tierstate::detail::traced(o_.tracer_)) [[unlikely]] {
+        t->record(trace_phase::read_wait, static_cast<std::int64_t>(o_.chunk_at(j)), 0, t0, t1);
+      }
     }
   }
 
@@ -57,13 +67,18 @@ class tier_io {
   /// (A shadowed store's step writes to the chunk's spare place: state/store.hpp.)
   void write(std::size_t j, std::byte* from, unsigned b)
   {
-    std::size_t const offset = o_.store_.write_offset(o_.chunk_at(j));
+    std::size_t const k      = o_.chunk_at(j);
+    std::size_t const offset = o_.store_.write_offset(k);
     if constexpr (threaded) {
-      o_.store_.io().enqueue({offset, from, bytes_, true}, b);
+      o_.store_.io().enqueue({offset, from, bytes_, true}, b, o_.tracer_, static_cast<std::int64_t>(k));
     } else {
       auto const t0 = std::chrono::steady_clock::now();
       o_.store_.tier().write(offset, std::span<std::byte const>(from, bytes_));
-      stats_.wait_seconds += tierstate::detail::seconds_since(t0);
+      auto const t1 = std::chrono::steady_clock::now();
+      stats_.wait_seconds += std::chrono::duration<double>(t1 - t0).count();
+      if (auto* t = tierstate::detail::traced(o_.tracer_)) [[unlikely]] {
+        t->record(trace_phase::write, static_cast<std::int64_t>(k), bytes_, t0, t1);
+      }
     }
     stats_.tier_bytes_written += bytes_;
   }
