@@ -12,7 +12,8 @@
 //                              host memory. Both give the same losses, bit for bit.
 //
 //   build/examples/char_mlp [--text FILE] [--steps N] [--batch B] [--threads T]
-//                           [--tier nvme|pinned] [--path DIR] [--help]
+//                           [--tier nvme|pinned] [--path DIR] [--trace FILE] [--help]
+//   (--trace writes the last step's timeline as Chrome trace-event JSON: core/trace.hpp)
 //
 // Built with TIERSTATE_EXAMPLE_MPI (build/examples/char_mlp_mpi), it is data-parallel with
 // ZeRO-1 under MPI: every rank holds the model and computes the gradients of its part of each
