@@ -88,6 +88,18 @@ class TinyLM(nn.Module):
         return self.head(self.norm(self.blocks(x)))
 
 
+class _TwoDtypes(nn.Module):
+    """A bf16 TinyLM and an fp32 gain on its logits: a model whose optimizer has two shards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = make_model(torch.bfloat16)
+        self.gain = nn.Parameter(torch.ones(4099))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm(tokens) * self.gain.mean().to(torch.bfloat16)
+
+
 def make_model(dtype: torch.dtype = torch.float32) -> TinyLM:
     torch.manual_seed(1234)
     return TinyLM().to(dtype)
@@ -543,6 +555,60 @@ class Parity(unittest.TestCase):
         self.assertEqual(rest_a, rest_b)
         for p, q in zip(model.parameters(), model2.parameters()):
             self.assertTrue(torch.equal(p, q))
+
+    def test_trace_writes_each_steps_timeline(self):
+        """optimizer.trace(path): Chrome trace-event JSON of the steps inside it, each chunk
+        read, computed and written once a step, in order, on a bf16 shard and an fp32 one (two
+        processes of one file); the results are those of an untraced run, bit for bit; bad
+        arguments are refused before anything starts, and nothing is left behind."""
+        data = batches(6, seed=23)
+        runs = []
+        with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+            for traced in (False, True):
+                model = _TwoDtypes()  # (two shards)
+                opt = tierstate_torch.AdamW(model.parameters(), lr=LR, tier="nvme", path=d, chunk_elements=2048)
+                train(model, opt, data[:3])
+                path = os.path.join(d, "steps.json")
+                if traced:
+                    with opt.trace(path) as t:
+                        losses = train(model, opt, data[3:])
+                    self.assertEqual(t.dropped, 0)
+                    self.assertGreater(t.events, 0)
+                else:
+                    losses = train(model, opt, data[3:])
+                runs.append((losses, {k: v.clone() for k, v in model.state_dict().items()}))
+                opt.close()
+            self.assertEqual(sorted(os.listdir(d)), ["steps.json"])
+            with open(os.path.join(d, "steps.json")) as f:
+                doc = json.load(f)
+        self.assertEqual(runs[0][0], runs[1][0])
+        for k in runs[0][1]:
+            self.assertTrue(torch.equal(runs[0][1][k], runs[1][1][k]), k)
+        spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+        names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
+        self.assertEqual(sorted(names.values()), ["tierstate bfloat16 on cpu", "tierstate float32 on cpu"])
+        for pid in names:
+            steps = sorted((e for e in spans if e["pid"] == pid and e["name"] == "step"), key=lambda e: e["ts"])
+            self.assertEqual(len(steps), 3)
+            for s in steps:
+                inside = [e for e in spans if e["pid"] == pid and s["ts"] <= e["ts"] <= s["ts"] + s["dur"]]
+                chunks = {}
+                for e in inside:
+                    if e["name"] in ("read", "compute", "write"):
+                        self.assertNotIn(e["name"], chunks.setdefault(e["args"]["chunk"], {}))
+                        chunks[e["args"]["chunk"]][e["name"]] = e
+                self.assertTrue(chunks)
+                for k, ph in chunks.items():
+                    self.assertEqual(set(ph), {"read", "compute", "write"}, k)
+                    self.assertLessEqual(ph["read"]["ts"] + ph["read"]["dur"], ph["compute"]["ts"] + 1e-3)
+                    self.assertLessEqual(ph["compute"]["ts"] + ph["compute"]["dur"], ph["write"]["ts"] + 1e-3)
+        model = make_model()
+        opt = tierstate_torch.AdamW(model.parameters(), lr=LR)
+        with self.assertRaisesRegex(ValueError, "capacity=0"):
+            opt.trace("x.json", capacity=0)
+        with self.assertRaisesRegex(FileNotFoundError, "does not exist"):
+            opt.trace("/nonexistent/dir/x.json")
+        opt.close()
 
     def test_state_dict_format_torch_round_trip_is_exact(self):
         """state_dict_format="torch": torch's format, the slots in fp32 and the master kept, so

@@ -74,6 +74,7 @@ from ._common import (_COMPUTES, _check_tier, _DTYPES, _POLICIES, _TIERS, _check
 from ._ownership import _Ownership
 from ._ranks import Ranks, is_sharded, local, local_grad, shard_offset
 from ._state_dict import _StateDicts
+from ._trace import Trace
 
 
 def _offload_of(p: torch.Tensor) -> Any:
@@ -874,6 +875,20 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
             return self.step_count()
         key, _ = self._where[i]
         return self._shards[key].tensor_step_count(f"p{i}")
+
+    def trace(self, path: str | os.PathLike, capacity: int = 1 << 20) -> Trace:
+        """The timeline of the steps (and saves and loads) taken inside `with opt.trace(path):`
+        (or between its start() and stop()): each chunk's state read, the wait for it, its
+        update on each thread, its write, the checks, with bytes; written to `path` at the
+        end as Chrome trace-event JSON (ui.perfetto.dev opens it; bench/trace_png.py draws
+        it). `capacity` events per shard (40 bytes each) are allocated at the start; more
+        are dropped and counted (the Trace's `dropped`)."""
+        self._refuse_if("trace")
+        return Trace(self, path, capacity)
+
+    def _trace_shards(self) -> list[tuple[Any, Any]]:
+        self._build()
+        return list(self._shards.items())
 
     def composition(self) -> list[str]:
         """The C++ type of each shard's optimizer."""

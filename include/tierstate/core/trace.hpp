@@ -73,9 +73,9 @@ class tracer {
  public:
   using clock = std::chrono::steady_clock;
 
-  /// Room for `capacity` events (40 bytes each), allocated now. Throws tierstate::invalid_option
-  /// when capacity is 0 or above 2^28.
-  explicit tracer(std::size_t capacity = std::size_t{1} << 20);
+  /// Room for `capacity` events (40 bytes each), allocated now; times count from `origin`.
+  /// Throws tierstate::invalid_option when capacity is 0 or above 2^28.
+  explicit tracer(std::size_t capacity = std::size_t{1} << 20, clock::time_point origin = clock::now());
 
   /// Records [begin, end) of `phase`. Thread-safe; never throws, never allocates.
   void record(trace_phase phase, std::int64_t chunk, std::uint64_t bytes, clock::time_point begin,
@@ -86,18 +86,20 @@ class tracer {
     record(phase, chunk, bytes, begin, end, this_thread_track());
   }
 
-  /// The calling thread's track: a small number, the same for the thread's whole life.
+  /// The calling thread's track: its Linux thread id (gettid), as perf and Nsight name it.
   [[nodiscard]] static std::uint32_t this_thread_track() noexcept;
   /// The track of staging buffer `buffer`'s reads and writes, which the I/O thread runs
-  /// several at once (one per buffer at a time).
+  /// several at once (one per buffer at a time); above every thread id (2^22 at most).
   [[nodiscard]] static constexpr std::uint32_t io_track(unsigned buffer) noexcept { return io_track_base + buffer; }
-  static constexpr std::uint32_t io_track_base = 1u << 20;
+  static constexpr std::uint32_t io_track_base = 1u << 31;
 
   /// The events recorded so far, in the order their slots were taken (not sorted by time).
   [[nodiscard]] std::span<trace_event const> events() const noexcept;
   /// Events that did not fit.
   [[nodiscard]] std::uint64_t dropped() const noexcept;
   [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
+  /// The time the events' nanoseconds count from.
+  [[nodiscard]] clock::time_point origin() const noexcept { return origin_; }
   /// Forgets every event (the time origin stays).
   void clear() noexcept;
 

@@ -425,6 +425,30 @@ class py_shard {
   [[nodiscard]] bool in_step() const { return shard_->in_step(); }
   [[nodiscard]] bool state_lost() const { return shard_->state_lost(); }
 
+  /// Records the timeline of what follows into a tracer of `capacity` events (tierstate/core/trace.hpp).
+  void trace_start(std::size_t capacity)
+  {
+    py::gil_scoped_release nogil;  // (waits for a delayed update in flight)
+    shard_->trace_start(capacity);
+  }
+  /// Stops; ([(phase, begin_ns, end_ns, bytes, chunk, track, io)], dropped), times in
+  /// nanoseconds of the steady clock (time.monotonic_ns's on Linux).
+  py::tuple trace_stop()
+  {
+    std::uint64_t dropped = 0;
+    std::vector<trace_record> records;
+    {
+      py::gil_scoped_release nogil;
+      records = shard_->trace_stop(dropped);
+    }
+    py::list out;
+    for (auto const& r : records) {
+      out.append(py::make_tuple(py::str(r.phase.data(), r.phase.size()), r.begin_ns, r.end_ns, r.bytes, r.chunk,
+                                r.track, r.io));
+    }
+    return py::make_tuple(out, dropped);
+  }
+
  private:
   struct registered {
     std::string name;
@@ -712,7 +736,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     .def("slot_names", &tt::py_shard::slot_names)
     .def("composition", &tt::py_shard::composition)
     .def("in_step", &tt::py_shard::in_step)
-    .def("state_lost", &tt::py_shard::state_lost);
+    .def("state_lost", &tt::py_shard::state_lost)
+    .def("trace_start", &tt::py_shard::trace_start)
+    .def("trace_stop", &tt::py_shard::trace_stop);
   m.def("device_is_emulated", &tt::device_is_emulated,
         "Whether device memory is host memory here (a build without CUDA)");
   m.def("has_device_params", &tt::has_device_params,

@@ -82,6 +82,18 @@ struct result {
   double total_seconds   = 0;
 };
 
+/// One traced interval (tierstate::trace_event), its times in nanoseconds of
+/// std::chrono::steady_clock, so that every shard's events share one timeline.
+struct trace_record {
+  std::string_view phase;  ///< tierstate::to_string(trace_phase): static text
+  std::int64_t begin_ns = 0;
+  std::int64_t end_ns   = 0;
+  std::uint64_t bytes   = 0;
+  std::int64_t chunk    = -1;
+  std::uint32_t track   = 0;  ///< a thread id, or a staging buffer's (io_track_base + buffer)
+  bool io               = false;  ///< a staging buffer's track (then `track` is the buffer)
+};
+
 class param_store;  // param_store.hpp
 
 class shard {
@@ -128,6 +140,12 @@ class shard {
   /// The composition, spelled as its C++ type.
   [[nodiscard]] virtual std::string composition() const = 0;
   [[nodiscard]] virtual bool state_lost() const = 0;
+  /// Records the timeline of the steps, saves and loads that follow (OffloadedOptimizer::trace)
+  /// into a new tracer of `capacity` events, replacing one in use.
+  virtual void trace_start(std::size_t capacity) = 0;
+  /// Stops recording and hands over what was recorded (`dropped`: events that did not fit);
+  /// empty when not tracing.
+  virtual std::vector<trace_record> trace_stop(std::uint64_t& dropped) = 0;
 };
 
 /// Throws std::invalid_argument naming the option for an unknown rule, tier, dtype or policy.

@@ -12,6 +12,8 @@
 #include "host_kernels.hpp"
 #endif
 
+#include <chrono>
+#include <memory>
 #include <stdexcept>
 #include <type_traits>
 #include <string>
@@ -107,6 +109,7 @@ class shard_impl final : public shard {
     return {static_cast<grad_t const*>(g.data), g.size, where};
   }
 
+  std::unique_ptr<tierstate::tracer> tracer_;  ///< trace_start's (declared first: it outlives opt_'s use)
   optimizer opt_;
   bool shadowed_ = false;  ///< options::shadow_state taken
 
@@ -203,6 +206,30 @@ class shard_impl final : public shard {
     return s;
   }
   [[nodiscard]] bool state_lost() const override { return opt_.state_lost(); }
+  void trace_start(std::size_t capacity) override
+  {
+    auto next = std::make_unique<tierstate::tracer>(capacity);
+    opt_.trace(next.get());  // (refused during a streaming step: nothing changed)
+    tracer_ = std::move(next);
+  }
+  std::vector<trace_record> trace_stop(std::uint64_t& dropped) override
+  {
+    dropped = 0;
+    if (!tracer_) { return {}; }
+    opt_.trace(nullptr);
+    auto const t = std::move(tracer_);
+    std::int64_t const origin =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(t->origin().time_since_epoch()).count();
+    std::vector<trace_record> out;
+    out.reserve(t->events().size());
+    for (auto const& e : t->events()) {
+      bool const io = e.track >= tierstate::tracer::io_track_base;
+      out.push_back({tierstate::to_string(e.phase), origin + e.begin_ns, origin + e.end_ns, e.bytes, e.chunk,
+                     io ? e.track - tierstate::tracer::io_track_base : e.track, io});
+    }
+    dropped = t->dropped();
+    return out;
+  }
 };
 
 /// A rule's table, as the bindings expose it.

@@ -18,7 +18,7 @@
 
 namespace tierstate::inline TIERSTATE_ABI {
 
-inline tracer::tracer(std::size_t capacity) : capacity_(capacity), origin_(clock::now())
+inline tracer::tracer(std::size_t capacity, clock::time_point origin) : capacity_(capacity), origin_(origin)
 {
   if (capacity == 0 || capacity > (std::size_t{1} << 28)) {
     throw invalid_option("tracer.capacity", std::to_string(capacity),
@@ -40,8 +40,7 @@ inline void tracer::record(trace_phase phase, std::int64_t chunk, std::uint64_t 
 
 inline std::uint32_t tracer::this_thread_track() noexcept
 {
-  static std::atomic<std::uint32_t> next{1};
-  thread_local std::uint32_t const track = next.fetch_add(1, std::memory_order_relaxed);
+  thread_local std::uint32_t const track = static_cast<std::uint32_t>(::gettid());
   return track;
 }
 
@@ -76,7 +75,7 @@ inline void tracer::write_chrome_json(std::ostream& out) const
     std::string name = track >= io_track_base ? "I/O, staging buffer " : stepped ? "step thread " : "worker thread ";
     name.append(std::to_string(track >= io_track_base ? track - io_track_base : track));
     // Sorted: the step's thread first, then workers, then the I/O buffers.
-    unsigned const sort = track >= io_track_base ? 2000000u + (track - io_track_base) : (stepped ? 0u : 1000u) + track;
+    unsigned const sort = track >= io_track_base ? (2u << 22) + (track - io_track_base) : (stepped ? 0u : 1u << 22) + track;
     std::snprintf(line, sizeof line,
                   ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":1,\"tid\":%" PRIu32
                   ",\"args\":{\"name\":\"%s\"}},\n{\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":1,\"tid\":%" PRIu32
