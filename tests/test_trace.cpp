@@ -139,22 +139,20 @@ TEST_CASE("a traced NvmeFile + Pipelined<2> step: each chunk's phases once, in o
     }
     read_bytes += rd.bytes;
     written_bytes += wr.bytes;
-    if (k + 1 < chunks) {
-      // Chunk k+1's read was running ahead: started before chunk k's compute did.
-      CHECK(reads.at(key + 1)[0].begin_ns < cp.begin_ns);
-    }
   }
   CHECK(read_bytes == r.stats.tier_bytes_read);
   CHECK(written_bytes == r.stats.tier_bytes_written);
-  // And overlapped it: a read of chunk k+1 still running while chunk k computed, for some k.
-  // (Each read is in flight well before its compute; whether it is still running depends on
-  // the disk being slower than the compute, which 16 bytes per element are on any disk.)
+  // And the reads ran ahead: chunk k+1's read overlapped chunk k's compute. When a read starts
+  // is the I/O thread's (once its staging buffer's last write is done), so on a loaded machine
+  // some k may miss; the pipeline working at all makes most of them overlap, and a pipeline
+  // that waited for each read before starting the next would make none.
   std::size_t overlapping = 0;
   for (std::size_t k = 0; k + 1 < chunks; ++k) {
     auto const& next = reads.at(static_cast<std::int64_t>(k + 1))[0];
     auto const& cp   = computes.at(static_cast<std::int64_t>(k))[0];
     overlapping += next.begin_ns < cp.end_ns && next.end_ns > cp.begin_ns ? 1 : 0;
   }
+  WARN("chunk k+1's read overlapped chunk k's compute for " << overlapping << " of " << chunks - 1 << " chunks");
   CHECK(overlapping > 0);
   CHECK(d.entries().empty());
 }
