@@ -14,6 +14,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+
 #include "catch_session.hpp"
 
 #include <cstdio>
@@ -63,8 +65,9 @@ TEST_CASE("registered buffers refused by RLIMIT_MEMLOCK: told once, unregistered
   notice_capture notices;
   run_result const got = on_nvme<Bf16Mixed, Pipelined<2>>(20, 4096, in(d));
   CHECK(got == reference<Bf16Mixed>(20, 4096));
-  CHECK(notices.told.size() == 1);
-  CHECK(notices.contains("RLIMIT_MEMLOCK"));
+  // (Told once; a notice that these small chunks' steps wait for I/O may come beside it.)
+  CHECK(std::count_if(notices.told.begin(), notices.told.end(),
+                      [](auto const& t) { return t.find("RLIMIT_MEMLOCK") != std::string::npos; }) == 1);
   CHECK(notices.contains("unregistered"));
 
   // The engine reports the refusal itself, too.

@@ -3,7 +3,8 @@
 // once, in order, with reads running ahead of the compute; the JSON it writes is what Chrome's
 // trace-event format asks for (tests/check_trace.py parses a real one); tracing never changes
 // a bit of the result; a full tracer drops and counts; a bad path is an io_error and leaves
-// nothing.
+// nothing. And progress (core/progress.hpp): making the state, save, and load's two passes
+// each report every chunk, rising to the total, and a callback that throws cancels cleanly.
 #include "memory_tier.hpp"
 #include "nvme_support.hpp"
 
@@ -13,6 +14,9 @@
 
 #include <algorithm>
 #include <map>
+#include <stdexcept>
+#include <thread>
+#include <tuple>
 #include <sstream>
 #include <vector>
 
@@ -237,4 +241,93 @@ TEST_CASE("the tracer's JSON, its limits, and its file", "[trace]")
     CHECK(opt.tracing() == nullptr);
     (void)opt.finish_step();
   }
+}
+
+TEST_CASE("progress: making the state, save, and load's verify and load passes", "[progress][checkpoint]")
+{
+  scratch_dir d;
+  using Optimizer = OffloadedOptimizer<AdamW, Bf16Mixed, NvmeFile, Pipelined<2>>;
+  std::vector<std::tuple<progress_phase, std::uint64_t, std::uint64_t>> heard;
+  Optimizer::options o;
+  o.tier.directory = d.path;
+  o.chunk_elements = 4096;
+  o.progress       = [&](progress_phase p, std::uint64_t done, std::uint64_t total) { heard.emplace_back(p, done, total); };
+  std::vector<bf16> p(4096 * 5 + 77), g(p.size());
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    p[i] = bf16(init_value(i));
+    g[i] = bf16(grad_value(i, 1));
+  }
+  Optimizer opt({.lr = 1e-3}, o);
+  opt.add_tensor("w", p.data(), p.size());
+  std::vector<grad_view<bf16>> grads{{g.data(), g.size()}};
+  /// The calls of phase `ph`: rising by whole chunks to the total, which the last one reaches.
+  auto check_phase = [&](progress_phase ph, std::uint64_t total, std::size_t calls) {
+    INFO(to_string(ph));
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> seen;
+    for (auto const& [q, done, tot] : heard) {
+      if (q == ph) { seen.emplace_back(done, tot); }
+    }
+    REQUIRE(seen.size() == calls);
+    for (std::size_t i = 0; i < seen.size(); ++i) {
+      CHECK(seen[i].second == total);
+      if (i > 0) { CHECK(seen[i].first > seen[i - 1].first); }
+    }
+    CHECK(seen.back().first == total);
+  };
+  (void)opt.step(grads);  // makes the state: 6 chunks
+  std::uint64_t const state_bytes = opt.state_layout().total_bytes();
+  check_phase(progress_phase::make_state, state_bytes, 6);
+
+  heard.clear();
+  auto const file = d.path / "ckpt";
+  opt.save(file);
+  check_phase(progress_phase::save, std::filesystem::file_size(file), 6 + 1);  // the chunks, then the table
+  heard.clear();
+  opt.load(file);
+  check_phase(progress_phase::verify, state_bytes, 6);
+  check_phase(progress_phase::load, state_bytes, 6);
+
+  SECTION("a callback that throws in save leaves no file, in load's verify pass changes nothing")
+  {
+    std::filesystem::remove(file);
+    checkpoint_options co;
+    co.progress = [](progress_phase, std::uint64_t done, std::uint64_t) {
+      if (done > 0) { throw std::runtime_error("cancelled by the user"); }
+    };
+    CHECK_THROWS_WITH(opt.save(file, co), "cancelled by the user");
+    CHECK(d.entries().empty());
+    opt.save(file);
+    std::vector<float> before(p.size()), after(p.size());
+    opt.copy_state("w", slot::exp_avg, before);
+    (void)opt.step(grads);
+    opt.copy_state("w", slot::exp_avg, after);
+    CHECK_THROWS_WITH(opt.load(file, co), "cancelled by the user");
+    CHECK_FALSE(opt.state_lost());
+    std::vector<float> now(p.size());
+    opt.copy_state("w", slot::exp_avg, now);
+    CHECK(now == after);
+    opt.load(file);
+    opt.copy_state("w", slot::exp_avg, now);
+    CHECK(now == before);
+  }
+}
+
+TEST_CASE("a step that mostly waits for its tier is told once, after the warm-up", "[notice]")
+{
+  using Optimizer = OffloadedOptimizer<AdamW, Fp32, memory_tier, Synchronous>;
+  Optimizer::options o;
+  o.chunk_elements      = 4096;
+  o.tier.before_write   = [] { std::this_thread::sleep_for(std::chrono::milliseconds(2)); };  // a slow disk
+  std::vector<float> p(4096 * 3, 0.5f), g(p.size(), 0.01f);
+  Optimizer opt({.lr = 1e-3}, o);
+  opt.add_tensor("w", p.data(), p.size());
+  std::vector<grad_view<float>> grads{{g.data(), g.size()}};
+  notice_capture told;
+  for (int s = 0; s < detail::io_watch::warm_up + detail::io_watch::in_a_row - 1; ++s) { (void)opt.step(grads); }
+  CHECK(told.told.empty());
+  (void)opt.step(grads);
+  REQUIRE(told.told.size() == 1);
+  CHECK_THAT(told.told[0], Catch::Contains("waits for its state's I/O (memory_tier)") && Catch::Contains("I/O-bound"));
+  for (int s = 0; s < 10; ++s) { (void)opt.step(grads); }
+  CHECK(told.told.size() == 1);  // once
 }

@@ -43,6 +43,7 @@
 #include <tierstate/step/checks.hpp>
 #include <tierstate/step/delayed_update.hpp>
 #include <tierstate/step/grad_keeper.hpp>
+#include <tierstate/step/io_watch.hpp>
 #include <tierstate/step/streaming_gate.hpp>
 #include <tierstate/step/tensor_phase.hpp>
 #include <tierstate/tiers/device.hpp>
@@ -357,9 +358,11 @@ class OffloadedOptimizer {
   void check_slot(slot s, char const* call) const;  ///< refuses, naming it, a slot not kept
   void flush_before_load();
   /// The checkpoint's regions through write(offset, data, n), in order.
-  template <class Write> void write_checkpoint(PinnedHost& header, PinnedHost& table, Write&& write);
+  template <class Write> void write_checkpoint(PinnedHost& header, PinnedHost& table, progress_callback const& progress,
+                                               Write&& write);
   /// Checks and loads `file_bytes` bytes through read(offset, data, n), with four buffers.
-  template <class Read> void read_checkpoint(std::uint64_t file_bytes, std::string const& file, bool verify, PinnedHost& first,
+  template <class Read> void read_checkpoint(std::uint64_t file_bytes, std::string const& file, bool verify,
+                       progress_callback const& progress, PinnedHost& first,
                        PinnedHost& region, PinnedHost& table, PinnedHost& scratch, Read&& read);
   [[nodiscard]] checkpoint::header make_header() const, make_header(layout const& lay) const;  // (made, or `lay`)
   void check_header(checkpoint::header const& h, layout const& lay, std::string const& path) const;
@@ -383,6 +386,7 @@ class OffloadedOptimizer {
   std::int64_t rounding_step_ = 0;  ///< the step StochasticRounding's keys are made for
   thread_pool pool_;
   tracer* tracer_ = nullptr;  ///< see trace(); read by the legs of a step, set between steps
+  detail::io_watch io_watch_;  ///< the notice that steps wait for I/O (step/io_watch.hpp)
   /// The layout, the tier, the staging, the I/O thread, the device resources and the lost state, made
   /// by materialize() (declared before what uses them: the delayed update and the streaming driver stop first).
   store_type store_;

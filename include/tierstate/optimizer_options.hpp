@@ -4,6 +4,7 @@
 #pragma once
 
 #include <tierstate/core/config.hpp>
+#include <tierstate/core/progress.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -85,6 +86,9 @@ struct optimizer_options {
   /// record it: resume with the seed the run had. Unused otherwise.
   std::uint64_t rounding_seed = 0;
   across_ranks ranks{};  ///< a rank's share of a model: its decisions taken with the others'
+  /// Hears the progress of making the state (core/progress.hpp), and of save and load where
+  /// their checkpoint_options name no callback of their own. Empty: none.
+  progress_callback progress;
   TierOptions tier{};  ///< the state tier's own (StateTier::options)
 };
 

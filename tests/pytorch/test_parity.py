@@ -586,7 +586,7 @@ class Parity(unittest.TestCase):
             self.assertTrue(torch.equal(runs[0][1][k], runs[1][1][k]), k)
         spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
         names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
-        self.assertEqual(sorted(names.values()), ["tierstate bfloat16 on cpu", "tierstate float32 on cpu"])
+        self.assertEqual(sorted(names.values()), ["tierstate bfloat16@cpu", "tierstate float32@cpu"])
         for pid in names:
             steps = sorted((e for e in spans if e["pid"] == pid and e["name"] == "step"), key=lambda e: e["ts"])
             self.assertEqual(len(steps), 3)
@@ -609,6 +609,53 @@ class Parity(unittest.TestCase):
         with self.assertRaisesRegex(FileNotFoundError, "does not exist"):
             opt.trace("/nonexistent/dir/x.json")
         opt.close()
+
+    def test_progress_of_making_the_state_saving_and_loading(self):
+        """progress=f: f(phase, done, total) after each chunk as the first step makes the state,
+        as state_dict() saves it and load_state_dict() verifies and loads it, rising to the
+        total; a bad value is refused by name."""
+        heard: list[tuple[str, int, int]] = []
+        data = batches(2, seed=29)
+        with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+            model = make_model(torch.bfloat16)
+            opt = tierstate_torch.AdamW(model.parameters(), lr=LR, tier="nvme", path=d, chunk_elements=2048,
+                                        progress=lambda *a: heard.append(a))
+            train(model, opt, data[:1])
+            sd = opt.state_dict()
+            opt.load_state_dict(sd)
+            opt.close()
+        n = sum(p.numel() for p in model.parameters())
+        chunks = -(-n // 2048)
+        for phase in ("make_state", "save", "verify", "load"):
+            calls = [(done, total) for ph, done, total in heard if ph == phase]
+            self.assertGreaterEqual(len(calls), chunks, phase)
+            self.assertEqual(calls[-1][0], calls[-1][1], phase)
+            self.assertEqual(len({t for _, t in calls}), 1, phase)
+            self.assertTrue(all(a[0] < b[0] for a, b in zip(calls, calls[1:])), phase)
+        self.assertEqual([ph for ph, _, _ in heard][0], "make_state")
+        with self.assertRaisesRegex(ValueError, "progress must be"):
+            tierstate_torch.AdamW(make_model().parameters(), progress="yes")
+
+    def test_metrics_hear_each_step_and_the_writes_per_day(self):
+        """metrics=f: each step's numbers with the state's bytes written so far and per day at
+        the run's pace; drive_wear names the drive under a path, or why it cannot tell."""
+        heard: list[dict] = []
+        with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+            model = make_model()
+            opt = tierstate_torch.AdamW(model.parameters(), lr=LR, tier="nvme", path=d, metrics=heard.append)
+            train(model, opt, batches(3, seed=31))
+            wear = tierstate_torch.drive_wear(d)
+            opt.close()
+        self.assertEqual([h["step"] for h in heard], [1, 2, 3])
+        per_step = heard[0]["tier_bytes_written"]
+        self.assertGreater(per_step, 0)
+        self.assertEqual(heard[-1]["state_bytes_written_total"], 3 * per_step)
+        self.assertNotIn("state_bytes_written_per_day", heard[0])
+        self.assertGreater(heard[2]["state_bytes_written_per_day"], 0)
+        self.assertIn("device", wear)
+        self.assertTrue("unavailable" in wear or "data_written_bytes" in wear, wear)
+        with self.assertRaisesRegex(ValueError, "metrics must be a callable"):
+            tierstate_torch.AdamW(make_model().parameters(), metrics=3)
 
     def test_state_dict_format_torch_round_trip_is_exact(self):
         """state_dict_format="torch": torch's format, the slots in fp32 and the master kept, so

@@ -8,6 +8,7 @@ _check_torch()  # an installed extension built for another torch is refused here
 
 from ._offload import OffloadedParameters, offload_parameters  # noqa: E402
 from .optim import SGD, Adafactor, Adam, AdamW, Lion, ShardedAdamW  # noqa: E402
+from ._metrics import drive_wear  # noqa: E402
 
 
 def host_kernels() -> str:
@@ -19,5 +20,6 @@ def host_kernels() -> str:
     return _ext().host_kernels()
 
 
-__all__ = ["Adam", "AdamW", "ShardedAdamW", "SGD", "Lion", "Adafactor", "host_kernels", "offload_parameters", "OffloadedParameters"]
+__all__ = ["Adam", "AdamW", "ShardedAdamW", "SGD", "Lion", "Adafactor", "host_kernels", "offload_parameters", "OffloadedParameters",
+           "drive_wear"]
 __version__ = "0.1.0"  # VERSION's (tests/check_version.py)

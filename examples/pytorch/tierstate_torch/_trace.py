@@ -16,6 +16,8 @@ import json
 import os
 from typing import Any
 
+from ._common import _key_name
+
 
 def _write(path: str | os.PathLike, shards: list[tuple[str, list[tuple], int]], rank: int | None) -> int:
     """Writes the JSON; returns the number of events."""
@@ -85,8 +87,7 @@ class Trace:
         shards = []
         for key, shard in self._started:
             records, dropped = shard.trace_stop()
-            dtype, device = key
-            shards.append((f"{str(dtype).removeprefix('torch.')} on {device}", records, dropped))
+            shards.append((_key_name(key), records, dropped))
         self._started = []
         self.dropped = sum(d for _, _, d in shards)
         rank = None

@@ -75,6 +75,8 @@ from ._ownership import _Ownership
 from ._ranks import Ranks, is_sharded, local, local_grad, shard_offset
 from ._state_dict import _StateDicts
 from ._trace import Trace
+from . import _progress
+from ._metrics import StepMetrics
 
 
 def _offload_of(p: torch.Tensor) -> Any:
@@ -177,8 +179,14 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         micro_batches: int = 1,
         grad_scaler: "torch.amp.GradScaler | None" = None,
         state_dict_format: str = "tierstate",
+        progress: "bool | Callable[[str, int, int], None] | None" = None,
+        metrics: "Callable[[dict], None] | None" = None,
     ) -> None:
         name = type(self).__name__
+        self._progress = _progress.resolve(progress, name)
+        if metrics is not None and not callable(metrics):
+            raise ValueError(f"{name}: metrics must be a callable f(dict) (or None), not {metrics!r}")
+        self._metrics = None if metrics is None else StepMetrics(metrics)
         if state_dict_format not in ("tierstate", "torch"):
             raise ValueError(f"{name}: state_dict_format must be 'tierstate' (its checkpoints, as bytes) or 'torch' "
                              f"(torch's format: what torch.distributed.checkpoint saves), not {state_dict_format!r}")
@@ -393,6 +401,8 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
                         rule=self._rule, param_dtype=p.dtype,
                         state_dtype=key[2], master=key[3], device_params=self._device_params(p),
                         defaults=list(defaults), ranks=self._ranks, **self._options)
+                    if self._progress is not None:
+                        shards[key].set_progress(self._progress)
                 members[key] = []
             with _on(p.device):
                 if off is not None:
@@ -716,10 +726,13 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         try:
-            return self._step(closure)
+            loss = self._step(closure)
         except BaseException:
             self._forget_amp()
             raise
+        if self._metrics is not None and self.last_step:
+            self._metrics(self.last_step)
+        return loss
 
     def _step(self, closure: Callable[[], Any] | None):
         self._refuse_if("step", replaced=True)

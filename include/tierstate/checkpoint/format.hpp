@@ -64,6 +64,7 @@
 #include <tierstate/checkpoint/detail/payload.hpp>
 #include <tierstate/checkpoint/error.hpp>
 #include <tierstate/core/error.hpp>
+#include <tierstate/core/progress.hpp>
 #include <tierstate/io/request.hpp>  // io::engine_options only: a codec needs no engine, nor liburing
 
 #include <array>
@@ -120,6 +121,9 @@ struct checkpoint_options {
   std::optional<io::engine_options> io;
   /// Check chunk and header checksums on load. Turn off only to fuzz the parser behind them.
   bool verify_checksums = true;
+  /// Hears the save's or load's progress (core/progress.hpp); empty: the optimizer's
+  /// options.progress, if any.
+  progress_callback progress;
 };
 
 namespace checkpoint {

@@ -24,6 +24,7 @@
 
 #include <tierstate/core/error.hpp>
 #include <tierstate/core/layout.hpp>
+#include <tierstate/core/progress.hpp>
 #include <tierstate/core/numeric.hpp>
 #include <tierstate/core/stats.hpp>
 #include <tierstate/core/tensor.hpp>
@@ -77,7 +78,8 @@ class state_store {
   /// params as they are now (when `fill_master`; load overwrites every chunk), the slots zero
   /// (the tier's fill). Does nothing when the state is made already.
   void make(std::span<tensor_entry const> tensors, typename StateTier::options const& tier_options,
-            std::size_t chunk_elements, bool fill_master = true, bool shadow = false);
+            std::size_t chunk_elements, bool fill_master = true, bool shadow = false,
+            progress_callback const& progress = {});
   /// Back to "no state yet".
   void discard() noexcept;
   [[nodiscard]] bool made() const noexcept { return layout_.has_value(); }
@@ -184,7 +186,7 @@ class state_store {
   }
 
  private:
-  void fill_master(std::span<tensor_entry const> tensors);
+  void fill_master(std::span<tensor_entry const> tensors, progress_callback const& progress);
   /// Calls f(std::type_identity<C>{}) with the codec C of slot index si (the master: fp32).
   template <class F>
   static void visit_codec(std::size_t si, F&& f);

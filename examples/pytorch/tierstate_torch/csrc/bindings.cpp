@@ -202,7 +202,7 @@ class py_param_store {
 
 class py_shard {
  public:
-  explicit py_shard(config c) : dtype_(c.param), device_params_(c.device_params), shard_(make_shard(c)) {}
+  explicit py_shard(config c) : dtype_(c.param), device_params_(c.device_params), shard_(make_shard(with_progress(c))) {}
   /// Python frees a shard with the GIL held; its driver thread, joined here, may be waiting
   /// for the GIL (an across-ranks hook of a streaming step abandoned by an exception).
   ~py_shard()
@@ -425,6 +425,9 @@ class py_shard {
   [[nodiscard]] bool in_step() const { return shard_->in_step(); }
   [[nodiscard]] bool state_lost() const { return shard_->state_lost(); }
 
+  /// `f(phase, done, total)` hears the progress of making the state, save and load (None: nothing).
+  void set_progress(py::object f) { *progress_ = std::move(f); }
+
   /// Records the timeline of what follows into a tracer of `capacity` events (tierstate/core/trace.hpp).
   void trace_start(std::size_t capacity)
   {
@@ -515,6 +518,19 @@ class py_shard {
     for (auto& g : live_) { g.reset(); }
   }
 
+  /// The shard's progress callback calls the Python callable set_progress gave (the GIL
+  /// taken), if any. Declared before shard_, which holds copies of the pointer: the last
+  /// reference dies with the py_shard, the GIL held.
+  config& with_progress(config& c)
+  {
+    c.progress = [held = progress_](std::string_view phase, std::uint64_t done, std::uint64_t total) {
+      py::gil_scoped_acquire gil;
+      if (!held->is_none()) { (*held)(py::str(phase.data(), phase.size()), done, total); }
+    };
+    return c;
+  }
+
+  std::shared_ptr<py::object> progress_ = std::make_shared<py::object>(py::none());
   dtype dtype_;
   bool device_params_;
   std::unique_ptr<shard> shard_;
@@ -737,6 +753,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     .def("composition", &tt::py_shard::composition)
     .def("in_step", &tt::py_shard::in_step)
     .def("state_lost", &tt::py_shard::state_lost)
+    .def("set_progress", &tt::py_shard::set_progress)
     .def("trace_start", &tt::py_shard::trace_start)
     .def("trace_stop", &tt::py_shard::trace_stop);
   m.def("device_is_emulated", &tt::device_is_emulated,

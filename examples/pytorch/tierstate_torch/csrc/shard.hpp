@@ -57,6 +57,9 @@ struct config {
   std::function<bool(bool)> any_nonfinite;
   std::function<double(std::span<double const>)> norm;
   hyper defaults;  ///< empty: the rule's own defaults
+  /// Hears (phase, bytes done, bytes total) of making the state, save and load
+  /// (tierstate::progress_callback, with the phase's name); empty: none.
+  std::function<void(std::string_view, std::uint64_t, std::uint64_t)> progress;
 };
 
 /// A gradient: a null `data` says the tensor has none this step. Device gradients are

@@ -100,6 +100,11 @@ class shard_impl final : public shard {
     o.ranks.any_nonfinite = c.any_nonfinite;
     o.ranks.norm          = c.norm;
     if constexpr (std::is_same_v<Tier, tierstate::NvmeFile>) { o.tier.directory = c.directory; }
+    if (c.progress) {
+      o.progress = [f = c.progress](tierstate::progress_phase p, std::uint64_t done, std::uint64_t total) {
+        f(tierstate::to_string(p), done, total);
+      };
+    }
     return o;
   }
 

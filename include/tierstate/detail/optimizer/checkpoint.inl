@@ -85,7 +85,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save(
         throw;
       }
     };
-    write_checkpoint(header, table, write);
+    write_checkpoint(header, table, o.progress ? o.progress : opts_.progress, write);
     observe(save_event::fsync_file);
     if (::fsync(fd.fd) != 0) { throw io_error(errno, temp_path, "fsync", 0, 0, "the checkpoint's temporary file"); }
     observe(save_event::rename);
@@ -153,7 +153,8 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
     }
   };
 
-  read_checkpoint(file_bytes, file, o.verify_checksums, first, region, table, scratch, read);
+  read_checkpoint(file_bytes, file, o.verify_checksums, o.progress ? o.progress : opts_.progress, first, region, table,
+                  scratch, read);
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
@@ -174,7 +175,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::flush_be
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 template <class Write>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::write_checkpoint(PinnedHost& header,
-    PinnedHost& table, Write&& write)
+    PinnedHost& table, progress_callback const& progress, Write&& write)
 {
   auto const h = make_header();
   header       = detail::aligned_copy(checkpoint::encode(h));
@@ -189,12 +190,17 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::write_ch
   std::uint64_t const P = checkpoint::detail::param_blocks(counts, sizeof(param_type), PB);
   std::uint64_t const R = H + C * B;  // the params region
   std::vector<std::uint64_t> sums(C + P);
+  std::uint64_t const total = R + P * PB + checkpoint::table_bytes(C + P);
+  auto const report         = [&](std::uint64_t done) {
+    if (progress) { progress(progress_phase::save, done, total); }
+  };
   step_stats ignored;
   for (std::size_t k = 0; k < C; ++k) {
     store_.with_chunk(k, false, ignored, [&](std::byte const* chunk) {
       sums[k] = checkpoint::checksum(chunk, B);
       write(H + k * B, chunk, B);
     });
+    report(H + (k + 1) * B);
   }
   // Offloaded params, a block at a time (never the whole model in memory).
   PinnedHost block(P > 0 ? PB : 0);
@@ -207,16 +213,18 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::write_ch
                                          });
     sums[C + j] = checkpoint::checksum(block.data(), PB);
     write(R + j * PB, block.data(), PB);
+    report(R + (j + 1) * PB);
   }
   table = detail::aligned_copy(checkpoint::encode_table(sums));
   write(R + P * PB, table.data(), table.size());
+  report(total);
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 template <class Read>
 void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_checkpoint(std::uint64_t file_bytes,
-    std::string const& file, bool verify, PinnedHost& first, PinnedHost& region, PinnedHost& table,
-    PinnedHost& scratch, Read&& read)
+    std::string const& file, bool verify, progress_callback const& progress, PinnedHost& first, PinnedHost& region,
+    PinnedHost& table, PinnedHost& scratch, Read&& read)
 {
   if (file_bytes < checkpoint::block) {
     throw checkpoint_error(file, "is " + std::to_string(file_bytes) + " bytes, shorter than a header (truncated)");
@@ -280,16 +288,23 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
                                     ") of the file) does not match its checksum (corrupt)");
   };
   scratch = PinnedHost(P > 0 ? std::max(B, PB) : B);  // one chunk (or params block): all load needs beyond
+  std::uint64_t const total = std::uint64_t{C} * B + P * PB;  // (a pass's bytes)
+  auto const report         = [&](progress_phase phase, std::uint64_t done) {
+    if (progress) { progress(phase, done, total); }
+  };
   // Pass 1: every chunk verified before anything changes.
   if (verify) {
     for (std::size_t k = 0; k < C; ++k) {
       read(H + k * B, scratch.data(), B);
       if (checkpoint::checksum(scratch.data(), B) != sums[k]) { throw corrupt_chunk(k); }
+      if (k + 1 < C || P > 0) { report(progress_phase::verify, (k + 1) * B); }
     }
     for (std::uint64_t j = 0; j < P; ++j) {
       read(R + j * PB, scratch.data(), PB);
       if (checkpoint::checksum(scratch.data(), PB) != sums[C + j]) { throw corrupt_params(j); }
+      if (j + 1 < P) { report(progress_phase::verify, C * B + (j + 1) * PB); }
     }
+    report(progress_phase::verify, total);
   }
   // The file is good: the state is made (its master is not filled from the params: every
   // chunk is loaded below) and replaced. A failure from here on leaves it part loaded: lost.
@@ -311,6 +326,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
       if (verify && checkpoint::checksum(chunk, B) != sums[k]) { throw corrupt_chunk(k); }
       store_.tier().write(store_.chunk_offset(k), std::span<std::byte const>(chunk, B));
       store_.params_from_master(k, chunk, tensors_);
+      if (k + 1 < C || P > 0) { report(progress_phase::load, (k + 1) * B); }
     }
     for (std::uint64_t j = 0; j < P; ++j) {  // the params the file keeps: after the master's
       read(R + j * PB, scratch.data(), PB);
@@ -320,8 +336,10 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
                                              detail::write_params(tensors_[h.param_tensors[i]], offset,
                                                           {reinterpret_cast<param_type const*>(at), n});
                                            });
+      if (j + 1 < P) { report(progress_phase::load, C * B + (j + 1) * PB); }
     }
     detail::flush_sources(sources_);  // every param in its tier before load returns
+    report(progress_phase::load, total);
   } catch (std::exception const& e) {
     store_.mark_lost(e.what());
     throw;
@@ -358,7 +376,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save_to(
   try {
     materialize();
     std::uint64_t next = 0;  // the pieces come in order: each starts where the last ended
-    write_checkpoint(header, table, [&](std::uint64_t offset, std::byte const* data, std::size_t n) {
+    write_checkpoint(header, table, opts_.progress, [&](std::uint64_t offset, std::byte const* data, std::size_t n) {
       TIERSTATE_EXPECTS(offset == next, "save_to: a piece out of order");
       write(std::span<std::byte const>(data, n));
       next = offset + n;
@@ -379,7 +397,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load_fro
   if (!read) { throw logic_error("load_from: the reader is empty"); }
   if (tensors_.empty()) { throw logic_error("load_from: no tensor is registered: add_tensor first"); }
   PinnedHost first{0}, region{0}, table{0}, scratch{0};
-  read_checkpoint(size, "(load_from)", verify_checksums, first, region, table, scratch,
+  read_checkpoint(size, "(load_from)", verify_checksums, opts_.progress, first, region, table, scratch,
                   [&](std::uint64_t offset, std::byte* data, std::size_t n) {
                     if (offset + n > size) {
                       throw checkpoint_error("(load_from)", "a read of [" + std::to_string(offset) + ", " +

@@ -101,6 +101,7 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
   count_step(grads);
   result.step                = step_;
   result.stats.total_seconds = detail::seconds_since(t_start);
+  io_watch_.observe(result.stats, StateTier::name);
   return result;
 }
 

@@ -149,7 +149,9 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::f
 {
   detail::gate_entry const gate(gate_, "finish_step");
   if (!in_step()) { throw logic_error("finish_step: no streaming step is in progress (call begin_step)"); }
-  return streaming_.finish();
+  step_result r = streaming_.finish();
+  io_watch_.observe(r.stats, StateTier::name);
+  return r;
 }
 
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>

@@ -40,7 +40,7 @@ template <class Precision, class Rule, tier StateTier, class Placement>
 void state_store<Precision, Rule, StateTier, Placement>::make(std::span<tensor_entry const> tensors,
                                                               typename StateTier::options const& tier_options,
                                                               std::size_t chunk_elements, bool fill,
-                                                              bool shadow)
+                                                              bool shadow, progress_callback const& progress)
 {
   if (layout_) { return; }
   tierstate::layout lay = layout_for(tensors, chunk_elements);
@@ -101,9 +101,9 @@ void state_store<Precision, Rule, StateTier, Placement>::make(std::span<tensor_e
     }
     if constexpr (Placement::io_thread) { io_ = std::make_unique<detail::io_worker<StateTier>>(*tier_); }
     if constexpr (Precision::has_master) {
-      if (fill) { fill_master(tensors); }
+      if (fill) { fill_master(tensors, progress); }
     } else {
-      (void)fill;
+      (void)fill, (void)progress;
     }
   } catch (...) {
     discard();
@@ -112,8 +112,10 @@ void state_store<Precision, Rule, StateTier, Placement>::make(std::span<tensor_e
 }
 
 template <class Precision, class Rule, tier StateTier, class Placement>
-void state_store<Precision, Rule, StateTier, Placement>::fill_master(std::span<tensor_entry const> tensors)
+void state_store<Precision, Rule, StateTier, Placement>::fill_master(std::span<tensor_entry const> tensors,
+                                                                     progress_callback const& progress)
 {
+  std::uint64_t const total = layout_->total_bytes();
   step_stats ignored;
   std::vector<param_type> params;  // device params, copied to the host
   for (std::size_t k = 0; k < layout_->chunk_count(); ++k) {
@@ -136,6 +138,7 @@ void state_store<Precision, Rule, StateTier, Placement>::fill_master(std::span<t
         for (std::size_t i = 0; i < pc.count; ++i) { master[pc.chunk_begin + i] = convert<float>(src[i]); }
       }
     });
+    if (progress) { progress(progress_phase::make_state, std::uint64_t{k + 1} * layout_->chunk_bytes(), total); }
   }
 }
 
