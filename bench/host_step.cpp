@@ -905,12 +905,23 @@ void run_optimizer(options const& o, thread_pool& pool, arrays<P>& arr, double b
   // as a program built for plain x86-64 runs it, with the dispatched kernels and with its own.
   constexpr bool portable = std::is_same_v<R, AdamW> && (std::is_same_v<P, Fp32> || std::is_same_v<P, Bf16Mixed>);
   std::size_t const portable_at = loops.size();
+  // And the same unchecked step with its workers bound to physical cores (thread_binding).
+  typename Opt::options bound_options = unchecked;
+  bound_options.bind_threads          = thread_binding::physical_cores;
+  std::unique_ptr<Opt> bound;
   if constexpr (portable) {
     for (auto const k : {host_step_portable::kernels::dispatched, host_step_portable::kernels::baseline}) {
       loops.push_back(host_step_portable::adamw_step(k, std::is_same_v<P, Bf16Mixed>, param.get<typename P::param_type>(),
                                                      grad.get<typename P::grad_type>(), sizes.data(), sizes.size(),
                                                      pool.size()));
     }
+    bound = std::make_unique<Opt>(typename R::hyperparameters{}, bound_options);
+    for (std::size_t t = 0, off = 0; t < sizes.size(); off += sizes[t], ++t) {
+      std::string name = "t";
+      name += std::to_string(t);
+      bound->add_tensor(std::move(name), param.get<typename P::param_type>() + off, sizes[t]);
+    }
+    loops.push_back([&] { bound->step(views); });
   }
   auto const s = interleaved_medians(o.reps, loops);
   if constexpr (portable) {
@@ -925,6 +936,20 @@ void run_optimizer(options const& o, thread_pool& pool, arrays<P>& arr, double b
       std::string(R::name).c_str(), P::name().c_str(), host::arch_name(), host_step_portable::dispatched_level().c_str(),
       host_step_portable::baseline_arch().c_str(), n, sizes.size(), pool.size(), o.reps, s[portable_at], s[1],
       s[portable_at + 1], s[1] / s[portable_at], s[1] / s[portable_at + 1]);
+    // binding: the unchecked step with the workers bound to physical cores against the same
+    // step left to the kernel (ratio > 1: binding is faster), in the same interleaved run.
+    std::string cpus;
+    for (int c : bound->pool().bound_cpus()) {
+      if (!cpus.empty()) { cpus += ','; }
+      cpus += std::to_string(c);
+    }
+    std::printf(
+      "{\"bench\":\"host_step\",\"variant\":\"binding\",\"rule\":\"%s\",\"precision\":\"%s\",\"arch\":\"%s\","
+      "\"elements\":%zu,\"threads\":%zu,\"physical_cores\":%zu,\"bound_cpus\":[%s],\"reps\":%d,"
+      "\"nonfinite_check\":false,\"unbound_seconds_per_step\":%.6g,\"bound_seconds_per_step\":%.6g,"
+      "\"ratio\":%.4f}\n",
+      std::string(R::name).c_str(), P::name().c_str(), host::arch_name(), n, pool.size(), physical_core_cpus().size(),
+      cpus.c_str(), o.reps, s[1], s[portable_at + 2], s[1] / s[portable_at + 2]);
     std::fflush(stdout);
   }
 

@@ -3,10 +3,13 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <stdexcept>
 #include <thread>
 #include <vector>
+
+#include <sched.h>
 
 using namespace tierstate;
 
@@ -70,4 +73,43 @@ TEST_CASE("several threads may call parallel_for at once", "[thread_pool]")
   }
   for (auto& t : callers) { t.join(); }
   CHECK(total == 4u * 50u * 1000u);
+}
+
+TEST_CASE("physical_cores binds each worker to one CPU of its own core; the caller is never bound", "[thread_pool]")
+{
+  std::vector<int> const cores = physical_core_cpus();
+  REQUIRE(!cores.empty());
+  CHECK(cores.size() <= available_cpus());
+  CHECK(std::is_sorted(cores.begin(), cores.end()));
+  cpu_set_t caller_before;
+  REQUIRE(sched_getaffinity(0, sizeof caller_before, &caller_before) == 0);
+  SECTION("threads = 0: one per physical core")
+  {
+    thread_pool pool(0, thread_binding::physical_cores);
+    CHECK(pool.size() == cores.size());
+    auto const cpus = pool.bound_cpus();
+    REQUIRE(cpus.size() == pool.size());
+    CHECK(cpus[0] == -1);
+    for (std::size_t i = 1; i < cpus.size(); ++i) { CHECK(cpus[i] == cores[i % cores.size()]); }
+    // Each worker runs where it is bound: every part reports its CPU.
+    std::vector<int> ran(pool.size(), -2);
+    pool.parallel_for(pool.size(), 1, [&](std::size_t b, std::size_t e) {
+      for (std::size_t i = b; i < e; ++i) { ran[i] = sched_getcpu(); }
+    });
+    for (std::size_t i = 1; i < ran.size(); ++i) { CHECK(ran[i] == cpus[i]); }
+  }
+  SECTION("more threads than cores wrap around the cores")
+  {
+    thread_pool pool(cores.size() * 2 + 1, thread_binding::physical_cores);
+    auto const cpus = pool.bound_cpus();
+    for (std::size_t i = 1; i < cpus.size(); ++i) { CHECK(cpus[i] == cores[i % cores.size()]); }
+  }
+  SECTION("none binds nothing")
+  {
+    thread_pool pool(3);
+    CHECK(pool.bound_cpus() == std::vector<int>{-1, -1, -1});
+  }
+  cpu_set_t caller_after;
+  REQUIRE(sched_getaffinity(0, sizeof caller_after, &caller_after) == 0);
+  CHECK(CPU_EQUAL(&caller_before, &caller_after));
 }

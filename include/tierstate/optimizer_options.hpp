@@ -5,6 +5,7 @@
 
 #include <tierstate/core/config.hpp>
 #include <tierstate/core/progress.hpp>
+#include <tierstate/core/thread_pool.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -49,8 +50,12 @@ struct optimizer_options {
   /// is lost), the file's.
   /// A model with fewer elements gets one chunk of its own size, rounded up to 2048.
   std::size_t chunk_elements = 0;
-  /// Worker threads, the caller included; 0: the CPUs of the affinity mask.
+  /// Worker threads, the caller included; 0: the CPUs of the affinity mask (with
+  /// bind_threads = physical_cores: its physical cores).
   std::size_t threads = 0;
+  /// Where the worker threads run: left to the kernel (none), or each bound to a physical
+  /// core of the affinity mask (core/thread_pool.hpp). The caller's thread is never bound.
+  thread_binding bind_threads = thread_binding::none;
   nonfinite_policy on_nonfinite = nonfinite_policy::skip_step;
   /// Clip the gradients' global 2-norm to this, as torch.nn.utils.clip_grad_norm_ does
   /// (after unscaling); 0: no clipping. The norm is summed over fixed 4096-element blocks

@@ -657,6 +657,19 @@ class Parity(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "metrics must be a callable"):
             tierstate_torch.AdamW(make_model().parameters(), metrics=3)
 
+    def test_bind_threads_changes_no_bit(self):
+        """bind_threads=True: the workers on physical cores; the same params, bit for bit."""
+        data = batches(3, seed=37)
+        runs = []
+        for bind in (False, True):
+            model = make_model(torch.bfloat16)
+            opt = tierstate_torch.AdamW(model.parameters(), lr=LR, threads=2, bind_threads=bind)
+            runs.append((train(model, opt, data), [p.detach().clone() for p in model.parameters()]))
+            opt.close()
+        self.assertEqual(runs[0][0], runs[1][0])
+        for a, b in zip(runs[0][1], runs[1][1]):
+            self.assertTrue(torch.equal(a, b))
+
     def test_state_dict_format_torch_round_trip_is_exact(self):
         """state_dict_format="torch": torch's format, the slots in fp32 and the master kept, so
         that a bf16 model's run (fp32 or 8-bit moments) goes on bit for bit from it; torch's own

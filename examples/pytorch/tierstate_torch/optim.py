@@ -170,6 +170,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         min_8bit_size: int = 4096,
         chunk_elements: int = 0,
         threads: int = 0,
+        bind_threads: bool = False,
         max_grad_norm: float | None = None,
         on_nonfinite: str = "skip_step",
         delayed_update: bool = False,
@@ -240,6 +241,7 @@ class _OffloadedBase(_Ownership, _StateDicts, torch.optim.Optimizer):
         self._keep_state_view()
         self._options = dict(tier=tier, compute=compute, directory=str(path) if path is not None else "",
                              chunk_elements=int(chunk_elements), threads=int(threads),
+                             bind_threads=bool(bind_threads),
                              max_grad_norm=float(max_grad_norm or 0.0), on_nonfinite=on_nonfinite,
                              delayed_update=bool(delayed_update), shadow_state=shadow)
         self._format = dict(state_dtype=state_dtype, master=master, min_8bit_size=min_8bit_size)

@@ -701,7 +701,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
     .def(py::init([](std::string rule, at::ScalarType param, at::ScalarType state, std::string master,
                      std::string tier, std::string compute, bool device_params, std::string directory,
                      std::size_t chunk_elements,
-                     std::size_t threads, double max_grad_norm, std::string on_nonfinite,
+                     std::size_t threads, bool bind_threads, double max_grad_norm, std::string on_nonfinite,
                      bool delayed_update, int shadow_state, tt::hyper defaults, py::object ranks) {
            tt::config c;
            c.rule           = std::move(rule);
@@ -714,6 +714,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
            c.directory      = std::move(directory);
            c.chunk_elements = chunk_elements;
            c.threads        = threads;
+           c.bind_threads   = bind_threads;
            c.max_grad_norm  = max_grad_norm;
            c.on_nonfinite   = std::move(on_nonfinite);
            c.delayed_update = delayed_update;
@@ -724,6 +725,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
          }),
          py::arg("rule"), py::arg("param_dtype"), py::arg("state_dtype"), py::arg("master"),
          py::arg("tier"), py::arg("compute"), py::arg("device_params"), py::arg("directory"), py::arg("chunk_elements"), py::arg("threads"),
+         py::arg("bind_threads"),
          py::arg("max_grad_norm"), py::arg("on_nonfinite"), py::arg("delayed_update"), py::arg("shadow_state"), py::arg("defaults"),
          py::arg("ranks") = py::none())
     .def("add_tensor", &tt::py_shard::add_tensor)

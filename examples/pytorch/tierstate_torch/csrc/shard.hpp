@@ -48,6 +48,7 @@ struct config {
   std::string directory;           ///< NvmeFile: where the scratch file goes
   std::size_t chunk_elements = 0;  ///< 0: 2^20, or a checkpoint's
   std::size_t threads   = 0;
+  bool bind_threads     = false;   ///< tierstate::thread_binding::physical_cores
   double max_grad_norm  = 0.0;
   std::string on_nonfinite = "skip_step";  ///< skip_step, report, ignore
   bool delayed_update   = false;

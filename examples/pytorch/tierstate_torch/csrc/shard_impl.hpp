@@ -95,6 +95,7 @@ class shard_impl final : public shard {
     o.threads        = c.threads;
     o.on_nonfinite   = parse_policy(c.on_nonfinite);
     o.max_grad_norm  = c.max_grad_norm;
+    o.bind_threads   = c.bind_threads ? tierstate::thread_binding::physical_cores : tierstate::thread_binding::none;
     o.delayed_update = c.delayed_update;
     o.shadow_state   = c.shadow_state == 1 || (c.shadow_state == 2 && optimizer::can_shadow_state);
     o.ranks.any_nonfinite = c.any_nonfinite;

@@ -2,8 +2,16 @@
 #pragma once
 
 #include <algorithm>
+#include <cerrno>
 #include <condition_variable>
+#include <cstdio>
+#include <map>
 #include <mutex>
+#include <string>
+#include <system_error>
+#include <utility>
+
+#include <pthread.h>
 #include <sched.h>
 
 namespace tierstate::inline TIERSTATE_ABI {
@@ -20,9 +28,45 @@ inline std::size_t available_cpus() noexcept
   return hw > 0 ? hw : 1;
 }
 
+inline std::vector<int> physical_core_cpus()
+{
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> allowed;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &set)) { allowed.push_back(c); }
+    }
+  }
+  if (allowed.empty()) { return {0}; }
+  // (package, core) -> its lowest allowed CPU; a CPU whose topology is unreadable is a core.
+  auto read_id = [](int cpu, char const* what) -> long {
+    char path[96];
+    std::snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%d/topology/%s", cpu, what);
+    std::FILE* f = std::fopen(path, "re");
+    if (f == nullptr) { return -1; }
+    long v       = -1;
+    if (std::fscanf(f, "%ld", &v) != 1) { v = -1; }
+    std::fclose(f);
+    return v;
+  };
+  std::map<std::pair<long, long>, int> cores;
+  for (int c : allowed) {
+    long const package = read_id(c, "physical_package_id");
+    long const core    = read_id(c, "core_id");
+    std::pair<long, long> const key = package < 0 || core < 0 ? std::pair<long, long>{-1, -1 - c} : std::pair{package, core};
+    cores.emplace(key, c);  // (allowed is ascending: the first is the lowest)
+  }
+  std::vector<int> out;
+  for (auto const& [key, cpu] : cores) { out.push_back(cpu); }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 struct thread_pool::state {
   std::size_t size = 1;
   std::vector<std::thread> workers;
+  std::vector<int> cpus;  ///< each thread's CPU (-1: not bound); [0] the caller's
 
   std::mutex call_mutex;  // one job at a time
 
@@ -80,17 +124,32 @@ struct thread_pool::state {
   }
 };
 
-inline thread_pool::thread_pool(std::size_t threads) : state_(std::make_unique<state>())
+inline thread_pool::thread_pool(std::size_t threads, thread_binding binding) : state_(std::make_unique<state>())
 {
   if (threads > 4096) {
     throw invalid_option("thread_pool.threads", detail::to_text(threads),
                          "at most 4096 threads (0 means the CPUs of the affinity mask)");
   }
-  state_->size = threads == 0 ? available_cpus() : threads;
+  std::vector<int> const cores = binding == thread_binding::physical_cores ? physical_core_cpus() : std::vector<int>{};
+  state_->size = threads != 0 ? threads : cores.empty() ? available_cpus() : cores.size();
+  state_->cpus.assign(state_->size, -1);
   state_->workers.reserve(state_->size - 1);
   try {
     for (std::size_t i = 1; i < state_->size; ++i) {
       state_->workers.emplace_back([s = state_.get(), i] { s->worker_loop(i); });
+      if (!cores.empty()) {
+        int const cpu = cores[i % cores.size()];
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(cpu, &one);
+        int const err = pthread_setaffinity_np(state_->workers.back().native_handle(), sizeof(one), &one);
+        if (err != 0) {
+          throw std::system_error(err, std::generic_category(),
+                                  "tierstate: binding a worker thread to CPU " + std::to_string(cpu) +
+                                    " (thread_binding::physical_cores)");
+        }
+        state_->cpus[i] = cpu;
+      }
     }
   } catch (...) {
     {
@@ -114,6 +173,8 @@ inline thread_pool::~thread_pool()
 }
 
 inline std::size_t thread_pool::size() const noexcept { return state_->size; }
+
+inline std::vector<int> thread_pool::bound_cpus() const { return state_->cpus; }
 
 inline void thread_pool::run(std::size_t parts, std::size_t n, std::size_t grain,
                              std::function<void(std::size_t, std::size_t)> const& job)

@@ -15,7 +15,7 @@ namespace tierstate::inline TIERSTATE_ABI {
 template <class Rule, precision Precision, tier StateTier, class Transfer, class Compute>
 OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::OffloadedOptimizer(
     hyperparameters const& defaults, options const& opts)
-  : opts_(opts), pool_(opts.threads)
+  : opts_(opts), pool_(opts.threads, opts.bind_threads)
 {
   validate_hyperparameters<rule_type>(defaults);
   if (opts.chunk_elements % layout::element_granularity != 0) {
