@@ -56,6 +56,9 @@ struct optimizer_options {
   /// Where the worker threads run: left to the kernel (none), or each bound to a physical
   /// core of the affinity mask (core/thread_pool.hpp). The caller's thread is never bound.
   thread_binding bind_threads = thread_binding::none;
+  /// The NUMA node of the staging buffers' memory, and of a PinnedHost state's where
+  /// tier.numa_node is -1 (tiers/pinned_host.hpp: needs a build with libnuma); -1: none.
+  int numa_node = -1;
   nonfinite_policy on_nonfinite = nonfinite_policy::skip_step;
   /// Clip the gradients' global 2-norm to this, as torch.nn.utils.clip_grad_norm_ does
   /// (after unscaling); 0: no clipping. The norm is summed over fixed 4096-element blocks

@@ -180,10 +180,16 @@
 #else
 #define TIERSTATE_ABI_TRACE _notrace
 #endif
-#define TIERSTATE_ABI_NAME2(cuda, isa, trace) abi_##cuda##_##isa##trace
-#define TIERSTATE_ABI_NAME(cuda, isa, trace) TIERSTATE_ABI_NAME2(cuda, isa, trace)
-#if defined(TIERSTATE_ENABLE_CUDA)
-#define TIERSTATE_ABI TIERSTATE_ABI_NAME(cuda, TIERSTATE_ABI_ISA, TIERSTATE_ABI_TRACE)
+// A build with libnuma (TIERSTATE_WITH_NUMA: PinnedHost's numa_node) ends it in "_numa".
+#if defined(TIERSTATE_WITH_NUMA)
+#define TIERSTATE_ABI_NUMA _numa
 #else
-#define TIERSTATE_ABI TIERSTATE_ABI_NAME(host, TIERSTATE_ABI_ISA, TIERSTATE_ABI_TRACE)
+#define TIERSTATE_ABI_NUMA
+#endif
+#define TIERSTATE_ABI_NAME2(cuda, isa, trace, numa) abi_##cuda##_##isa##trace##numa
+#define TIERSTATE_ABI_NAME(cuda, isa, trace, numa) TIERSTATE_ABI_NAME2(cuda, isa, trace, numa)
+#if defined(TIERSTATE_ENABLE_CUDA)
+#define TIERSTATE_ABI TIERSTATE_ABI_NAME(cuda, TIERSTATE_ABI_ISA, TIERSTATE_ABI_TRACE, TIERSTATE_ABI_NUMA)
+#else
+#define TIERSTATE_ABI TIERSTATE_ABI_NAME(host, TIERSTATE_ABI_ISA, TIERSTATE_ABI_TRACE, TIERSTATE_ABI_NUMA)
 #endif

@@ -44,6 +44,7 @@
 #include <span>
 #include <string>
 #include <utility>
+#include <type_traits>
 #include <vector>
 
 namespace tierstate::inline TIERSTATE_ABI::detail {
@@ -79,7 +80,7 @@ class state_store {
   /// (the tier's fill). Does nothing when the state is made already.
   void make(std::span<tensor_entry const> tensors, typename StateTier::options const& tier_options,
             std::size_t chunk_elements, bool fill_master = true, bool shadow = false,
-            progress_callback const& progress = {});
+            progress_callback const& progress = {}, int numa_node = -1);
   /// Back to "no state yet".
   void discard() noexcept;
   [[nodiscard]] bool made() const noexcept { return layout_.has_value(); }

@@ -47,6 +47,9 @@
 #include <sys/mman.h>
 #include <sys/resource.h>
 
+#if defined(TIERSTATE_WITH_NUMA)
+#include <numa.h>
+#endif
 #if defined(TIERSTATE_ENABLE_CUDA)
 #include <cuda_runtime_api.h>
 #endif
@@ -222,6 +225,42 @@ inline void* map_anonymous(std::size_t bytes, std::size_t huge) noexcept
   return reinterpret_cast<void*>(aligned);
 }
 
+/// Whether PinnedHost places its memory on NUMA node `node`: -1 asks for nothing (false); a
+/// node the machine lacks is refused; a build without libnuma, or a kernel without NUMA,
+/// tells so once and places nothing (false).
+inline bool check_numa_node(int node, char const* option = "PinnedHost.numa_node")
+{
+  if (node == -1) { return false; }
+  if (node < -1) {
+    throw invalid_option(option, std::to_string(node), "a NUMA node is >= 0 (-1: no placement)");
+  }
+#if defined(TIERSTATE_WITH_NUMA)
+  if (numa_available() < 0) {
+    notify_once("PinnedHost.numa", std::string(option) + " = " + std::to_string(node) +
+                                     " is ignored: this kernel has no NUMA support (numa_available)");
+    return false;
+  }
+  if (node > numa_max_node()) {
+    throw invalid_option(option, std::to_string(node),
+                         "this machine's NUMA nodes are 0.." + std::to_string(numa_max_node()));
+  }
+  return true;
+#else
+  notify_once("PinnedHost.numa", std::string(option) + " = " + std::to_string(node) +
+                                   " is ignored: tierstate was built without libnuma (install libnuma-dev, define "
+                                   "TIERSTATE_WITH_NUMA and link -lnuma)");
+  return false;
+#endif
+}
+
+/// Binds [p, p + bytes) to NUMA node `node` (its pages are then taken there when touched).
+inline void place_on_node([[maybe_unused]] void* p, [[maybe_unused]] std::size_t bytes, [[maybe_unused]] int node)
+{
+#if defined(TIERSTATE_WITH_NUMA)
+  numa_tonode_memory(p, bytes, node);
+#endif
+}
+
 /// Throws std::system_error (ENOMEM) with a sentence where `bytes` do not fit the tightest
 /// limit; tells once where pageable memory fits only with swap.
 inline void check_host_memory(std::size_t bytes, bool locked)
@@ -249,17 +288,29 @@ inline void check_host_memory(std::size_t bytes, bool locked)
 }  // namespace detail
 
 
+/// PinnedHost::options (outside the class: a default member initializer of a nested class
+/// cannot serve its enclosing class's default arguments).
+struct pinned_host_options {
+  /// The NUMA node whose memory backs it (-1: the kernel's choice, where the thread that
+  /// first touches a page runs). Needs a build with libnuma (TIERSTATE_WITH_NUMA defined,
+  /// -lnuma linked; Debian's libnuma-dev): without it, or on a kernel without NUMA, the
+  /// request is told once (core/notice.hpp) and the memory is placed as by default. A node
+  /// the machine does not have is refused (tierstate::invalid_option).
+  int numa_node = -1;
+};
+
 class PinnedHost {
  public:
-  struct options {};
+  using options = pinned_host_options;
   static constexpr std::string_view name = "PinnedHost";
 
   /// Zero-filled, page-aligned memory of `bytes` bytes. Throws std::system_error (ENOMEM
   /// and the like) with a sentence naming the size, the limit that refuses it and what to
   /// change, before taking any memory, where the memory cannot be had (see the file
   /// comment); nothing is allocated then.
-  explicit PinnedHost(std::size_t bytes, options const& = {}) : size_(bytes)
+  explicit PinnedHost(std::size_t bytes, options const& o = {}) : size_(bytes)
   {
+    bool const numa = detail::check_numa_node(o.numa_node);
     if (bytes == 0) { return; }
 #if defined(TIERSTATE_ENABLE_CUDA)
     constexpr bool locked = true;
@@ -276,6 +327,7 @@ class PinnedHost {
                                 " bytes of host memory (mmap; keep the state in NvmeFile, or use a "
                                 "smaller chunk_elements for staging buffers)");
     }
+    if (numa) { detail::place_on_node(p, mapped_, o.numa_node); }  // (before any page is touched)
 #if defined(TIERSTATE_ENABLE_CUDA)
     (void)::madvise(p, mapped_, MADV_DONTFORK);
     cudaError_t e = cudaHostRegister(p, mapped_, cudaHostRegisterDefault);

@@ -44,6 +44,7 @@ OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::OffloadedOpti
                              "is not (NvmeFile, a user's), OnHost compute, a precision with an fp32 master and a "
                              "rule without a tensor phase");
   }
+  (void)detail::check_numa_node(opts.numa_node, "numa_node");  // (a node the machine lacks: refused now)
   store_type::preflight(opts.tier);
   groups_.push_back(defaults);
 }

@@ -10,7 +10,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::material
                                                                                     std::size_t chunk_elements)
 {
   store_.make(tensors_, opts_.tier, chunk_elements != 0 ? chunk_elements : opts_.chunk_elements, fill_master,
-              opts_.shadow_state, opts_.progress);
+              opts_.shadow_state, opts_.progress, opts_.numa_node);
   tensor_phase_.make(std::span<tensor_entry const>(tensors_));
 }
 

@@ -40,7 +40,8 @@ template <class Precision, class Rule, tier StateTier, class Placement>
 void state_store<Precision, Rule, StateTier, Placement>::make(std::span<tensor_entry const> tensors,
                                                               typename StateTier::options const& tier_options,
                                                               std::size_t chunk_elements, bool fill,
-                                                              bool shadow, progress_callback const& progress)
+                                                              bool shadow, progress_callback const& progress,
+                                                              int numa_node)
 {
   if (layout_) { return; }
   tierstate::layout lay = layout_for(tensors, chunk_elements);
@@ -62,9 +63,20 @@ void state_store<Precision, Rule, StateTier, Placement>::make(std::span<tensor_e
   }
   for (std::size_t k = 0; k < lay.chunk_count(); ++k) { chunk_pieces[k + 1] += chunk_pieces[k]; }
 
-  StateTier tier(lay.total_bytes() * (shadow ? 2 : 1), tier_options);
+  auto const placed = [&] {  // a PinnedHost state on the optimizer's node where its own names none
+    if constexpr (std::is_same_v<StateTier, PinnedHost>) {
+      auto o = tier_options;
+      if (o.numa_node == -1) { o.numa_node = numa_node; }
+      return o;
+    } else {
+      return tier_options;
+    }
+  };
+  StateTier tier(lay.total_bytes() * (shadow ? 2 : 1), placed());
   std::optional<PinnedHost> staging;
-  if constexpr (Placement::host_staging_chunks > 0) { staging.emplace(Placement::host_staging_chunks * lay.chunk_bytes()); }
+  if constexpr (Placement::host_staging_chunks > 0) {
+    staging.emplace(Placement::host_staging_chunks * lay.chunk_bytes(), PinnedHost::options{.numa_node = numa_node});
+  }
   std::unique_ptr<device_resources> dev;
   if constexpr (Placement::device != routes::device_staging::none) {
     dev = std::make_unique<device_resources>();
