@@ -21,6 +21,8 @@ build gpu_compositions_cuda examples/gpu_compositions.cu
 build gpu_step_cuda bench/gpu_step.cu
 build test_pinned_host_cuda tests/test_pinned_host_cuda.cpp
 build pinned_alloc_cuda bench/pinned_alloc.cu
+# The NVMe demo (host code; its text given with --text there), for a traced step on that machine.
+build char_mlp examples/char_mlp.cpp -DTIERSTATE_SOURCE_DIR=\".\"
 fail=0
 for job in $(jobs -p); do wait "$job" || fail=1; done
 exit $fail

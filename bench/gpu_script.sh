@@ -6,7 +6,8 @@
 #   bash bench/gpu_script.sh [BUNDLE_DIR]         the GPU tests, pinned_alloc (cudaHostAlloc
 #       against mmap'ed huge pages registered with cudaHostRegister), the example, and the
 #       gpu_step benchmark (1e9 elements in memory, 1e8 on NVMe under /tmp; fp32 and 8-bit
-#       state): about 2 minutes on 2026-12-04;
+#       state), and the NVMe demo's traced step (trace_char_mlp.json in OUT): about 2 minutes
+#       on 2026-12-04;
 #   bash bench/gpu_script.sh [BUNDLE_DIR] torch   the PyTorch parity test on the GPU (8-bit
 #       state included), the extension built there unless the bundle has one for that
 #       Python. On 2026-12-04 the build alone took more than 330 s on 16 cores, so this part
@@ -51,7 +52,8 @@ starts() {
   [ $? -lt 126 ]
 }
 if ! starts "$B/bin/test_pinned_host_cuda" || ! starts "$B/bin/test_device_cuda" --list-tests || ! starts "$B/bin/gpu_step_cuda" --steps 0 ||
-   ! starts "$B/bin/gpu_compositions_cuda" --steps 0 || ! starts "$B/bin/pinned_alloc_cuda" --reps 1 --bytes 2097152; then
+   ! starts "$B/bin/gpu_compositions_cuda" --steps 0 || ! starts "$B/bin/pinned_alloc_cuda" --reps 1 --bytes 2097152 ||
+   ! starts "$B/bin/char_mlp" --help; then
   stamp "a bundled binary does not start here: rebuilding with this machine's nvcc"
   bash bench/gpu_build.sh "$B" 2>&1 | tee -a "$LOG"
 fi
@@ -84,6 +86,11 @@ echo "rc ${PIPESTATUS[0]}" | tee -a "$LOG"
 stamp "example"
 # 100 steps (its default), by which the loss must fall to a tenth, or it fails.
 logged 60 "$B/bin/gpu_compositions_cuda" --elements 4000000
+
+stamp "trace: the NVMe demo's last step on this machine's cores and disk (issue 24)"
+logged 120 "$B/bin/char_mlp" --text README.md --steps 120 --path /tmp --trace "$OUT/trace_char_mlp.json"
+python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(json.dumps({'bench': 'trace', 'events': sum(e['ph'] == 'X' for e in d['traceEvents']), 'dropped': d['otherData']['dropped_events']}))" \
+  "$OUT/trace_char_mlp.json" 2>&1 | tee -a "$JSON"
 
 stamp "gpu_step"
 timeout 150 "$B/bin/gpu_step_cuda" --steps 3 --nvme-elements 100000000 2>&1 | tee -a "$JSON"

@@ -245,8 +245,13 @@ int train(world_type& world, options const& o, std::string const& text, std::vec
 
   opt_options.threads        = o.threads;
   opt_options.chunk_elements = 16384;  // several chunks, so the pipeline has something to overlap
+  std::optional<tracer> timeline;     // --trace's (made before the optimizer, which points to it)
   auto const made      = make_optimizer<Optimizer>(world, {.lr = 3e-3, .weight_decay = 0.01}, opt_options);
   auto& opt            = *made;
+  constexpr bool can_trace = requires { opt.trace(nullptr); };
+  if (!can_trace && !o.trace.empty() && world.rank() == 0) {
+    std::printf("--trace: not with ranks::sharded (each rank's optimizer traces alone): no trace written\n");
+  }
   std::size_t n_params = 0;
   for (auto& p : params) {
     opt.add_tensor(p.name, p.w.data(), p.w.size());
@@ -348,8 +353,6 @@ int train(world_type& world, options const& o, std::string const& text, std::vec
     opt.set_hyperparameters(0, {.lr = lr, .weight_decay = 0.01});
     opt.set_hyperparameters(1, {.lr = lr, .weight_decay = 0.0});
     // The last step traced, with --trace (tierstate/core/trace.hpp).
-    constexpr bool can_trace = requires { opt.trace(nullptr); };
-    std::optional<tracer> timeline;
     if constexpr (can_trace) {
       if (!o.trace.empty() && step == o.steps) { opt.trace(&timeline.emplace()); }
     }

@@ -611,7 +611,8 @@ run_stage() {
     # trace_overhead (callgrind), param_offload, sharded_step, and dist_step with the pytorch stage's wheel (run_dist_step;
     # offload_train is bench-long's: see run_offload_train).
     bench)
-      [ -x build-gcc-native/bench/host_step ] && [ -x build-gcc-native/bench/nvme_step ] ||
+      [ -x build-gcc-native/bench/host_step ] && [ -x build-gcc-native/bench/nvme_step ] &&
+        { [ -x build-gcc-native/bench/trace_overhead ] || ! command -v valgrind >/dev/null; } ||
         { configure gcc-native g++ -Darch=native && meson compile -C build-gcc-native; } || return 1
       build-gcc-native/bench/host_step --rule adamw || return 1
       # What tracing costs when off (callgrind: instructions, not seconds; a few seconds).

@@ -71,11 +71,14 @@ TEST_CASE("numa_node: placed where asked, refused where the machine has no such 
       }
     }
     CHECK_THROWS_WITH(PinnedHost(4096, {.numa_node = last + 1}), Catch::Contains("PinnedHost.numa_node") &&
-                                                                    Catch::Contains("NUMA nodes are 0.."));
+                                                                    Catch::Contains("NUMA nodes with memory are"));
     using Optimizer = OffloadedOptimizer<AdamW, Fp32, PinnedHost>;
     Optimizer::options o;
     o.numa_node = last + 1;
     CHECK_THROWS_WITH(Optimizer({}, o), Catch::StartsWith("numa_node = "));
+    o.numa_node      = -1;
+    o.tier.numa_node = last + 1;  // the state tier's own: refused at construction too
+    CHECK_THROWS_WITH(Optimizer({}, o), Catch::StartsWith("PinnedHost.numa_node = "));
   }
 #else
   REQUIRE(told.size() == 1);

@@ -98,11 +98,16 @@ TEST_CASE("physical_cores binds each worker to one CPU of its own core; the call
     });
     for (std::size_t i = 1; i < ran.size(); ++i) { CHECK(ran[i] == cpus[i]); }
   }
-  SECTION("more threads than cores wrap around the cores")
+  SECTION("more threads than cores: the cores, then their siblings, every allowed CPU before any twice")
   {
-    thread_pool pool(cores.size() * 2 + 1, thread_binding::physical_cores);
+    std::size_t const cpus_allowed = available_cpus();
+    thread_pool pool(cpus_allowed * 2 + 1, thread_binding::physical_cores);
     auto const cpus = pool.bound_cpus();
-    for (std::size_t i = 1; i < cpus.size(); ++i) { CHECK(cpus[i] == cores[i % cores.size()]); }
+    for (std::size_t i = 1; i < cores.size(); ++i) { CHECK(cpus[i] == cores[i]); }
+    std::vector<int> first_round(cpus.begin() + 1, cpus.begin() + static_cast<std::ptrdiff_t>(cpus_allowed));
+    std::sort(first_round.begin(), first_round.end());
+    CHECK(std::adjacent_find(first_round.begin(), first_round.end()) == first_round.end());  // none twice
+    for (std::size_t i = 1; i + cpus_allowed < cpus.size(); ++i) { CHECK(cpus[i + cpus_allowed] == cpus[i]); }
   }
   SECTION("none binds nothing")
   {

@@ -146,18 +146,20 @@ TEST_CASE("a traced NvmeFile + Pipelined<2> step: each chunk's phases once, in o
   }
   CHECK(read_bytes == r.stats.tier_bytes_read);
   CHECK(written_bytes == r.stats.tier_bytes_written);
-  // And the reads ran ahead: chunk k+1's read overlapped chunk k's compute. When a read starts
-  // is the I/O thread's (once its staging buffer's last write is done), so on a loaded machine
-  // some k may miss; the pipeline working at all makes most of them overlap, and a pipeline
-  // that waited for each read before starting the next would make none.
-  std::size_t overlapping = 0;
+  // And the reads ran ahead: chunk k+1's read was in flight before chunk k's compute ended
+  // (the first Depth + 1 reads start together, before any compute: a pipeline that waited for
+  // each compute before its next read would have none). Whether a read is still running when
+  // the compute starts depends on the disk's speed against the compute's: counted, and shown.
+  std::size_t ahead = 0, overlapping = 0;
   for (std::size_t k = 0; k + 1 < chunks; ++k) {
     auto const& next = reads.at(static_cast<std::int64_t>(k + 1))[0];
     auto const& cp   = computes.at(static_cast<std::int64_t>(k))[0];
+    ahead += next.begin_ns < cp.end_ns ? 1 : 0;
     overlapping += next.begin_ns < cp.end_ns && next.end_ns > cp.begin_ns ? 1 : 0;
   }
-  WARN("chunk k+1's read overlapped chunk k's compute for " << overlapping << " of " << chunks - 1 << " chunks");
-  CHECK(overlapping > 0);
+  WARN("chunk k+1's read began before chunk k's compute ended for " << ahead << " of " << chunks - 1
+       << " chunks, and was still running when it began for " << overlapping);
+  CHECK(ahead > 0);
   CHECK(d.entries().empty());
 }
 

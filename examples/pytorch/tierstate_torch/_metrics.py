@@ -72,10 +72,17 @@ def drive_wear(path: str | os.PathLike) -> dict[str, Any]:
     nvme = shutil.which("nvme")
     if nvme is None:
         return {"device": disk, "unavailable": "nvme-cli is not installed (apt-get install nvme-cli)"}
-    r = subprocess.run([nvme, "smart-log", f"/dev/{disk}", "-o", "json"], capture_output=True, text=True, timeout=30)
+    try:
+        r = subprocess.run([nvme, "smart-log", f"/dev/{disk}", "-o", "json"], capture_output=True, text=True,
+                           timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"device": disk, "unavailable": f"nvme smart-log /dev/{disk}: {e}"}
     if r.returncode != 0:
         return {"device": disk, "unavailable": f"nvme smart-log /dev/{disk} failed: {r.stderr.strip()[-300:]}"}
-    log = json.loads(r.stdout)
+    try:
+        log = json.loads(r.stdout)
+    except ValueError as e:
+        return {"device": disk, "unavailable": f"nvme smart-log /dev/{disk} printed no JSON: {e}"}
     units = int(log.get("data_units_written", 0))
     used = log.get("percent_used", log.get("percentage_used"))
     out: dict[str, Any] = {"device": disk, "data_written_bytes": units * 512_000, "percentage_used": used}

@@ -21,7 +21,7 @@ class _Bar:
 
     def __call__(self, phase: str, done: int, total: int) -> None:
         from tqdm import tqdm
-        if self._bar is None or self._phase != phase:
+        if self._bar is None or self._phase != phase or done < self._bar.n:  # (a new run of a phase that failed)
             if self._bar is not None:
                 self._bar.close()
             self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, delay=0.5, leave=False,

@@ -8,8 +8,8 @@ process per shard, a row per thread and per I/O staging buffer.
 
 The events do not reach torch.profiler's traces: its Python API records only what runs under
 record_function on the calling thread, at that moment, and the optimizer's events come from
-its own threads (workers, the I/O thread) with their own times. Open both files side by side
-in Perfetto instead (its clock is the same steady clock)."""
+its own threads (workers, the I/O thread) with their own times. The file's times count from
+its first event; otherData's clock_origin_ns is that instant on time.monotonic_ns()'s clock."""
 from __future__ import annotations
 
 import json
@@ -75,15 +75,30 @@ class Trace:
         self.dropped = 0
 
     def start(self) -> "Trace":
+        """Starts every shard's tracer, or none: a shard that refuses (a streaming step in
+        progress) stops those already started, and the refusal is raised."""
         if self._started:
             raise RuntimeError(f"{type(self._opt).__name__}.trace: already recording")
-        for key, shard in self._opt._trace_shards():
-            shard.trace_start(self._capacity)
-            self._started.append((key, shard))
+        try:
+            for key, shard in self._opt._trace_shards():
+                shard.trace_start(self._capacity)
+                self._started.append((key, shard))
+        except BaseException:
+            for _, shard in self._started:
+                shard.trace_stop()
+            self._started = []
+            raise
         return self
 
     def stop(self) -> None:
-        """Stops recording and writes the file (once)."""
+        """Stops recording and writes the file; a second call does nothing. A streaming step
+        in progress is refused before any shard stops (step() first)."""
+        if not self._started:
+            return
+        for key, shard in self._started:
+            if shard.in_step():
+                raise RuntimeError(f"{type(self._opt).__name__}.trace: a streaming step is in progress "
+                                   "(backward handed over gradients, step() not yet called): stop after step()")
         shards = []
         for key, shard in self._started:
             records, dropped = shard.trace_stop()
@@ -102,5 +117,11 @@ class Trace:
     def __enter__(self) -> "Trace":
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.stop()
+            return
+        try:  # the body's exception is the one to see
+            self.stop()
+        except Exception:
+            pass

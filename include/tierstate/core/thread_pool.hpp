@@ -18,16 +18,21 @@ namespace tierstate::inline TIERSTATE_ABI {
 /// The CPUs this process may run on (its affinity mask), at least 1.
 [[nodiscard]] std::size_t available_cpus() noexcept;
 
-/// One CPU per physical core of the affinity mask: for each core (a package's core_id, from
-/// /sys/devices/system/cpu/cpuN/topology), the lowest CPU of it that the process may run on;
-/// in CPU order. Where the topology cannot be read, every allowed CPU counts as a core.
+/// One CPU per physical core of the affinity mask: for each core (the CPUs that share it,
+/// /sys/devices/system/cpu/cpuN/topology/thread_siblings_list), the lowest CPU of it that the
+/// process may run on; in CPU order. Where the topology cannot be read, every allowed CPU
+/// counts as a core. Empty where the affinity mask cannot be read.
 [[nodiscard]] std::vector<int> physical_core_cpus();
 
 /// How a thread pool places its own threads (never the caller's).
 enum class thread_binding : std::uint8_t {
   none,            ///< where the kernel puts them (the default)
-  physical_cores,  ///< worker i on physical_core_cpus()[i % cores]: one per physical core,
-                   ///< the first core left to the caller; threads = 0 then means one per core
+  /// Worker i (1, 2, ...) on the i-th CPU of the order: one CPU per physical core
+  /// (physical_core_cpus), then the cores' SMT siblings, then around again. With at most as
+  /// many threads as cores, each has a core of its own and the first is left to the caller;
+  /// threads = 0 means one per core. Every process binds alike: ranks that share a node
+  /// should each get their own affinity mask (taskset, numactl, the launcher's binding).
+  physical_cores,
 };
 
 /// A fixed set of std::threads that run one range-splitting job at a time.

@@ -107,8 +107,9 @@ class tracer {
   /// thread_name for each track (the step's thread, workers, I/O staging buffers), and
   /// "otherData" with the dropped count.
   void write_chrome_json(std::ostream& out) const;
-  /// The same into the file `path` (created or truncated). Throws tierstate::io_error naming
-  /// the path when it cannot be written; a file it failed to finish is removed.
+  /// The same into the file `path` (written beside it, then renamed over it). Throws
+  /// tierstate::io_error naming the path when it cannot be written; a failure leaves what was
+  /// at `path` as it was, and nothing else.
   void save(std::filesystem::path const& path) const;
 
  private:

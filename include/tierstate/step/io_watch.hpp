@@ -21,7 +21,18 @@ class io_watch {
   static constexpr double share = 0.5;    ///< of the step's time, waiting
 
   /// One step's stats (a step that moved no tier bytes, or was skipped, is not judged).
-  void observe(step_stats const& s, std::string_view tier_name)
+  /// Never throws: the step it judges is done (a notice that cannot be told is dropped).
+  void observe(step_stats const& s, std::string_view tier_name) noexcept
+  {
+    try {
+      judge(s, tier_name);
+    } catch (...) {
+      told_ = true;
+    }
+  }
+
+ private:
+  void judge(step_stats const& s, std::string_view tier_name)
   {
     if (told_ || s.total_seconds <= 0 || s.tier_bytes_read + s.tier_bytes_written == 0) { return; }
     if (++seen_ <= warm_up) { return; }
@@ -41,10 +52,10 @@ class io_watch {
                   "a deeper Pipelined<Depth>, 8-bit state (fewer bytes), or the state in host memory "
                   "(PinnedHost) where it fits would help; a trace (core/trace.hpp) shows where it waits",
                   std::string(tier_name).c_str(), 100.0 * wait_ / total_, run_, bytes_ / total_ / 1e9);
-    told_ = notify_once("io_bound", text) || true;
+    told_ = true;
+    (void)notify_once("io_bound", text);
   }
 
- private:
   int seen_     = 0;
   int run_      = 0;
   double wait_  = 0;

@@ -240,9 +240,14 @@ inline bool check_numa_node(int node, char const* option = "PinnedHost.numa_node
                                      " is ignored: this kernel has no NUMA support (numa_available)");
     return false;
   }
-  if (node > numa_max_node()) {
-    throw invalid_option(option, std::to_string(node),
-                         "this machine's NUMA nodes are 0.." + std::to_string(numa_max_node()));
+  if (node > numa_max_node() || numa_bitmask_isbitset(numa_all_nodes_ptr, static_cast<unsigned>(node)) == 0) {
+    std::string nodes;
+    for (int n = 0; n <= numa_max_node(); ++n) {
+      if (numa_bitmask_isbitset(numa_all_nodes_ptr, static_cast<unsigned>(n)) == 0) { continue; }
+      if (!nodes.empty()) { nodes += ", "; }
+      nodes += std::to_string(n);
+    }
+    throw invalid_option(option, std::to_string(node), "this machine's NUMA nodes with memory are " + nodes);
   }
   return true;
 #else

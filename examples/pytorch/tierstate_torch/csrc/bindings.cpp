@@ -426,7 +426,11 @@ class py_shard {
   [[nodiscard]] bool state_lost() const { return shard_->state_lost(); }
 
   /// `f(phase, done, total)` hears the progress of making the state, save and load (None: nothing).
-  void set_progress(py::object f) { *progress_ = std::move(f); }
+  void set_progress(py::object f)
+  {
+    progress_->set = !f.is_none();
+    progress_->f   = std::move(f);
+  }
 
   /// Records the timeline of what follows into a tracer of `capacity` events (tierstate/core/trace.hpp).
   void trace_start(std::size_t capacity)
@@ -524,13 +528,18 @@ class py_shard {
   config& with_progress(config& c)
   {
     c.progress = [held = progress_](std::string_view phase, std::uint64_t done, std::uint64_t total) {
+      if (!held->set.load(std::memory_order_acquire)) { return; }  // (no GIL taken for nothing)
       py::gil_scoped_acquire gil;
-      if (!held->is_none()) { (*held)(py::str(phase.data(), phase.size()), done, total); }
+      if (!held->f.is_none()) { held->f(py::str(phase.data(), phase.size()), done, total); }
     };
     return c;
   }
 
-  std::shared_ptr<py::object> progress_ = std::make_shared<py::object>(py::none());
+  struct progress_hook {
+    std::atomic<bool> set{false};
+    py::object f = py::none();
+  };
+  std::shared_ptr<progress_hook> progress_ = std::make_shared<progress_hook>();
   dtype dtype_;
   bool device_params_;
   std::unique_ptr<shard> shard_;

@@ -28,35 +28,54 @@ inline std::size_t available_cpus() noexcept
   return hw > 0 ? hw : 1;
 }
 
-inline std::vector<int> physical_core_cpus()
+namespace detail {
+
+/// The CPUs of the affinity mask, ascending (empty where it cannot be read).
+inline std::vector<int> allowed_cpus()
 {
   cpu_set_t set;
   CPU_ZERO(&set);
-  std::vector<int> allowed;
+  std::vector<int> out;
   if (sched_getaffinity(0, sizeof(set), &set) == 0) {
     for (int c = 0; c < CPU_SETSIZE; ++c) {
-      if (CPU_ISSET(c, &set)) { allowed.push_back(c); }
+      if (CPU_ISSET(c, &set)) { out.push_back(c); }
     }
   }
-  if (allowed.empty()) { return {0}; }
-  // (package, core) -> its lowest allowed CPU; a CPU whose topology is unreadable is a core.
-  auto read_id = [](int cpu, char const* what) -> long {
-    char path[96];
-    std::snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%d/topology/%s", cpu, what);
-    std::FILE* f = std::fopen(path, "re");
-    if (f == nullptr) { return -1; }
-    long v       = -1;
-    if (std::fscanf(f, "%ld", &v) != 1) { v = -1; }
-    std::fclose(f);
-    return v;
-  };
-  std::map<std::pair<long, long>, int> cores;
-  for (int c : allowed) {
-    long const package = read_id(c, "physical_package_id");
-    long const core    = read_id(c, "core_id");
-    std::pair<long, long> const key = package < 0 || core < 0 ? std::pair<long, long>{-1, -1 - c} : std::pair{package, core};
-    cores.emplace(key, c);  // (allowed is ascending: the first is the lowest)
+  return out;
+}
+
+/// The order workers are bound in: one CPU per physical core first (physical_core_cpus), then
+/// the cores' other CPUs (their SMT siblings), so a pool larger than the cores fills every
+/// allowed CPU before any CPU gets two workers.
+inline std::vector<int> binding_order()
+{
+  std::vector<int> order = physical_core_cpus();
+  for (int c : allowed_cpus()) {
+    if (std::find(order.begin(), order.end(), c) == order.end()) { order.push_back(c); }
   }
+  return order;
+}
+
+}  // namespace detail
+
+inline std::vector<int> physical_core_cpus()
+{
+  std::vector<int> const allowed = detail::allowed_cpus();
+  if (allowed.empty()) { return {}; }
+  // A core is the set of CPUs that share it (thread_siblings_list: unique per core, where
+  // package and core ids repeat across the dies of some parts); an unreadable one is a core.
+  auto siblings = [](int cpu) -> std::string {
+    char path[112];
+    std::snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%d/topology/thread_siblings_list", cpu);
+    std::FILE* f = std::fopen(path, "re");
+    if (f == nullptr) { return "cpu" + std::to_string(cpu); }
+    char text[256] = {};
+    bool const ok  = std::fgets(text, sizeof text, f) != nullptr;
+    std::fclose(f);
+    return ok ? std::string(text) : "cpu" + std::to_string(cpu);
+  };
+  std::map<std::string, int> cores;
+  for (int c : allowed) { cores.emplace(siblings(c), c); }  // (allowed is ascending: the first is the lowest)
   std::vector<int> out;
   for (auto const& [key, cpu] : cores) { out.push_back(cpu); }
   std::sort(out.begin(), out.end());
@@ -130,8 +149,9 @@ inline thread_pool::thread_pool(std::size_t threads, thread_binding binding) : s
     throw invalid_option("thread_pool.threads", detail::to_text(threads),
                          "at most 4096 threads (0 means the CPUs of the affinity mask)");
   }
-  std::vector<int> const cores = binding == thread_binding::physical_cores ? physical_core_cpus() : std::vector<int>{};
-  state_->size = threads != 0 ? threads : cores.empty() ? available_cpus() : cores.size();
+  std::vector<int> const cores = binding == thread_binding::physical_cores ? detail::binding_order() : std::vector<int>{};
+  std::size_t const physical   = binding == thread_binding::physical_cores ? physical_core_cpus().size() : 0;
+  state_->size = threads != 0 ? threads : physical != 0 ? physical : available_cpus();
   state_->cpus.assign(state_->size, -1);
   state_->workers.reserve(state_->size - 1);
   try {

@@ -102,8 +102,15 @@ inline void tracer::save(std::filesystem::path const& path) const
   std::ostringstream text;
   write_chrome_json(text);
   std::string const s = text.str();
-  int const fd        = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // Written beside `path` under a temporary name, then renamed over it: a failure leaves
+  // whatever was at `path` as it was, and no temporary.
+  std::string const temp = path.string() + ".tmp" + std::to_string(::getpid());
+  int const fd           = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   if (fd < 0) { throw io_error(errno, path.string(), "open for the trace"); }
+  auto fail = [&](int err, char const* what, std::uint64_t offset = 0, std::uint64_t length = 0) {
+    ::unlink(temp.c_str());
+    throw io_error(err, path.string(), what, offset, length);
+  };
   std::size_t done = 0;
   while (done < s.size()) {
     ssize_t const n = ::write(fd, s.data() + done, s.size() - done);
@@ -111,16 +118,12 @@ inline void tracer::save(std::filesystem::path const& path) const
     if (n <= 0) {
       int const err = n < 0 ? errno : EIO;
       ::close(fd);
-      ::unlink(path.c_str());  // not left half-written
-      throw io_error(err, path.string(), "write of the trace", done, s.size() - done);
+      fail(err, "write of the trace", done, s.size() - done);
     }
     done += static_cast<std::size_t>(n);
   }
-  if (::close(fd) != 0) {
-    int const err = errno;
-    ::unlink(path.c_str());
-    throw io_error(err, path.string(), "close of the trace");
-  }
+  if (::close(fd) != 0) { fail(errno, "close of the trace"); }
+  if (::rename(temp.c_str(), path.c_str()) != 0) { fail(errno, "rename of the trace"); }
 }
 
 }  // namespace tierstate

@@ -14,7 +14,6 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save(
 {
   detail::gate_entry const gate(gate_, "save");
   check_not_streaming("save");
-  detail::trace_scope const traced(tracer_, trace_phase::save);
   flush();
   detail::flush_sources(sources_);  // a write of params that failed behind is this save's error, before any file
   store_.check_not_lost("save");
@@ -67,6 +66,7 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::save(
   }
   bool const fresh = !store_.made();  // a failed save on an optimizer without state leaves it without
   PinnedHost header{0}, table{0};
+  detail::trace_scope const traced(tracer_, trace_phase::save);  // (a refused save records nothing)
   try {
     materialize();
     detail::try_direct(fd.fd);
@@ -121,10 +121,10 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::load(
 {
   detail::gate_entry const gate(gate_, "load");
   check_not_streaming("load");
-  detail::trace_scope const traced(tracer_, trace_phase::load);
   flush_before_load();
   io::engine_options const eo = checkpoint_io(o);
   if (tensors_.empty()) { throw logic_error("load: no tensor is registered: add_tensor first"); }
+  detail::trace_scope const traced(tracer_, trace_phase::load);
   std::string const file = path.string();
   // Never blocks in open (a FIFO without a writer); anything but a regular file is refused.
   detail::unique_fd fd(::open(file.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC));
@@ -342,6 +342,9 @@ void OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::read_che
     report(progress_phase::load, total);
   } catch (std::exception const& e) {
     store_.mark_lost(e.what());
+    throw;
+  } catch (...) {  // (a progress callback may throw anything)
+    store_.mark_lost("load: an exception that is not a std::exception, part way through the load");
     throw;
   }
   step_ = h.step;

@@ -31,7 +31,10 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
   step_result r;
   r.deferred = true;
   r.stats    = previous.stats;
-  if (!check_and_clip(delayed_.views(), grad_scale, coefficients, r)) {
+  detail::trace_scope checking(tracer_, trace_phase::check);
+  bool const go = check_and_clip(delayed_.views(), grad_scale, coefficients, r);
+  checking.done();
+  if (!go) {
     r.skipped             = true;
     r.step                = step_;
     r.stats.total_seconds = detail::seconds_since(t_start);
@@ -43,7 +46,11 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
   delayed_.start(std::move(coefficients), step_,
                  [this](std::span<grad_view<grad_type> const> views,
                         std::vector<coefficients_type>& coefficients,
-                        step_result& result) { run_step(views, coefficients, result); });
+                        step_result& result) {
+                   // On the update's thread: its events are readable once flush() (or trace(nullptr)) returns.
+                   detail::trace_scope const traced_step(tracer_, trace_phase::step);
+                   run_step(views, coefficients, result);
+                 });
   return r;
 }
 

@@ -45,6 +45,7 @@ OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::OffloadedOpti
                              "rule without a tensor phase");
   }
   (void)detail::check_numa_node(opts.numa_node, "numa_node");  // (a node the machine lacks: refused now)
+  if constexpr (std::is_same_v<StateTier, PinnedHost>) { (void)detail::check_numa_node(opts.tier.numa_node); }
   store_type::preflight(opts.tier);
   groups_.push_back(defaults);
 }

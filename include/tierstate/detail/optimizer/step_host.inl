@@ -66,7 +66,6 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
                                      device::stream_view ready)
 {
   detail::gate_entry const gate(gate_, "step");
-  detail::trace_scope const traced_step(tracer_, trace_phase::step);
   auto const t_start = std::chrono::steady_clock::now();
   check_not_streaming("step");
   if (opts_.delayed_update) { return step_delayed(grads, grad_scale, ready); }
@@ -75,6 +74,7 @@ step_result OffloadedOptimizer<Rule, Precision, StateTier, Transfer, Compute>::s
   // Every group's coefficients first: a refused hyper-parameter or scale changes nothing.
   auto coefficients = coefficients_for(grad_scale);
   detail::flush_sources(sources_);  // a param write of the user's that failed behind: refused here, nothing changed
+  detail::trace_scope const traced_step(tracer_, trace_phase::step);  // (a refused step records nothing)
   rounding_step_ = step_ + 1;
   materialize();
 
