@@ -26,6 +26,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <fcntl.h>
@@ -115,14 +116,26 @@ struct machine {
 double probe_host_gb_s(thread_pool& pool)
 {
   std::size_t const n = std::size_t{1} << 24;
-  std::vector<float> p(n, 1.0f), g(n, 1e-3f), m(n, 0.0f), v(n, 0.0f);
+  // Four arrays, as the state tier's memory is (huge pages where the kernel gives them).
+  PinnedHost mem(4 * n * sizeof(float));
+  float* const pp = reinterpret_cast<float*>(mem.data());
+  pool.parallel_for(n, 4096, [&](std::size_t b, std::size_t e) {  // first touch by the threads that use them
+    for (std::size_t i = b; i < e; ++i) {
+      pp[i] = 1.0f, pp[n + i] = 1e-3f, pp[2 * n + i] = 0.0f, pp[3 * n + i] = 0.0f;
+    }
+  });
   auto pass = [&] {
     pool.parallel_for(n, 4096, [&](std::size_t b, std::size_t e) {
+      float* __restrict p       = pp;
+      float const* __restrict g = pp + n;
+      float* __restrict m       = pp + 2 * n;
+      float* __restrict v       = pp + 3 * n;
       for (std::size_t i = b; i < e; ++i) {
         float const gi = g[i];
-        m[i]           = std::fma(0.9f, m[i], 0.1f * gi);
+        float const mi = std::fma(0.9f, m[i], 0.1f * gi);
+        m[i]           = mi;
         v[i]           = std::fma(0.999f, v[i], 0.001f * gi * gi);
-        p[i]           = std::fma(-1e-6f, m[i], p[i]);
+        p[i]           = std::fma(-1e-6f, mi, p[i]);
       }
     });
   };
@@ -220,6 +233,65 @@ std::vector<row> plan(double n, format const& f, machine const& m, std::size_t c
   return rows;
 }
 
+/// The median of `v`.
+double median(std::vector<double> v)
+{
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+/// --check: the plan's predicted step time against the measured one, in the same run, for a
+/// host_step-sized run (2^24 elements, fp32 AdamW, PinnedHost) and an nvme_step-sized one
+/// (20,971,520 elements, bf16-mixed AdamW, NvmeFile + Pipelined<2> in `dir`): each round runs
+/// the probes, then the step; medians over `rounds`. One JSON line each.
+int check(std::string const& dir, int rounds)
+{
+  thread_pool pool;
+  auto run = [&]<class Optimizer>(std::type_identity<Optimizer>, char const* name, std::size_t n, format const& f,
+                                   typename Optimizer::options o, bool on_disk) {
+    using param_t = typename Optimizer::param_type;
+    using grad_t  = typename Optimizer::grad_type;
+    std::vector<param_t> p(n, param_t(0.5f));
+    std::vector<grad_t> g(n, grad_t(1e-3f));
+    o.on_nonfinite = nonfinite_policy::ignore;
+    Optimizer opt({.lr = 1e-4}, o);
+    opt.add_tensor("w", p.data(), n);
+    std::vector<grad_view<grad_t>> grads{{g.data(), n}};
+    (void)opt.step(grads);
+    std::vector<double> host, disk, steps;
+    for (int r = 0; r < rounds; ++r) {
+      host.push_back(probe_host_gb_s(pool));
+      if (on_disk) { disk.push_back(probe_disk_gb_s(dir, std::size_t{256} << 20, {})); }
+      steps.push_back(opt.step(grads).stats.total_seconds);
+    }
+    machine m;
+    m.host_gb_s = median(host);
+    m.disk_gb_s = on_disk ? median(disk) : 0;
+    double const d         = static_cast<double>(n);
+    double const compute   = d * f.host_traffic() / (m.host_gb_s * 1e9);
+    double const io        = on_disk ? d * 2 * f.state_bytes() / (m.disk_gb_s * 1e9) : 0;
+    double const predicted = std::max(compute, io);
+    double const measured  = median(steps);
+    std::printf("{\"bench\":\"plan_check\",\"case\":\"%s\",\"elements\":%zu,\"rounds\":%d,\"host_gb_s\":%.4g,"
+                "\"disk_gb_s\":%.4g,\"predicted_seconds\":%.4g,\"measured_seconds\":%.4g,\"ratio\":%.4f,"
+                "\"within_25_percent\":%s}\n",
+                name, n, rounds, m.host_gb_s, m.disk_gb_s, predicted, measured, predicted / measured,
+                std::abs(predicted / measured - 1) <= 0.25 ? "true" : "false");
+    std::fflush(stdout);
+    return std::abs(predicted / measured - 1) <= 0.25;
+  };
+  format fp32;
+  fp32.param = "fp32";
+  format bf16;
+  using Host = OffloadedOptimizer<AdamW, Fp32, PinnedHost>;
+  using Disk = OffloadedOptimizer<AdamW, Bf16Mixed, NvmeFile, Pipelined<2>>;
+  Disk::options dopt;
+  dopt.tier.directory = dir;
+  bool ok = run(std::type_identity<Host>{}, "host_step", std::size_t{1} << 24, fp32, Host::options{}, false);
+  ok      = run(std::type_identity<Disk>{}, "nvme_step", std::size_t{20} << 20, bf16, dopt, true) && ok;
+  return ok ? 0 : 1;
+}
+
 int tune(std::string const& dir, std::size_t bytes, bool exhaustive)
 {
   std::vector<std::size_t> const blocks = {std::size_t{256} << 10, std::size_t{1} << 20, std::size_t{4} << 20};
@@ -291,7 +363,7 @@ int main(int argc, char** argv)
   std::size_t chunk = layout::default_chunk_elements;
   int layers        = 32;
   bool probe = true, json = false, exhaustive = false;
-  std::string tune_path;
+  std::string tune_path, check_path;
   std::size_t scratch = std::size_t{256} << 20;
   for (int i = 1; i < argc; ++i) {
     std::string const a = argv[i];
@@ -323,11 +395,13 @@ int main(int argc, char** argv)
     else if (a == "--disk-gb-s") { m.disk_gb_s = quantity(a, v); m.disk_source = "given"; }
     else if (a == "--pcie-gb-s") { m.pcie_gb_s = quantity(a, v); m.pcie_source = "given"; }
     else if (a == "--tune-nvme") { tune_path = v; }
+    else if (a == "--check") { check_path = v; }
     else if (a == "--scratch-bytes") { scratch = static_cast<std::size_t>(quantity(a, v)) / 4096 * 4096; }
     else { usage("bad argument " + a + " " + v); }
   }
   try {
     if (!tune_path.empty()) { return tune(tune_path, scratch, exhaustive); }
+    if (!check_path.empty()) { return check(check_path, 5); }
     if (n <= 0) { usage("--params N is needed (e.g. 7e9, 70B)"); }
     if (!m.nvme.empty()) {
       struct statvfs st{};
