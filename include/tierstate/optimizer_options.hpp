@@ -96,7 +96,7 @@ struct optimizer_options {
   across_ranks ranks{};  ///< a rank's share of a model: its decisions taken with the others'
   /// Hears the progress of making the state (core/progress.hpp), and of save and load where
   /// their checkpoint_options name no callback of their own. Empty: none.
-  progress_callback progress;
+  progress_callback progress{};
   TierOptions tier{};  ///< the state tier's own (StateTier::options)
 };
 

@@ -113,7 +113,7 @@ enum class save_event : std::uint8_t {
 /// How save() and load() do their I/O.
 struct checkpoint_options {
   /// Called before each operation of a save (offset and length for writes, else 0).
-  std::function<void(save_event, std::uint64_t offset, std::uint64_t length)> observer;
+  std::function<void(save_event, std::uint64_t offset, std::uint64_t length)> observer{};
   /// The engine for the checkpoint file (its backend, depth, block size; faults for tests).
   /// Unset: the state tier's engine options where the tier has them (NvmeFile's
   /// `options.tier.io`, without its fault plan), so a backend chosen for the tier (psync
@@ -123,7 +123,7 @@ struct checkpoint_options {
   bool verify_checksums = true;
   /// Hears the save's or load's progress (core/progress.hpp); empty: the optimizer's
   /// options.progress, if any.
-  progress_callback progress;
+  progress_callback progress{};
 };
 
 namespace checkpoint {
