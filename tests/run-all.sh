@@ -608,10 +608,11 @@ run_stage() {
     # The benchmarks: JSON lines for the record (host_step for AdamW, the default rule; bench-long
     # times every rule); speed is never a pass/fail.
     # nvme_step works in a fresh directory under /tmp (TIERSTATE_BENCH_PATH to choose); then
-    # trace_overhead (callgrind), param_offload, sharded_step, and dist_step with the pytorch stage's wheel (run_dist_step;
+    # trace_overhead (callgrind), tierstate-plan's --check and --tune-nvme, param_offload, sharded_step, and dist_step with the pytorch stage's wheel (run_dist_step;
     # offload_train is bench-long's: see run_offload_train).
     bench)
       [ -x build-gcc-native/bench/host_step ] && [ -x build-gcc-native/bench/nvme_step ] &&
+        [ -x build-gcc-native/tools/tierstate-plan ] &&
         { [ -x build-gcc-native/bench/trace_overhead ] || ! command -v valgrind >/dev/null; } ||
         { configure gcc-native g++ -Darch=native && meson compile -C build-gcc-native; } || return 1
       build-gcc-native/bench/host_step --rule adamw || return 1
@@ -619,6 +620,9 @@ run_stage() {
       # Skipped, saying why, without valgrind (exit 77).
       python3 bench/trace_overhead.py build-gcc-native/bench/trace_overhead build-gcc-native/bench/trace_overhead_notrace
       case $? in 0 | 77) ;; *) return 1 ;; esac
+      # The planner's predictions against measured steps, and the NVMe tuner against its whole grid.
+      build-gcc-native/tools/tierstate-plan --check "${TIERSTATE_BENCH_PATH:-/tmp}" || return 1
+      build-gcc-native/tools/tierstate-plan --tune-nvme "${TIERSTATE_BENCH_PATH:-/tmp}" --exhaustive || return 1
       with_hugetlb_pages 132 build-gcc-native/bench/nvme_step --elements 20971520 \
         ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} || return 1
       build-gcc-native/bench/param_offload --layers 20 ${TIERSTATE_BENCH_PATH:+--path "$TIERSTATE_BENCH_PATH"} &&
