@@ -246,30 +246,17 @@ class OffloadedOptimizer {
   /// Replaces `tensor`'s own state with `from` (of tensor_state_size).
   void write_tensor_state(std::string_view tensor, std::span<float const> from);
 
-  /// Saves the whole state (master and slots from any tier, the step counts, every group's
-  /// hyper-parameters, the layout, the rule and the precision) to `path` (format:
-  /// checkpoint/format.hpp), chunk by chunk: it needs no more host memory than a step. Atomic: written to a nameless temporary file (O_TMPFILE) in `path`'s directory,
-  /// fsync'd, linked under a temporary name and at once renamed over `path`, and the
-  /// directory fsync'd, so a crash at any moment leaves the previous checkpoint whole and no
-  /// temporary (but, from a crash between link and rename, a name that the next save of
-  /// `path` removes). A `path` that exists and is not a regular file is refused (logic_error).
-  /// On failure nothing is left and io_error is thrown; an optimizer whose state was not
-  /// made stays so. The engine is `o.io`, or by default the tier's (checkpoint_options::io).
+  /// Saves the whole state (master and slots, step counts, groups, layout, rule, precision) to
+  /// `path` (checkpoint/format.hpp), chunk by chunk, atomically: a crash leaves the previous
+  /// checkpoint whole; a failure leaves nothing (io_error). The details: checkpoint.inl.
   void save(std::filesystem::path const& path, checkpoint_options const& o = {});
-  /// Loads a checkpoint (of either format version) saved by an optimizer with the same rule,
-  /// precision, chunk size and tensors (names and sizes, in order), from any tier into this
-  /// one. Everything is checked first (checkpoint_error names the difference or the corrupt
-  /// chunk, or that `path` is not a regular file; io_error a failed read), against the
-  /// layout this optimizer has or would make, so a refused load leaves even a fresh one as it
-  /// was. Never blocks in open (a FIFO). The file is read twice: every chunk's checksum, then
-  /// the load, which replaces the state, the step counts, the groups and their numbers (with
-  /// a master, every param too). It also restores a lost optimizer ("Failures"); a read
-  /// failing in the second pass loses it.
+  /// Loads a checkpoint saved by an optimizer with the same rule, precision, chunk size and
+  /// tensors: everything is checked first (checkpoint_error names the difference), so a refused
+  /// load leaves even a fresh optimizer as it was; it restores a lost one. The details: checkpoint.inl.
   void load(std::filesystem::path const& path, checkpoint_options const& o = {});
 
-  /// The bytes save() would write, handed in order to `write` (a stream, a buffer, a torch
-  /// ByteStorage), with no file: the same format, so load() reads them back from a file and
-  /// load_from() from anywhere. A writer's exception leaves the optimizer as it was.
+  /// The bytes save() would write, in order, to `write` (a stream, a buffer), with no file; a
+  /// writer's exception leaves the optimizer as it was. load() and load_from() read them back.
   void save_to(std::function<void(std::span<std::byte const>)> const& write);
   /// load() from `size` bytes that `read(offset, to)` provides (filling `to` with the bytes
   /// at `offset`): the same checks before anything changes (checkpoint_error names
@@ -292,12 +279,9 @@ class OffloadedOptimizer {
   [[nodiscard]] bool state_lost() const noexcept { return store_.lost(); }  ///< see "Failures" above
   [[nodiscard]] thread_pool& pool() noexcept { return pool_; }
 
-  /// Records the timeline of every later step, save and load into `t` (core/trace.hpp): each
-  /// chunk's read, wait, gradients, compute (and each thread's part of it) and write, the
-  /// checks, with bytes; null stops. `t` must outlive its use here (until trace(nullptr) or
-  /// destruction). Refused during a streaming step (tierstate::logic_error); waits for a
-  /// delayed update in flight first (flush()), so the tracer changes between steps. In a
-  /// build with TIERSTATE_TRACE=0 it is accepted and records nothing.
+  /// Records every later step, save and load into `t` (core/trace.hpp), which must outlive its
+  /// use; null stops. Refused during a streaming step (logic_error); flushes a delayed update
+  /// first. With TIERSTATE_TRACE=0 it records nothing.
   void trace(tracer* t);
   [[nodiscard]] tracer* tracing() const noexcept { return tracer_; }
 
@@ -413,3 +397,4 @@ class OffloadedOptimizer {
 #include <tierstate/detail/optimizer/checkpoint_files.inl>
 #include <tierstate/detail/optimizer/checkpoint_header.inl>
 #include <tierstate/detail/optimizer/checkpoint.inl>
+#include <tierstate/detail/optimizer/checkpoint_read.inl>
