@@ -23,8 +23,8 @@ def _conan_center_recipe():
 
 class TierstateDevelopmentConan(_conan_center_recipe()):
     exports = "recipes/tierstate/all/conanfile.py"
-    exports_sources = ("include/tierstate/*", "include/cmake/tierstate-kernels.cmake", "src/*", "LICENSE",
-                       "VERSION")
+    exports_sources = ("include/tierstate/*", "include/cmake/tierstate-kernels.cmake", "src/*",
+                       "tools/tierstate_plan.cpp", "LICENSE", "VERSION")
 
     def set_version(self):
         # VERSION is the one place the version is written (tests/check_version.py).

@@ -47,7 +47,7 @@ all_stages=(gcc-native clang-asan-ubsan clang-tsan packages pytorch fuzz bench)
 extra_stages=(clang-native gcc-baseline clang-baseline gcc-asan-ubsan bench-long)
 # Where the native stages already cover them: the benchmarks' smoke tests, the per-header
 # compile checks and install_consumers (see above).
-covered_elsewhere=(-Dbenchmarks=false -Dheader_checks=false -Dinstall_check=false -Dcompile_fail_tests=false)
+covered_elsewhere=(-Dbenchmarks=false -Dtools=false -Dheader_checks=false -Dinstall_check=false -Dcompile_fail_tests=false)
 reduced=(-Dtest_matrix=reduced)
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=("${all_stages[@]}")
@@ -548,7 +548,7 @@ run_stage() {
       local xsimd
       xsimd=$(xsimd14_args) || return 1
       configure "$name" clang++ -Darch=native -Dthrust=enabled -Ddisk_tests=false -Dheader_checks=false \
-          -Dbenchmarks=false "${reduced[@]}" $xsimd && test_build "$name" TIERSTATE_TEST_LARGE_SIZE=65539 ;;
+          -Dbenchmarks=false -Dtools=false "${reduced[@]}" $xsimd && test_build "$name" TIERSTATE_TEST_LARGE_SIZE=65539 ;;
     # The baseline x86-64 builds also prove that nothing needs the CUDA toolkit.
     gcc-baseline)
       configure "$name" g++ -Darch=x86-64 -Dcuda=disabled -Dthrust=enabled "${covered_elsewhere[@]}" \

@@ -1,13 +1,14 @@
 # The headers, a CMake package made from the project's own template, and the license; with
-# the feature c-api, also libtierstate_c (tierstate/c.h), built by src/CMakeLists.txt (the
-# project builds with Meson, which a port cannot run here; that file builds the same library).
+# the feature c-api, also libtierstate_c (tierstate/c.h), and with the feature tools the program
+# tierstate-plan (tools/), both built by src/CMakeLists.txt (the project builds with Meson, which
+# a port cannot run here; that file builds the same library and program).
 if("c-api" IN_LIST FEATURES)
     # A shared library only, as Meson builds it: its kernel units are linked after its own
     # code, narrowest first (src/meson.build says why), an order that a static archive would
     # leave to each program's link.
     vcpkg_check_linkage(ONLY_DYNAMIC_LIBRARY)
 else()
-    set(VCPKG_BUILD_TYPE release) # header-only
+    set(VCPKG_BUILD_TYPE release) # header-only, or headers and a program
 endif()
 
 vcpkg_from_github(
@@ -19,11 +20,18 @@ vcpkg_from_github(
     HEAD_REF main
 )
 
-if("c-api" IN_LIST FEATURES)
+vcpkg_check_features(OUT_FEATURE_OPTIONS feature_options FEATURES c-api TIERSTATE_C_API tools TIERSTATE_PLAN)
+if("c-api" IN_LIST FEATURES OR "tools" IN_LIST FEATURES)
     vcpkg_find_acquire_program(PKGCONFIG)  # xsimd, liburing and libxxhash are found with it
-    vcpkg_cmake_configure(SOURCE_PATH "${SOURCE_PATH}/src" OPTIONS "-DPKG_CONFIG_EXECUTABLE=${PKGCONFIG}")
-    vcpkg_cmake_install()  # lib/libtierstate_c.so*, include/tierstate/c.h, tierstate-c.pc
-    vcpkg_fixup_pkgconfig()
+    vcpkg_cmake_configure(SOURCE_PATH "${SOURCE_PATH}/src"
+        OPTIONS "-DPKG_CONFIG_EXECUTABLE=${PKGCONFIG}" ${feature_options})
+    vcpkg_cmake_install()  # lib/libtierstate_c.so*, include/tierstate/c.h, tierstate-c.pc; bin/tierstate-plan
+    if("c-api" IN_LIST FEATURES)
+        vcpkg_fixup_pkgconfig()
+    endif()
+    if("tools" IN_LIST FEATURES)
+        vcpkg_copy_tools(TOOL_NAMES tierstate-plan AUTO_CLEAN)  # tools/tierstate/tierstate-plan
+    endif()
     file(REMOVE_RECURSE "${CURRENT_PACKAGES_DIR}/debug/include")
 endif()
 # The C API's header (tierstate/c.h) goes with its library: only with the feature c-api.
@@ -49,8 +57,8 @@ foreach(config_root IN LISTS config_roots)
         INSTALL_PREFIX "${config_root}"
     )
 endforeach()
-if("c-api" IN_LIST FEATURES)
-    set(arch_independent "")  # libtierstate_c is built for this triplet
+if("c-api" IN_LIST FEATURES OR "tools" IN_LIST FEATURES)
+    set(arch_independent "")  # libtierstate_c or tierstate-plan is built for this triplet
 else()
     set(arch_independent ARCH_INDEPENDENT)
 endif()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# Installs tierstate into a temporary prefix and builds the tiny consumer three ways:
+# Installs tierstate into a temporary prefix, runs the installed tierstate-plan, and builds the
+# tiny consumer three ways:
 # pkg-config, CMake find_package, and a Meson subproject; and the C consumer through
 # pkg-config and CMake's tierstate::tierstate_c. Exits 77 (skip) only when a tool
 # the test needs is missing, saying which.
@@ -25,6 +26,11 @@ meson install -C "$work/build" >/dev/null
 pc=$(dirname "$(find "$prefix" -name tierstate.pc | head -1)")
 cm=$(dirname "$(find "$prefix" -name tierstateConfig.cmake | head -1)")
 echo "installed: $(find "$prefix" -name '*.hpp' | wc -l) headers, $pc/tierstate.pc, $cm/tierstateConfig.cmake"
+
+echo "== tierstate-plan, installed in bindir"
+plan_lines=$("$prefix/bin/tierstate-plan" --params 1B --no-probe --json | grep -c '^{"plan":')
+[ "$plan_lines" = 4 ] || { echo "the installed tierstate-plan printed $plan_lines compositions, not 4"; exit 1; }
+"$prefix/bin/tierstate-plan" --params 13B --no-probe | sed -n 1,2p
 
 # VERSION, the one source of the version: what pkg-config, CMake and the headers say of it.
 version=$(cat "$src/VERSION")

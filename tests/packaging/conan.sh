@@ -8,8 +8,9 @@
 #   3. tests/packaging/consumer built through CMakeDeps the way a user would, and run;
 #   4. the packages' files checked (headers and licence only), and the two recipes' CMakeDeps
 #      output compared;
-#   5. the Conan Center recipe with the option c_api (libtierstate_c, built by src/CMakeLists.txt):
-#      its test_package's C program run, its files and exports checked.
+#   5. the Conan Center recipe with the options c_api (libtierstate_c) and tools (tierstate-plan),
+#      built by src/CMakeLists.txt: its test_package's C program and tierstate-plan run, its files
+#      and exports checked.
 # Conan Center cannot be reached here, so xsimd, liburing and xxhash are the system's, through
 # the test-only */system recipes in tests/conan and the profile's [replace_requires].
 #
@@ -250,12 +251,15 @@ for wanted in "set(tierstate_FIND_DEPENDENCY_NAMES xsimd liburing xxHash)" \
 done
 [[ $problems -eq 0 ]] || exit 1
 
-part "the Conan Center recipe with the option c_api (libtierstate_c), with its test_package"
+part "the Conan Center recipe with the options c_api (libtierstate_c) and tools (tierstate-plan), with its test_package"
 "$conan" create "$center" --version "$version" "${profiles[@]}" --build=missing -o "tierstate/*:c_api=True" \
+  -o "tierstate/*:tools=True" \
   -c "tools.cmake.cmake_layout:test_folder=$work/test-package-c-api" \
   -c "tools.cmake.cmaketoolchain:user_presets=" 2>&1 | tee "$work/c-api.log"
 grep -q "^libtierstate_c $version (.* kernels): one AdamW step.*: ok" "$work/c-api.log" ||
   { echo "FAIL: the test_package's C program did not run (no 'libtierstate_c $version' line above)"; exit 1; }
+grep -q "^1.3e+10 parameters, bf16 params" "$work/c-api.log" ||
+  { echo "FAIL: the test_package did not run tierstate-plan (no '1.3e+10 parameters' line above)"; exit 1; }
 c_package=$("$conan" list "tierstate/$version#latest:*" --format=json | "$venv/bin/python" -c '
 import json, sys
 for ref in json.load(sys.stdin)["Local Cache"].values():
@@ -266,7 +270,7 @@ for ref in json.load(sys.stdin)["Local Cache"].values():
 [[ -n $c_package ]] || { echo "FAIL: no tierstate package with c_api=True"; exit 1; }
 folder=$("$conan" cache path "tierstate/$version#$c_package")
 for f in include/tierstate/c.h include/tierstate/tierstate.hpp lib/libtierstate_c.so \
-         "lib/libtierstate_c.so.$soversion" "lib/libtierstate_c.so.$version" lib/cmake/tierstate-kernels.cmake \
+         "lib/libtierstate_c.so.$soversion" "lib/libtierstate_c.so.$version" lib/cmake/tierstate-kernels.cmake bin/tierstate-plan \
          licenses/LICENSE; do
   [[ -e $folder/$f ]] || { echo "FAIL: the c_api package has no $f"; exit 1; }
 done

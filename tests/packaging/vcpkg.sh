@@ -11,7 +11,9 @@
 #   5. with the feature c-api: libtierstate_c installed, exporting c.h's functions and nothing
 #      else, its kernel units checked by check_isa.py, and C consumers (CMake's
 #      tierstate::tierstate_c and pkg-config's tierstate-c) built with -Werror and run at
-#      each x86-64 level the CPU has.
+#      each x86-64 level the CPU has;
+#   6. with the feature tools (beside c-api, Release and Debug): tierstate-plan in
+#      tools/tierstate, run.
 #   vcpkg.sh SOURCE_DIR [WORK_DIR]
 # Exits 77 (skip), saying why, only where the offline vcpkg or a tool is missing.
 set -euo pipefail
@@ -141,14 +143,21 @@ for level in "" x86-64-v2 x86-64-v3 x86-64-v4 x86-64-v4-bf16; do
     fi
   done
 done
-part "feature c-api for x64-linux (vcpkg's default triplet: Release and Debug)"
-vcpkg install "tierstate[c-api]:x64-linux" --overlay-ports="$overlay" --overlay-ports="$TIERSTATE_VCPKG_SYSTEM_PORTS" \
+part "features c-api and tools for x64-linux (vcpkg's default triplet: Release and Debug)"
+vcpkg install "tierstate[c-api,tools]:x64-linux" --overlay-ports="$overlay" --overlay-ports="$TIERSTATE_VCPKG_SYSTEM_PORTS" \
   > "$work/install-c-debug.log" 2>&1 || { tail -40 "$work/install-c-debug.log"; exit 1; }
 list_x64=$VCPKG_ROOT/installed/vcpkg/info/tierstate_${version}_x64-linux.list
 for f in lib/libtierstate_c.so debug/lib/libtierstate_c.so debug/lib/pkgconfig/tierstate-c.pc; do
   grep -qx "x64-linux/$f" "$list_x64" || { echo "the port with c-api for x64-linux did not install $f"; exit 1; }
 done
 if grep -E "^x64-linux/debug/(include|share)/" "$list_x64"; then echo "debug/include or debug/share installed"; exit 1; fi
+# The feature tools: tierstate-plan in tools/tierstate (vcpkg_copy_tools), no bin/ left.
+grep -qx "x64-linux/tools/tierstate/tierstate-plan" "$list_x64" ||
+  { echo "the port with tools did not install tools/tierstate/tierstate-plan"; exit 1; }
+if grep -E "^x64-linux/(debug/)?bin/" "$list_x64"; then echo "bin/ installed beside tools/"; exit 1; fi
+plan_lines=$("$VCPKG_ROOT/installed/x64-linux/tools/tierstate/tierstate-plan" --params 13B --no-probe --json | grep -c '^{"plan":')
+[ "$plan_lines" = 4 ] || { echo "vcpkg's tierstate-plan printed $plan_lines compositions, not 4"; exit 1; }
+echo "tools/tierstate/tierstate-plan: $plan_lines compositions for 13B"
 cmake -S "$src/tests/install/cmake_c" -B "$work/consumer-c-debug" -G Ninja -DCMAKE_BUILD_TYPE=Debug \
   -DEXPECTED_VERSION="$version" -DCMAKE_TOOLCHAIN_FILE="$VCPKG_ROOT/scripts/buildsystems/vcpkg.cmake" \
   -DVCPKG_TARGET_TRIPLET=x64-linux -DVCPKG_MANIFEST_MODE=OFF > "$work/consumer-c-debug.log" 2>&1 &&

@@ -21,11 +21,12 @@ class TierstateConan(ConanFile):
     homepage = "https://github.com/tierstate/tierstate"
     topics = ("optimizer", "offloading", "deep-learning", "io-uring", "simd", "header-only")
     # Header-only, unless c_api: then also libtierstate_c (tierstate/c.h), a shared library (its
-    # kernel units must be linked after its own code, narrowest first: src/meson.build).
+    # kernel units must be linked after its own code, narrowest first: src/meson.build); tools
+    # adds the program tierstate-plan (bin/). Both are built by src/CMakeLists.txt.
     package_type = "header-library"
     settings = "os", "arch", "compiler", "build_type"
-    options = {"c_api": [True, False]}
-    default_options = {"c_api": False}
+    options = {"c_api": [True, False], "tools": [True, False]}
+    default_options = {"c_api": False, "tools": False}
     no_copy_source = True
 
     @property
@@ -40,12 +41,18 @@ class TierstateConan(ConanFile):
             "clang": "14",
         }
 
+    @property
+    def _builds(self):
+        return bool(self.options.c_api or self.options.tools)
+
     def configure(self):
         if self.options.c_api:
             self.package_type = "shared-library"
+        elif self.options.tools:
+            self.package_type = "unknown"  # headers and a program
 
     def layout(self):
-        if self.options.c_api:
+        if self._builds:
             cmake_layout(self, src_folder="src")
         else:
             basic_layout(self, src_folder="src")
@@ -60,14 +67,14 @@ class TierstateConan(ConanFile):
 
     def build_requirements(self):
         # src/CMakeLists.txt finds xsimd, liburing and libxxhash with pkg-config.
-        if self.options.c_api and not self.conf.get("tools.gnu:pkg_config", check_type=str):
+        if self._builds and not self.conf.get("tools.gnu:pkg_config", check_type=str):
             self.tool_requires("pkgconf/[>=2.2 <3]")
 
     def package_id(self):
-        if not self.info.options.c_api:
+        if not (self.info.options.c_api or self.info.options.tools):
             self.info.clear()
         else:
-            # A C library: its C++ is inside (only c.h's functions are exported).
+            # A C library and a program: their C++ is inside (only c.h's functions are exported).
             del self.info.settings.compiler.cppstd
 
     def validate(self):
@@ -85,14 +92,17 @@ class TierstateConan(ConanFile):
         get(self, **self.conan_data["sources"][self.version], strip_root=True)
 
     def generate(self):
-        if self.options.c_api:
-            CMakeToolchain(self).generate()
+        if self._builds:
+            tc = CMakeToolchain(self)
+            tc.cache_variables["TIERSTATE_C_API"] = bool(self.options.c_api)
+            tc.cache_variables["TIERSTATE_PLAN"] = bool(self.options.tools)
+            tc.generate()
             PkgConfigDeps(self).generate()
 
     def build(self):
-        if self.options.c_api:
+        if self._builds:
             cmake = CMake(self)
-            cmake.configure(build_script_folder="src")  # libtierstate_c's CMake build
+            cmake.configure(build_script_folder="src")  # libtierstate_c's and tierstate-plan's CMake build
             cmake.build()
 
     def package(self):
@@ -106,22 +116,30 @@ class TierstateConan(ConanFile):
         # tierstate_add_host_kernels() (README "Portable builds"), a CMake build module
         copy(self, "tierstate-kernels.cmake", os.path.join(self.source_folder, "include", "cmake"),
              os.path.join(self.package_folder, "lib", "cmake"))
-        if self.options.c_api:
-            CMake(self).install()  # lib/libtierstate_c.so*, include/tierstate/c.h
+        if self._builds:
+            CMake(self).install()  # lib/libtierstate_c.so*, include/tierstate/c.h; bin/tierstate-plan
             rmdir(self, os.path.join(self.package_folder, "lib", "pkgconfig"))
 
     def package_info(self):
         self.cpp_info.set_property("cmake_file_name", "tierstate")
         self.cpp_info.set_property("cmake_build_modules", [os.path.join("lib", "cmake", "tierstate-kernels.cmake")])
-        if not self.options.c_api:
+        if not self._builds:
             self._headers_info(self.cpp_info)
             self.cpp_info.set_property("cmake_target_name", "tierstate::tierstate")
             return
-        # Components, as tierstate's own CMake package has them: the headers and the C library,
-        # which needs none of the headers' dependencies.
+        # Components, as tierstate's own CMake package has them: the headers, the C library,
+        # which needs none of the headers' dependencies, and the program.
         self.cpp_info.set_property("cmake_target_name", "tierstate::tierstate_all")
         self._headers_info(self.cpp_info.components["headers"])
         self.cpp_info.components["headers"].set_property("cmake_target_name", "tierstate::tierstate")
+        if self.options.tools:
+            plan = self.cpp_info.components["plan"]  # bin/tierstate-plan, on the run environment's PATH
+            plan.set_property("cmake_target_name", "tierstate::plan")
+            plan.bindirs = ["bin"]
+            plan.libdirs = []
+            plan.includedirs = []
+        if not self.options.c_api:
+            return
         c_api = self.cpp_info.components["c_api"]
         c_api.set_property("cmake_target_name", "tierstate::tierstate_c")
         c_api.set_property("pkg_config_name", "tierstate-c")

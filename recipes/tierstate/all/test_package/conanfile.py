@@ -25,5 +25,9 @@ class TestPackageConan(ConanFile):
         if can_run(self):
             bin_path = os.path.join(self.cpp.build.bindir, "test_package")
             self.run(bin_path, env="conanrun")
-            if self.dependencies[self.tested_reference_str].options.c_api:
+            tested = self.dependencies[self.tested_reference_str]
+            if tested.options.c_api:
                 self.run(os.path.join(self.cpp.build.bindir, "test_package_c"), env="conanrun")
+            if tested.options.tools:
+                plan = os.path.join(tested.package_folder, "bin", "tierstate-plan")
+                self.run(f"{plan} --params 13B --no-probe", env="conanrun")
