@@ -23,6 +23,8 @@ build test_pinned_host_cuda tests/test_pinned_host_cuda.cpp
 build pinned_alloc_cuda bench/pinned_alloc.cu
 # The NVMe demo (host code; its text given with --text there), for a traced step on that machine.
 build char_mlp examples/char_mlp.cpp -DTIERSTATE_SOURCE_DIR=\".\"
+# The planner, with the CUDA runtime: it measures PCIe there.
+build tierstate-plan tools/tierstate_plan.cpp
 fail=0
 for job in $(jobs -p); do wait "$job" || fail=1; done
 exit $fail

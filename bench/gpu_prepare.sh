@@ -5,7 +5,7 @@
 # none of xsimd, Catch2 or liburing):
 #
 #   gpu-bundle/bin/      test_device_cuda, test_pinned_host_cuda, gpu_compositions_cuda, gpu_step_cuda,
-#                        pinned_alloc_cuda: nvcc,
+#                        pinned_alloc_cuda, char_mlp, tierstate-plan: nvcc,
 #                        sm_90, host code for x86-64-v3, liburing linked statically
 #   gpu-bundle/include/  the headers they need (xsimd, Catch2, liburing, xxHash), so that
 #   gpu-bundle/lib/      the script can rebuild there (with liburing.a) if a binary does not start;

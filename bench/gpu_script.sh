@@ -6,8 +6,9 @@
 #   bash bench/gpu_script.sh [BUNDLE_DIR]         the GPU tests, pinned_alloc (cudaHostAlloc
 #       against mmap'ed huge pages registered with cudaHostRegister), the example, and the
 #       gpu_step benchmark (1e9 elements in memory, 1e8 on NVMe under /tmp; fp32 and 8-bit
-#       state), and the NVMe demo's traced step (trace_char_mlp.json in OUT): about 2 minutes
-#       on 2026-12-04;
+#       state), the NVMe demo's traced step (trace_char_mlp.json in OUT), the example's traced
+#       device steps (trace_1.json ... trace_5.json in OUT), and tierstate-plan with PCIe
+#       measured: about 3 minutes;
 #   bash bench/gpu_script.sh [BUNDLE_DIR] torch   the PyTorch parity test on the GPU (8-bit
 #       state included), the extension built there unless the bundle has one for that
 #       Python. On 2026-12-04 the build alone took more than 330 s on 16 cores, so this part
@@ -53,7 +54,7 @@ starts() {
 }
 if ! starts "$B/bin/test_pinned_host_cuda" || ! starts "$B/bin/test_device_cuda" --list-tests || ! starts "$B/bin/gpu_step_cuda" --steps 0 ||
    ! starts "$B/bin/gpu_compositions_cuda" --steps 0 || ! starts "$B/bin/pinned_alloc_cuda" --reps 1 --bytes 2097152 ||
-   ! starts "$B/bin/char_mlp" --help; then
+   ! starts "$B/bin/char_mlp" --help || ! starts "$B/bin/tierstate-plan" --help; then
   stamp "a bundled binary does not start here: rebuilding with this machine's nvcc"
   bash bench/gpu_build.sh "$B" 2>&1 | tee -a "$LOG"
 fi
@@ -85,7 +86,13 @@ echo "rc ${PIPESTATUS[0]}" | tee -a "$LOG"
 
 stamp "example"
 # 100 steps (its default), by which the loss must fall to a tenth, or it fails.
-logged 60 "$B/bin/gpu_compositions_cuda" --elements 4000000
+# Each composition's last step traced (issue 24: the device routes' streams), into OUT.
+logged 60 "$B/bin/gpu_compositions_cuda" --elements 4000000 --trace "$OUT"
+
+stamp "tierstate-plan with PCIe measured on this GPU (issue 24), and its check against measured steps"
+logged 60 "$B/bin/tierstate-plan" --params 7B --nvme /tmp
+timeout 60 "$B/bin/tierstate-plan" --params 7B --nvme /tmp --json 2>&1 | tee -a "$JSON"
+timeout 90 "$B/bin/tierstate-plan" --check /tmp 2>&1 | tee -a "$JSON"
 
 stamp "trace: the NVMe demo's last step on this machine's cores and disk (issue 24)"
 logged 120 "$B/bin/char_mlp" --text README.md --steps 120 --path /tmp --trace "$OUT/trace_char_mlp.json"

@@ -17,8 +17,9 @@ COLORS = {
     "read": "#2b8cbe", "read_wait": "#f03b20", "grads": "#fd8d3c",
     "compute": "#31a354", "kernel": "#a1d99b", "write": "#756bb1",
     "write_wait": "#fc9272", "save": "#636363", "load": "#636363",
+    "to_device": "#6baed6", "from_device": "#9e9ac8", "device_compute": "#238b45",
 }
-LABELLED = {"read", "compute", "write"}
+LABELLED = {"read", "compute", "write", "to_device", "from_device", "device_compute"}
 
 
 def load(path):

@@ -173,6 +173,11 @@ void copy_async(void* dst, void const* src, std::size_t bytes, stream_view s);
 /// Copies and waits.
 void copy(void* dst, void const* src, std::size_t bytes);
 
+/// Queues `fn(arg)` on stream `s` (cudaLaunchHostFunc): it runs on a runtime thread once the
+/// work queued before it is done, and the work queued after it waits for it. `fn` must not
+/// call the device runtime, block, or throw. The tracer's marks (core/detail/stream_trace.hpp).
+void launch_host_func(stream_view s, void (*fn)(void*), void* arg);
+
 /// Sets `bytes` bytes of device memory to zero, on stream `s`.
 void zero_async(void* dst, std::size_t bytes, stream_view s);
 

@@ -49,13 +49,17 @@ enum class trace_phase : std::uint8_t {
   write_wait,  ///< the step's thread waiting for the last writes
   save,        ///< a checkpoint written
   load,        ///< a checkpoint read
+  to_device,   ///< a chunk's copies host to device, on the device's stream (params, or state)
+  from_device, ///< a chunk's copies device to host, on the device's stream (gradients, or state)
+  device_compute,  ///< the rule over a chunk on the device, on its compute stream
 };
 
 /// The phase's name in the JSON ("read", "compute", ...).
 [[nodiscard]] constexpr std::string_view to_string(trace_phase p) noexcept
 {
-  constexpr std::string_view names[] = {"step",    "check",  "reduce", "read", "read_wait", "grads",
-                                        "compute", "kernel", "write",  "write_wait", "save", "load"};
+  constexpr std::string_view names[] = {"step",    "check",     "reduce",     "read",        "read_wait",
+                                        "grads",   "compute",   "kernel",     "write",       "write_wait",
+                                        "save",    "load",      "to_device",  "from_device", "device_compute"};
   return names[static_cast<std::size_t>(p)];
 }
 
@@ -92,6 +96,14 @@ class tracer {
   /// several at once (one per buffer at a time); above every thread id (2^22 at most).
   [[nodiscard]] static constexpr std::uint32_t io_track(unsigned buffer) noexcept { return io_track_base + buffer; }
   static constexpr std::uint32_t io_track_base = 1u << 31;
+  /// The device's streams, as the device routes use them: each its own track, the time its work
+  /// ran (marked on the stream itself: core/detail/stream_trace.hpp).
+  enum class device_stream : std::uint32_t { to_device, from_device, compute };
+  [[nodiscard]] static constexpr std::uint32_t device_track(device_stream s) noexcept
+  {
+    return device_track_base + static_cast<std::uint32_t>(s);
+  }
+  static constexpr std::uint32_t device_track_base = io_track_base + (1u << 24);
 
   /// The events recorded so far, in the order their slots were taken (not sorted by time).
   [[nodiscard]] std::span<trace_event const> events() const noexcept;

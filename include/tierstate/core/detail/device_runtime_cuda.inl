@@ -92,6 +92,11 @@ inline void copy(void* dst, void const* src, std::size_t bytes)
   TIERSTATE_CUDA_TRY(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
 }
 
+inline void launch_host_func(stream_view s, void (*fn)(void*), void* arg)
+{
+  TIERSTATE_CUDA_TRY(cudaLaunchHostFunc(s.native(), fn, arg));
+}
+
 inline void zero_async(void* dst, std::size_t bytes, stream_view s)
 {
   if (bytes == 0) { return; }

@@ -186,6 +186,11 @@ inline void copy(void* dst, void const* src, std::size_t bytes)
   if (bytes != 0) { std::memcpy(dst, src, bytes); }
 }
 
+inline void launch_host_func(stream_view s, void (*fn)(void*), void* arg)
+{
+  detail::enqueue(s, [=] { fn(arg); });
+}
+
 inline void zero_async(void* dst, std::size_t bytes, stream_view s)
 {
   if (bytes == 0) { return; }

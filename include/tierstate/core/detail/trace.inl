@@ -72,10 +72,21 @@ inline void tracer::write_chrome_json(std::ostream& out) const
   out << R"({"name":"process_name","ph":"M","pid":1,"tid":0,"args":{"name":"tierstate optimizer"}})";
   for (auto const& [track, stepped] : tracks) {
     // (Appended: GCC 12 warns falsely, -Wrestrict, on "literal" + string.)
-    std::string name = track >= io_track_base ? "I/O, staging buffer " : stepped ? "step thread " : "worker thread ";
-    name.append(std::to_string(track >= io_track_base ? track - io_track_base : track));
-    // Sorted: the step's thread first, then workers, then the I/O buffers.
-    unsigned const sort = track >= io_track_base ? (2u << 22) + (track - io_track_base) : (stepped ? 0u : 1u << 22) + track;
+    std::string name;
+    unsigned sort = 0;  // the step's thread first, then workers, the I/O buffers, the device's streams
+    if (track >= device_track_base) {
+      constexpr char const* streams[] = {"device stream: to device", "device stream: from device", "device stream: compute"};
+      name = track - device_track_base < 3 ? streams[track - device_track_base] : "device stream";
+      sort = (3u << 22) + (track - device_track_base);
+    } else if (track >= io_track_base) {
+      name = "I/O, staging buffer ";
+      name.append(std::to_string(track - io_track_base));
+      sort = (2u << 22) + (track - io_track_base);
+    } else {
+      name = stepped ? "step thread " : "worker thread ";
+      name.append(std::to_string(track));
+      sort = (stepped ? 0u : 1u << 22) + track;
+    }
     std::snprintf(line, sizeof line,
                   ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":1,\"tid\":%" PRIu32
                   ",\"args\":{\"name\":\"%s\"}},\n{\"name\":\"thread_sort_index\",\"ph\":\"M\",\"pid\":1,\"tid\":%" PRIu32
@@ -85,6 +96,7 @@ inline void tracer::write_chrome_json(std::ostream& out) const
   }
   for (auto const& e : evs) {
     auto const cat = e.phase == trace_phase::read || e.phase == trace_phase::write ? "io"
+                     : e.track >= device_track_base                                   ? "device"
                      : e.chunk >= 0                                                   ? "chunk"
                                                                                       : "step";
     std::snprintf(line, sizeof line,

@@ -13,6 +13,7 @@
 // params' sources (offloaded params) are read back into the ring then.
 #pragma once
 
+#include <tierstate/core/detail/stream_trace.hpp>
 #include <tierstate/core/device_runtime.hpp>
 #include <tierstate/core/stats.hpp>
 #include <tierstate/core/tensor.hpp>
@@ -64,19 +65,27 @@ class device_params_on_host : public detail::route_base<Optimizer> {
       copy_down(j, b);
     }
     io_.wait_read(j);
-    auto t0 = std::chrono::steady_clock::now();
-    d_.in[b].synchronize();
-    stats_.wait_seconds += tierstate::detail::seconds_since(t0);
+    tracer* const trace = tierstate::detail::traced(o_.tracer_);
+    auto const ck       = static_cast<std::int64_t>(k);
+    auto t0             = std::chrono::steady_clock::now();
+    d_.in[b].synchronize();  // the chunk's gradients have landed
+    auto t1 = std::chrono::steady_clock::now();
+    stats_.wait_seconds += std::chrono::duration<double>(t1 - t0).count();
+    if (trace != nullptr) [[unlikely]] { trace->record(trace_phase::grads, ck, 0, t0, t1); }
 
     changed_               = true;
     std::byte* const chunk = state_of(j, b);
+    std::size_t const bpe  = bytes_ / ce_;
     t0                     = std::chrono::steady_clock::now();
     o_.pool_.parallel_for(o_.store_.layout().chunk_size(k), detail::host_grain<Optimizer>,
                           [&](std::size_t lo, std::size_t hi) {
+                            tierstate::detail::trace_scope const part(trace, trace_phase::kernel, ck, (hi - lo) * bpe);
                             o_.update_chunk_range(k, chunk, lo, hi, grads_, coefficients_, grad_ring_ + b * ce_,
                                                   param_ring_ + b * ce_);
                           });
-    stats_.compute_seconds += tierstate::detail::seconds_since(t0);
+    t1 = std::chrono::steady_clock::now();
+    stats_.compute_seconds += std::chrono::duration<double>(t1 - t0).count();
+    if (trace != nullptr) [[unlikely]] { trace->record(trace_phase::compute, ck, bytes_, t0, t1); }
   }
 
   void retire(std::size_t j, unsigned b)
@@ -87,14 +96,19 @@ class device_params_on_host : public detail::route_base<Optimizer> {
     } else {
       stats_.tier_bytes_in_place += bytes_;
     }
+    tierstate::detail::stream_span up(o_.tracer_, d_.h2d, trace_phase::to_device, static_cast<std::int64_t>(k),
+                                      tracer::device_stream::to_device);
+    std::uint64_t sent = 0;
     for (auto const& pc : o_.store_.pieces(k)) {
       auto const& t  = o_.tensors_[pc.tensor];
       if (o_.update_params_on_device(pc.tensor) && grads_[pc.tensor].data != nullptr) {
         device::copy_async(t.param + pc.tensor_begin, param_ring_ + b * ce_ + pc.chunk_begin,
                            pc.count * sizeof(param_type), d_.h2d);
-        stats_.h2d_bytes += pc.count * sizeof(param_type);
+        sent += pc.count * sizeof(param_type);
       }
     }
+    up.close(sent);
+    stats_.h2d_bytes += sent;
     d_.out[b].record(d_.h2d);
     ++stats_.chunks;
     if (streaming_) {  // the gradients of the chunks ahead that are final by now start down
@@ -145,6 +159,9 @@ class device_params_on_host : public detail::route_base<Optimizer> {
   {
     std::size_t const k = o_.chunk_at(j);
     if (j >= B) { d_.out[b].synchronize(); }  // position j - B's params have left this buffer
+    tierstate::detail::stream_span down(o_.tracer_, d_.d2h, trace_phase::from_device, static_cast<std::int64_t>(k),
+                                        tracer::device_stream::from_device);
+    std::uint64_t const before = stats_.d2h_bytes;
     for (auto const& pc : o_.store_.pieces(k)) {
       auto const& g  = grads_[pc.tensor];
       if constexpr (Optimizer::keeps_grads_in_sources) {
@@ -172,6 +189,7 @@ class device_params_on_host : public detail::route_base<Optimizer> {
         }
       }
     }
+    down.close(stats_.d2h_bytes - before);
     d_.in[b].record(d_.d2h);
     copied_[j] = 1;
   }

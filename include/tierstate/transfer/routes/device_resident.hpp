@@ -4,6 +4,7 @@
 // on the compute stream, and finish waits for the stream.
 #pragma once
 
+#include <tierstate/core/detail/stream_trace.hpp>
 #include <tierstate/core/stats.hpp>
 #include <tierstate/core/tensor.hpp>
 #include <tierstate/transfer/routes/detail/route_base.hpp>
@@ -34,7 +35,10 @@ class device_resident : public detail::route_base<Optimizer> {
     std::size_t const k = o_.chunk_at(j);
     o_.await_chunk(k, stats_);
     changed_ = true;
+    tierstate::detail::stream_span run(o_.tracer_, o_.store_.device().compute, trace_phase::device_compute,
+                                       static_cast<std::int64_t>(k), tracer::device_stream::compute);
     o_.launch_chunk(k, o_.store_.tier().device_data() + k * o_.store_.layout().chunk_bytes(), grads_, coefficients_);
+    run.close(o_.store_.layout().chunk_bytes());
   }
 
   void retire(std::size_t, unsigned) { ++stats_.chunks; }

@@ -12,6 +12,7 @@
 // again (a schedule that fetches right after a retire) is written then.
 #pragma once
 
+#include <tierstate/core/detail/stream_trace.hpp>
 #include <tierstate/core/device_runtime.hpp>
 #include <tierstate/core/stats.hpp>
 #include <tierstate/core/tensor.hpp>
@@ -60,14 +61,20 @@ class streamed_to_device : public detail::route_base<Optimizer> {
     o_.await_chunk(o_.chunk_at(j), stats_);
     d_.compute.wait(d_.in[b]);
     changed_ = true;
+    tierstate::detail::stream_span run(o_.tracer_, d_.compute, trace_phase::device_compute,
+                                       static_cast<std::int64_t>(o_.chunk_at(j)), tracer::device_stream::compute);
     o_.launch_chunk(o_.chunk_at(j), device_chunk(j), grads_, coefficients_);
+    run.close(bytes_);
     d_.computed[b].record(d_.compute);
   }
 
   void retire(std::size_t j, unsigned b)
   {
     d_.d2h.wait(d_.computed[b]);
+    tierstate::detail::stream_span down(o_.tracer_, d_.d2h, trace_phase::from_device,
+                                        static_cast<std::int64_t>(o_.chunk_at(j)), tracer::device_stream::from_device);
     device::copy_async(host_chunk(j), device_chunk(j), bytes_, d_.d2h);
+    down.close(bytes_);
     d_.out[b].record(d_.d2h);
     stats_.d2h_bytes += bytes_;
     if constexpr (staged) {
@@ -81,12 +88,12 @@ class streamed_to_device : public detail::route_base<Optimizer> {
 
   void finish()
   {
-    auto const t0 = std::chrono::steady_clock::now();
-    if constexpr (staged) {
+    if constexpr (staged) {  // (write_back counts its own waiting)
       for (std::size_t j = 0; j < n_; ++j) {
         if (unwritten_[j] != 0) { write_back(j); }
       }
     }
+    auto const t0 = std::chrono::steady_clock::now();
     io_.wait_all();
     d_.compute.synchronize();
     d_.h2d.synchronize();
@@ -123,7 +130,10 @@ class streamed_to_device : public detail::route_base<Optimizer> {
     unsigned const b = static_cast<unsigned>(j % B);
     io_.wait_read(j);
     d_.h2d.wait(d_.out[b]);  // chunk j - B has left the device buffer
+    tierstate::detail::stream_span up(o_.tracer_, d_.h2d, trace_phase::to_device,
+                                      static_cast<std::int64_t>(o_.chunk_at(j)), tracer::device_stream::to_device);
     device::copy_async(device_chunk(j), host_chunk(j), bytes_, d_.h2d);
+    up.close(bytes_);
     d_.in[b].record(d_.h2d);
     stats_.h2d_bytes += bytes_;
     uploaded_[j] = 1;

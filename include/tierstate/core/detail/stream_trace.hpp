@@ -1,0 +1,81 @@
+// SPDX-License-Identifier: Apache-2.0
+// The device routes' events (core/trace.hpp): work queued on a device stream is timed by the
+// stream itself. open() queues a mark (device::launch_host_func) that reads the clock when the
+// stream reaches it, the work queued before it done; close() queues one that records the event
+// when the work queued between the two is done. The times are the stream's, not the queuing
+// thread's, so a copy's event spans the copy, not its launch.
+//
+// Cost. With no tracer attached (or TIERSTATE_TRACE=0), nothing is queued. With one, two host
+// functions per event on the stream (a few microseconds each on CUDA, where the stream waits
+// for them), and one small allocation that the closing mark frees. A stream that fails before
+// its marks run (CUDA's sticky errors) may never run them: that event, and its allocation, are
+// lost.
+#pragma once
+
+#include <tierstate/core/device_runtime.hpp>
+#include <tierstate/core/trace.hpp>
+
+#include <cstdint>
+
+namespace tierstate::inline TIERSTATE_ABI::detail {
+
+class stream_span {
+ public:
+  /// Starts timing `phase` of `chunk` on stream `s` (no-op without a tracer).
+  stream_span(tracer* t, device::stream_view s, trace_phase phase, std::int64_t chunk,
+              tracer::device_stream track)
+  {
+    if (!trace_compiled || t == nullptr) [[likely]] { return; }
+    auto* const p = new pending{t, phase, chunk, 0, tracer::device_track(track), {}};
+    try {
+      device::launch_host_func(s, &pending::opened, p);
+    } catch (...) {
+      delete p;
+      throw;
+    }
+    p_ = p;
+    s_ = s;
+  }
+  stream_span(stream_span const&)            = delete;
+  stream_span& operator=(stream_span const&) = delete;
+  /// A span never closed (a leg threw first) closes here, recording what ran.
+  ~stream_span()
+  {
+    try {
+      close(0);
+    } catch (...) {  // the stream's failure is reported by whoever synchronizes with it
+    }
+  }
+
+  /// Ends the span after the work queued on the stream so far; `bytes` it moved or updated.
+  void close(std::uint64_t bytes)
+  {
+    if (p_ == nullptr) [[likely]] { return; }
+    pending* const p = p_;
+    p_               = nullptr;
+    p->bytes         = bytes;  // (written before the queuing, which orders it before the mark runs)
+    device::launch_host_func(s_, &pending::closed, p);
+  }
+
+ private:
+  struct pending {
+    tracer* t;
+    trace_phase phase;
+    std::int64_t chunk;
+    std::uint64_t bytes;
+    std::uint32_t track;
+    tracer::clock::time_point begin;
+
+    static void opened(void* a) noexcept { static_cast<pending*>(a)->begin = tracer::clock::now(); }
+    static void closed(void* a) noexcept
+    {
+      auto* const p = static_cast<pending*>(a);
+      p->t->record(p->phase, p->chunk, p->bytes, p->begin, tracer::clock::now(), p->track);
+      delete p;
+    }
+  };
+  pending* p_ = nullptr;
+  device::stream_view s_{};
+};
+
+}  // namespace tierstate::detail
