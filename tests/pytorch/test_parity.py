@@ -657,6 +657,59 @@ class Parity(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "metrics must be a callable"):
             tierstate_torch.AdamW(make_model().parameters(), metrics=3)
 
+    def test_plan_counts_the_model_and_predicts_as_the_tool(self):
+        """tierstate_torch.plan(model): the model's parameters and dtype counted, the bytes of
+        each composition as the planner's arithmetic has them, the table and JSON lines, and bad
+        values refused naming them."""
+        model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).to(torch.bfloat16)
+        n = sum(p.numel() for p in model.parameters())
+        gib = 1 << 30
+        p = tierstate_torch.plan(model, gpu_memory=24 * gib, host_memory=128 * gib, probe=False, host_gb_s=40.0,
+                                 pcie_gb_s=20.0)
+        self.assertEqual(p.params, n)
+        rows = {c["name"]: c for c in p.compositions}
+        on_gpu = rows["all on the GPU (no offload)"]
+        self.assertEqual(on_gpu["gpu_bytes"], n * (2 + 2 + 12))  # bf16 params and grads, fp32 master and moments
+        self.assertIsNone(on_gpu["step_seconds"])
+        host = rows["state in PinnedHost (ZeRO-Offload)"]
+        self.assertEqual(host["gpu_bytes"], n * 4)
+        self.assertAlmostEqual(host["step_seconds"], max(n * (2 * 12 + 2 * 2) / 40e9, n * 4 / 20e9))
+        self.assertTrue(host["fits"])
+        weights = rows["state and weights in NvmeFile (offload_parameters)"]
+        self.assertEqual(weights["gpu_bytes"], n * 4 * 2 / 6)  # two of the six blocks
+        self.assertFalse(weights["fits"])  # no NVMe folder given
+        self.assertEqual(p.recommended["name"], "all on the GPU (no offload)")
+        self.assertEqual(p.machine["pcie_source"], "given")
+        self.assertIn("bandwidths: host memory 40.0 GB/s (given)", str(p))
+        lines = [json.loads(line) for line in p.json().splitlines()]
+        self.assertEqual([r["plan"] for r in lines], [c["name"] for c in p.compositions])
+        self.assertEqual(lines[0]["param"], "bf16")
+        # A count, an fp32 model's dtype, the int8 state, on an NVMe folder with its probe.
+        with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
+            big = tierstate_torch.plan(70e9, state="int8", rule="lion", nvme=d, nvme_capacity=4e12,
+                                       scratch_bytes=8 << 20, host_gb_s=40.0, gpu_memory=24 * gib)
+            self.assertEqual(os.listdir(d), [])  # the probe's scratch file had no name
+        self.assertEqual(big.machine["disk_source"], "measured")
+        if torch.cuda.is_available():  # PCIe measured with torch
+            self.assertTrue(big.machine["pcie_source"].startswith("measured"), big.machine)
+            self.assertGreater(big.machine["pcie_gb_s"], 1.0)
+        else:
+            self.assertEqual(big.machine["pcie_source"], "assumed: torch sees no GPU")
+        self.assertGreater(big.machine["disk_gb_s"], 0)
+        self.assertEqual(big.recommended["name"], "state and weights in NvmeFile (offload_parameters)")
+        self.assertIsNotNone(big.recommended["step_seconds"])
+        self.assertEqual(tierstate_torch.plan(make_model(), probe=False).compositions[0]["gpu_bytes"],
+                         sum(q.numel() for q in make_model().parameters()) * (4 + 4 + 8))  # fp32: no master
+        for kwargs, words in [(dict(state="fp8"), "state = fp8"), (dict(rule="adagrad"), "rule = adagrad"),
+                              (dict(gpu_memory=-1), "gpu_memory must be a positive number"),
+                              (dict(layers=0), "layers = 0")]:
+            with self.assertRaisesRegex(ValueError, words):
+                tierstate_torch.plan(model, probe=False, **kwargs)
+        with self.assertRaisesRegex(ValueError, "a parameter count must be positive"):
+            tierstate_torch.plan(0)
+        with self.assertRaisesRegex(TypeError, "not str"):
+            tierstate_torch.plan("7B")
+
     def test_bind_threads_changes_no_bit(self):
         """bind_threads=True: the workers on physical cores; the same params, bit for bit."""
         data = batches(3, seed=37)

@@ -67,6 +67,25 @@ class CudaParity(unittest.TestCase):
                     losses = tp.train(model, opt, data, tp.schedule(opt))
                     self.assert_parity(ref_losses, losses, ref, model)
 
+    def test_plan_measures_pcie_and_traces_the_device_streams(self):
+        """tierstate_torch.plan on a GPU: PCIe measured, the GPU's memory read; and a traced step
+        of device params has its copies on the device's stream rows (issue 24)."""
+        p = tierstate_torch.plan(self.model(torch.bfloat16), host_gb_s=20.0)
+        print(p, flush=True)
+        print(p.json(), flush=True)
+        self.assertTrue(p.machine["pcie_source"].startswith("measured"), p.machine)
+        self.assertGreater(p.machine["pcie_gb_s"], 1.0)
+        self.assertEqual(p.machine["gpu_bytes"], torch.cuda.get_device_properties(0).total_memory)
+        model = self.model()
+        opt = tierstate_torch.AdamW(model.parameters(), lr=tp.LR, compute="host", tier="pinned", chunk_elements=4096)
+        with tempfile.TemporaryDirectory(dir=tp.SCRATCH) as d:
+            path = os.path.join(d, "step.json")
+            with opt.trace(path):
+                tp.train(model, opt, self.data(1))
+            events = json.load(open(path))["traceEvents"]
+        names = {e["name"] for e in events if e.get("ph") == "X"}
+        self.assertTrue({"from_device", "to_device", "compute"} <= names, names)
+
     def test_hooks_with_a_grad_scaler(self):
         data = self.data(12, seed=7)
         for compute, tier in (("host", "pinned"), ("device", "device")):

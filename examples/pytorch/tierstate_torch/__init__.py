@@ -9,6 +9,7 @@ _check_torch()  # an installed extension built for another torch is refused here
 from ._offload import OffloadedParameters, offload_parameters  # noqa: E402
 from .optim import SGD, Adafactor, Adam, AdamW, Lion, ShardedAdamW  # noqa: E402
 from ._metrics import drive_wear  # noqa: E402
+from ._plan import Plan, plan  # noqa: E402
 
 
 def host_kernels() -> str:
@@ -21,5 +22,5 @@ def host_kernels() -> str:
 
 
 __all__ = ["Adam", "AdamW", "ShardedAdamW", "SGD", "Lion", "Adafactor", "host_kernels", "offload_parameters", "OffloadedParameters",
-           "drive_wear"]
+           "drive_wear", "plan", "Plan"]
 __version__ = "0.1.0"  # VERSION's (tests/check_version.py)

@@ -29,12 +29,15 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -112,13 +115,36 @@ struct composition {
   double step_seconds = 0;  ///< NaN: not predicted (everything on the GPU; no disk bandwidth)
 };
 
+namespace detail {
+/// Host memory for a probe, untouched, 2 MiB-aligned and on huge pages where the kernel gives
+/// them (as PinnedHost's is), but never page-locked: a probe needs no GPU, nor memlock.
+class probe_buffer {
+ public:
+  explicit probe_buffer(std::size_t bytes)
+    : size_((bytes + (std::size_t{2} << 20) - 1) / (std::size_t{2} << 20) * (std::size_t{2} << 20)),
+      p_(static_cast<std::byte*>(std::aligned_alloc(std::size_t{2} << 20, size_)))
+  {
+    if (p_ == nullptr) { throw std::bad_alloc(); }
+    (void)::madvise(p_, size_, MADV_HUGEPAGE);
+  }
+  ~probe_buffer() { std::free(p_); }
+  probe_buffer(probe_buffer const&)            = delete;
+  probe_buffer& operator=(probe_buffer const&) = delete;
+  [[nodiscard]] std::byte* data() const noexcept { return p_; }
+
+ private:
+  std::size_t size_;
+  std::byte* p_;
+};
+}  // namespace detail
+
 /// Host memory bandwidth over a step's traffic (28 bytes an element of fp32 AdamW: four arrays
 /// read, three written), on every thread of `pool`, over `n` elements (beyond the caches from
 /// 2^23 on); median of 5 passes.
 inline double probe_host_gb_s(thread_pool& pool, std::size_t n)
 {
   n = std::max<std::size_t>(n, 4096);
-  PinnedHost mem(4 * n * sizeof(float));  // four arrays, as the state tier's memory is
+  detail::probe_buffer mem(4 * n * sizeof(float));  // four arrays
   float* const pp = reinterpret_cast<float*>(mem.data());
   pool.parallel_for(n, 4096, [&](std::size_t b, std::size_t e) {  // first touch by the threads that use them
     for (std::size_t i = b; i < e; ++i) { pp[i] = 1.0f, pp[n + i] = 1e-3f, pp[2 * n + i] = 0.0f, pp[3 * n + i] = 0.0f; }
@@ -166,8 +192,8 @@ inline double probe_disk_gb_s(std::string const& dir, std::size_t bytes, io::eng
   if (int const e = ::posix_fallocate(fd, 0, static_cast<off_t>(2 * bytes)); e != 0) {
     throw io_error(e, dir, "fallocate", 0, 2 * bytes, "the planner's scratch file");
   }
-  PinnedHost buf(2 * bytes);
-  std::memset(buf.data(), 1, buf.size());
+  detail::probe_buffer buf(2 * bytes);
+  std::memset(buf.data(), 1, 2 * bytes);
   io::engine engine(eo);
   std::vector<io::request> writes, mixed;
   for (std::size_t at = 0; at < 2 * bytes; at += piece) {  // the file written once, so reads read data
@@ -298,7 +324,8 @@ namespace detail {
 inline std::string plan_size(double b)
 {
   char t[32];
-  if (b > 0 && b < (1ull << 30)) {
+  if (b == 0) { return "0"; }
+  if (b < (1ull << 30)) {
     std::snprintf(t, sizeof t, "%.0f MiB", b / (1ull << 20));
   } else {
     std::snprintf(t, sizeof t, "%.1f GiB", b / (1ull << 30));

@@ -9,6 +9,7 @@
 #include "shard.hpp"
 
 #include <tierstate/kernels/host/finite.hpp>
+#include <tierstate/plan/plan.hpp>
 #include <tierstate/ranks/partition.hpp>
 
 #include <ATen/Parallel.h>
@@ -17,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <span>
@@ -789,6 +791,59 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
         "A slice's squares per 4096-element block of its tensor, the blocks that begin in it (the gradient norm's)");
   m.def("fold_squares", &tt::fold_squares, py::arg("prefix"), py::arg("tensor"),
         "prefix plus the squares of the tensor's elements, added in order (the gradient norm's)");
+  m.def(
+    "plan",
+    [](double params, std::string param, std::string state, std::string master, std::string rule, int layers,
+       std::size_t chunk_elements, double gpu_bytes, double host_bytes, std::string nvme, std::optional<double> nvme_free,
+       double host_gb_s, double disk_gb_s, double pcie_gb_s, std::string pcie_source, bool probe, std::size_t scratch_bytes) {
+      namespace plan = tierstate::plan;
+      plan::job const j{.params = params, .param = std::move(param), .state = std::move(state), .master = std::move(master),
+                        .rule = std::move(rule), .layers = layers, .chunk_elements = chunk_elements};
+      plan::machine m{.gpu_bytes = gpu_bytes, .host_bytes = host_bytes, .nvme = std::move(nvme), .nvme_free = nvme_free,
+                      .host_gb_s = host_gb_s, .disk_gb_s = disk_gb_s, .pcie_gb_s = pcie_gb_s};
+      if (host_gb_s > 0) { m.host_source = "given"; }
+      if (disk_gb_s > 0) { m.disk_source = "given"; }
+      if (pcie_gb_s > 0) { m.pcie_source = std::move(pcie_source); }
+      {
+        py::gil_scoped_release const nogil;  // the probes take a second or two
+        plan::measure(m, j, probe, scratch_bytes);
+      }
+      auto const rows = plan::compositions(j, m);
+      py::list out;
+      for (auto const& r : rows) {
+        py::dict d;
+        d["name"]            = r.name;
+        d["fits"]            = r.fits;
+        d["fits_text"]       = r.fits_text;
+        d["gpu_bytes"]       = r.gpu_bytes;
+        d["host_bytes"]      = r.host_bytes;
+        d["nvme_bytes"]      = r.nvme_bytes;
+        d["memlock_bytes"]   = r.memlock_bytes;
+        d["step_seconds"]    = std::isfinite(r.step_seconds) ? py::object(py::float_(r.step_seconds)) : py::none();
+        d["compute_seconds"] = r.compute_seconds;
+        d["disk_seconds"]    = std::isfinite(r.disk_seconds) ? py::object(py::float_(r.disk_seconds)) : py::none();
+        d["pcie_seconds"]    = r.pcie_seconds;
+        d["bound"]           = r.bound;
+        out.append(d);
+      }
+      py::dict mach;
+      mach["gpu_bytes"]   = m.gpu_bytes;
+      mach["host_bytes"]  = m.host_bytes;
+      mach["nvme"]        = m.nvme.empty() ? py::object(py::none()) : py::object(py::str(m.nvme));
+      mach["nvme_free"]   = m.nvme_free ? py::object(py::float_(*m.nvme_free)) : py::none();
+      mach["host_gb_s"]   = m.host_gb_s;
+      mach["host_source"] = m.host_source;
+      mach["disk_gb_s"]   = m.disk_gb_s > 0 ? py::object(py::float_(m.disk_gb_s)) : py::none();
+      mach["disk_source"] = m.disk_source;
+      mach["pcie_gb_s"]   = m.pcie_gb_s;
+      mach["pcie_source"] = m.pcie_source;
+      return py::make_tuple(out, mach, plan::table(j, m, rows), plan::json_lines(j, m, rows));
+    },
+    py::arg("params"), py::arg("param"), py::arg("state"), py::arg("master"), py::arg("rule"), py::arg("layers"),
+    py::arg("chunk_elements"), py::arg("gpu_bytes"), py::arg("host_bytes"), py::arg("nvme"), py::arg("nvme_free"),
+    py::arg("host_gb_s"), py::arg("disk_gb_s"), py::arg("pcie_gb_s"), py::arg("pcie_source"), py::arg("probe"),
+    py::arg("scratch_bytes"),
+    "tierstate's planner (tierstate/plan/plan.hpp): (compositions, machine, table, JSON lines)");
   m.def("host_kernels", &tt::host_kernel_level,
         "The host kernels' level: the dispatched x86-64 level of a package build (TIERSTATE_ARCH forces one), or "
         "'native <arch>' for a build with its own -march");
