@@ -54,11 +54,12 @@ for c in cases:
     master = 0 if c["param"] == "fp32" or c["master"] == "none" else (2 if c["master"] == "kahan" else 4)
     slot = {"fp32": 4, "bf16": 2, "int8": 1 + 4 / 256}[c["state"]]
     s = master + SLOTS[c["rule"]] * slot
-    traffic = 2 * s + 2 * p + (4 if c["param"] == "fp32" else 0)
+    own_master = c["param"] == "fp32" or c["master"] != "fp32"  # the param is read too, and comes down over PCIe
+    traffic = 2 * s + 2 * p + (p if own_master else 0)
     staging = (depth + 2) * chunk * s
     rings = (depth + 2) * chunk * 2 * p
     compute = n * traffic / (host_gb_s * 1e9)
-    pcie = n * 2 * p / (pcie_gb_s * 1e9)
+    pcie = n * (3 if own_master else 2) * p / (pcie_gb_s * 1e9)
     window = min(2 / layers, 1) * n * 2 * p
 
     def disk(b):

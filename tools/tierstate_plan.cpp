@@ -13,8 +13,9 @@
 // gradients, master and moments; activations are the framework's), says which fit (90% of each
 // memory at most), and predicts a step's time from bandwidths it measures itself with short
 // probes: host memory (the step's traffic, no arithmetic), the disk under --nvme through
-// tierstate's own I/O engine (reads and writes at once), and PCIe where a GPU is (in a build with
-// CUDA; otherwise --pcie-gb-s, default 25, is assumed and said so). The model: plan/plan.hpp.
+// tierstate's own I/O engine (reads and writes at once), and PCIe where a GPU is (through the CUDA
+// runtime, loaded at run time where one is installed, or linked in a CUDA build; otherwise
+// --pcie-gb-s, default 25, is assumed and said so). The model: plan/plan.hpp.
 #include <tierstate/plan/plan.hpp>
 #include <tierstate/tierstate.hpp>
 
@@ -30,6 +31,7 @@
 #include <type_traits>
 #include <vector>
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -89,6 +91,66 @@ double median(std::vector<double> v)
   return v[v.size() / 2];
 }
 
+#if !defined(TIERSTATE_ENABLE_CUDA)
+/// PCIe measured through the CUDA runtime loaded at run time (libcudart, where one is
+/// installed), as plan::probe_pcie_gb_s does in a CUDA build: the tool needs no CUDA to be
+/// built or to run. Pinned host memory (cudaMallocHost) to the GPU and back, synchronously,
+/// `bytes` each way; median of 5 after a warm-up. Nothing, with `why` said, where there is no
+/// runtime, no GPU, or a call fails.
+std::optional<double> probe_pcie_runtime(std::string& why, std::size_t bytes = std::size_t{256} << 20)
+{
+  void* lib = nullptr;
+  for (char const* name : {"libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"}) {
+    if ((lib = ::dlopen(name, RTLD_NOW | RTLD_LOCAL)) != nullptr) { break; }
+  }
+  if (lib == nullptr) {
+    why = "assumed: no CUDA runtime (libcudart) to measure it with";
+    return std::nullopt;
+  }
+  struct closer {
+    void* lib;
+    ~closer() { ::dlclose(lib); }
+  } const close_it{lib};
+  using count_fn = int (*)(int*);
+  using alloc_fn = int (*)(void**, std::size_t);
+  using free_fn  = int (*)(void*);
+  using copy_fn  = int (*)(void*, void const*, std::size_t, int);
+  auto const count     = reinterpret_cast<count_fn>(::dlsym(lib, "cudaGetDeviceCount"));
+  auto const host_new  = reinterpret_cast<alloc_fn>(::dlsym(lib, "cudaMallocHost"));
+  auto const dev_new   = reinterpret_cast<alloc_fn>(::dlsym(lib, "cudaMalloc"));
+  auto const host_free = reinterpret_cast<free_fn>(::dlsym(lib, "cudaFreeHost"));
+  auto const dev_free  = reinterpret_cast<free_fn>(::dlsym(lib, "cudaFree"));
+  auto const copy      = reinterpret_cast<copy_fn>(::dlsym(lib, "cudaMemcpy"));
+  if (!count || !host_new || !dev_new || !host_free || !dev_free || !copy) {
+    why = "assumed: the CUDA runtime found lacks a function the probe calls";
+    return std::nullopt;
+  }
+  int n = 0;
+  if (count(&n) != 0 || n == 0) {
+    why = "assumed: no GPU seen";
+    return std::nullopt;
+  }
+  void *host = nullptr, *dev = nullptr;
+  std::vector<double> t;
+  bool ok = host_new(&host, bytes) == 0 && dev_new(&dev, bytes) == 0;
+  if (ok) { std::memset(host, 1, bytes); }
+  constexpr int to_device = 1, to_host = 2;  // cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
+  for (int r = 0; ok && r < 6; ++r) {
+    auto const t0 = clk::now();
+    ok = copy(dev, host, bytes, to_device) == 0 && copy(host, dev, bytes, to_host) == 0;
+    if (r > 0) { t.push_back(std::chrono::duration<double>(clk::now() - t0).count()); }  // the first warms up
+  }
+  if (dev != nullptr) { (void)dev_free(dev); }
+  if (host != nullptr) { (void)host_free(host); }
+  if (!ok) {
+    why = "assumed: a CUDA call of the PCIe probe failed";
+    return std::nullopt;
+  }
+  return 2.0 * static_cast<double>(bytes) / median(t) / 1e9;
+}
+#endif
+
+
 /// --check: the plan's predicted step time against the measured one, in the same run, for a
 /// host_step-sized run (2^24 elements, fp32 AdamW, PinnedHost) and an nvme_step-sized one
 /// (20,971,520 elements, bf16-mixed AdamW, NvmeFile + Pipelined<2> in `dir`): each round runs
@@ -96,6 +158,14 @@ double median(std::vector<double> v)
 /// the ratios (an error is 1).
 int check(std::string const& dir, int rounds)
 {
+#if defined(TIERSTATE_ENABLE_CUDA)
+  if (int count = 0; ::cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    (void)::cudaGetLastError();
+    std::fprintf(stderr, "tierstate-plan --check: this build's PinnedHost page-locks with CUDA, and no GPU is seen: "
+                         "run --check from a build without CUDA, or on a machine with a GPU\n");
+    return 77;
+  }
+#endif
   thread_pool pool;
   auto run = [&]<class Optimizer>(std::type_identity<Optimizer>, char const* name, std::size_t n, plan::job f,
                                    typename Optimizer::options o, bool on_disk) {
@@ -265,6 +335,16 @@ int main(int argc, char** argv)
     if (!check_path.empty()) { return check(check_path, 5); }
     if (f.params <= 0) { usage("--params N is needed (e.g. 7e9, 70B)"); }
     f.validate();
+#if !defined(TIERSTATE_ENABLE_CUDA)
+    if (probe && m.pcie_gb_s == 0) {
+      std::string why;
+      if (auto const g = probe_pcie_runtime(why)) {
+        m.pcie_gb_s = *g, m.pcie_source = "measured";
+      } else {
+        m.pcie_gb_s = 25, m.pcie_source = why;
+      }
+    }
+#endif
     plan::measure(m, f, probe, scratch);
     auto const rows = plan::compositions(f, m);
     std::fputs((json ? plan::json_lines(f, m, rows) : plan::table(f, m, rows)).c_str(), stdout);

@@ -246,13 +246,13 @@ class OffloadedOptimizer {
   /// Replaces `tensor`'s own state with `from` (of tensor_state_size).
   void write_tensor_state(std::string_view tensor, std::span<float const> from);
 
-  /// Saves the whole state (master and slots, step counts, groups, layout, rule, precision) to
-  /// `path` (checkpoint/format.hpp), chunk by chunk, atomically: a crash leaves the previous
-  /// checkpoint whole; a failure leaves nothing (io_error). The details: checkpoint.inl.
+  /// Saves the whole state (master, slots, step counts, groups, layout, rule, precision) to `path`
+  /// (checkpoint/format.hpp) atomically: a crash leaves the previous checkpoint whole, a failure
+  /// nothing (io_error); a `path` not a regular file is refused (logic_error). More: checkpoint.inl.
   void save(std::filesystem::path const& path, checkpoint_options const& o = {});
-  /// Loads a checkpoint saved by an optimizer with the same rule, precision, chunk size and
-  /// tensors: everything is checked first (checkpoint_error names the difference), so a refused
-  /// load leaves even a fresh optimizer as it was; it restores a lost one. The details: checkpoint.inl.
+  /// Loads a checkpoint of the same rule, precision, chunk size and tensors, all checked first
+  /// (checkpoint_error names the difference): a refused load changes nothing; a read failing
+  /// after the checks loses the state ("Failures"). It restores a lost one. More: checkpoint.inl.
   void load(std::filesystem::path const& path, checkpoint_options const& o = {});
 
   /// The bytes save() would write, in order, to `write` (a stream, a buffer), with no file; a

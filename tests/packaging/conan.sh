@@ -8,9 +8,10 @@
 #   3. tests/packaging/consumer built through CMakeDeps the way a user would, and run;
 #   4. the packages' files checked (headers and licence only), and the two recipes' CMakeDeps
 #      output compared;
-#   5. the Conan Center recipe with the options c_api (libtierstate_c) and tools (tierstate-plan),
-#      built by src/CMakeLists.txt: its test_package's C program and tierstate-plan run, its files
-#      and exports checked.
+#   5. the Conan Center recipe with the option c_api (libtierstate_c, built by src/CMakeLists.txt):
+#      its test_package's C program run, its files and exports checked;
+#   6. with the option tools (tierstate-plan, built by the same file): the test_package runs it by
+#      name (the run environment's PATH), its files checked.
 # Conan Center cannot be reached here, so xsimd, liburing and xxhash are the system's, through
 # the test-only */system recipes in tests/conan and the profile's [replace_requires].
 #
@@ -251,15 +252,12 @@ for wanted in "set(tierstate_FIND_DEPENDENCY_NAMES xsimd liburing xxHash)" \
 done
 [[ $problems -eq 0 ]] || exit 1
 
-part "the Conan Center recipe with the options c_api (libtierstate_c) and tools (tierstate-plan), with its test_package"
+part "the Conan Center recipe with the option c_api (libtierstate_c), with its test_package"
 "$conan" create "$center" --version "$version" "${profiles[@]}" --build=missing -o "tierstate/*:c_api=True" \
-  -o "tierstate/*:tools=True" \
   -c "tools.cmake.cmake_layout:test_folder=$work/test-package-c-api" \
   -c "tools.cmake.cmaketoolchain:user_presets=" 2>&1 | tee "$work/c-api.log"
 grep -q "^libtierstate_c $version (.* kernels): one AdamW step.*: ok" "$work/c-api.log" ||
   { echo "FAIL: the test_package's C program did not run (no 'libtierstate_c $version' line above)"; exit 1; }
-grep -q "^1.3e+10 parameters, bf16 params" "$work/c-api.log" ||
-  { echo "FAIL: the test_package did not run tierstate-plan (no '1.3e+10 parameters' line above)"; exit 1; }
 c_package=$("$conan" list "tierstate/$version#latest:*" --format=json | "$venv/bin/python" -c '
 import json, sys
 for ref in json.load(sys.stdin)["Local Cache"].values():
@@ -270,12 +268,34 @@ for ref in json.load(sys.stdin)["Local Cache"].values():
 [[ -n $c_package ]] || { echo "FAIL: no tierstate package with c_api=True"; exit 1; }
 folder=$("$conan" cache path "tierstate/$version#$c_package")
 for f in include/tierstate/c.h include/tierstate/tierstate.hpp lib/libtierstate_c.so \
-         "lib/libtierstate_c.so.$soversion" "lib/libtierstate_c.so.$version" lib/cmake/tierstate-kernels.cmake bin/tierstate-plan \
+         "lib/libtierstate_c.so.$soversion" "lib/libtierstate_c.so.$version" lib/cmake/tierstate-kernels.cmake \
          licenses/LICENSE; do
   [[ -e $folder/$f ]] || { echo "FAIL: the c_api package has no $f"; exit 1; }
 done
 [[ ! -e $folder/lib/pkgconfig ]] || { echo "FAIL: the c_api package has lib/pkgconfig (PkgConfigDeps writes it)"; exit 1; }
 check_c_exports "$folder/lib/libtierstate_c.so" "$src/include/tierstate/c.h" "$work"
+
+part "the Conan Center recipe with the option tools (tierstate-plan, headers beside it), with its test_package"
+"$conan" create "$center" --version "$version" "${profiles[@]}" --build=missing -o "tierstate/*:tools=True" \
+  -c "tools.cmake.cmake_layout:test_folder=$work/test-package-tools" \
+  -c "tools.cmake.cmaketoolchain:user_presets=" 2>&1 | tee "$work/tools.log"
+# The test_package calls it by name: the run environment's PATH must hold it.
+grep -q "^1.3e+10 parameters, bf16 params" "$work/tools.log" ||
+  { echo "FAIL: the test_package did not run tierstate-plan (no '1.3e+10 parameters' line above)"; exit 1; }
+tools_package=$("$conan" list "tierstate/$version#latest:*" --format=json | "$venv/bin/python" -c '
+import json, sys
+for ref in json.load(sys.stdin)["Local Cache"].values():
+    for rrev, info in ref.get("revisions", {}).items():
+        for pid, package in info.get("packages", {}).items():
+            o = package.get("info", {}).get("options", {})
+            if o.get("tools") == "True" and o.get("c_api") != "True":
+                print(rrev + ":" + pid)')
+[[ -n $tools_package ]] || { echo "FAIL: no tierstate package with tools=True alone"; exit 1; }
+folder=$("$conan" cache path "tierstate/$version#$tools_package")
+for f in bin/tierstate-plan include/tierstate/tierstate.hpp licenses/LICENSE; do
+  [[ -e $folder/$f ]] || { echo "FAIL: the tools package has no $f"; exit 1; }
+done
+[[ ! -e $folder/lib/libtierstate_c.so ]] || { echo "FAIL: the tools package has libtierstate_c (c_api was off)"; exit 1; }
 
 part ""
 echo "== times"

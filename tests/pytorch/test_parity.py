@@ -687,7 +687,8 @@ class Parity(unittest.TestCase):
         # A count, an fp32 model's dtype, the int8 state, on an NVMe folder with its probe.
         with tempfile.TemporaryDirectory(dir=SCRATCH) as d:
             big = tierstate_torch.plan(70e9, state="int8", rule="lion", nvme=d, nvme_capacity=4e12,
-                                       scratch_bytes=8 << 20, host_gb_s=40.0, gpu_memory=24 * gib)
+                                       scratch_bytes=8 << 20, host_gb_s=40.0, gpu_memory=24 * gib,
+                                       host_memory=128 * gib)
             self.assertEqual(os.listdir(d), [])  # the probe's scratch file had no name
         self.assertEqual(big.machine["disk_source"], "measured")
         if torch.cuda.is_available():  # PCIe measured with torch

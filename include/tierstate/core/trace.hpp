@@ -3,13 +3,16 @@
 // from the tier, the wait for that read, its gradients gathered, its update on every thread,
 // its state written back) and the step's own phases (the step, its checks and clipping, a
 // rule's per-tensor reduce), with the bytes each moved, on the thread or staging buffer that
-// did it. Written as Chrome trace-event JSON, which Perfetto (ui.perfetto.dev) and
-// chrome://tracing open; bench/trace_png.py draws one step of it as a PNG.
+// did it; on the device routes, each chunk's copies and kernel on the device's streams, timed
+// by the streams (core/detail/stream_trace.hpp). Written as Chrome trace-event JSON, which
+// Perfetto (ui.perfetto.dev) and chrome://tracing open; bench/trace_png.py draws one step of
+// it as a PNG.
 //
 // Cost. An optimizer with no tracer attached (the default) tests one pointer per leg and
 // reads no clock it would not read anyway; a tracer attached costs one atomic increment and
-// one 40-byte store per event. A build with TIERSTATE_TRACE defined to 0 compiles the
-// tracing out altogether (and names its ABI namespace apart: core/config.hpp).
+// one 40-byte store per event (a device stream's event also two host functions on the stream
+// and a small allocation). A build with TIERSTATE_TRACE defined to 0 compiles the tracing out
+// altogether (and names its ABI namespace apart: core/config.hpp).
 //
 // Threads. record() may be called from any thread at once. events(), write_chrome_json()
 // and clear() must not overlap a step that records into the same tracer: call them between
@@ -69,7 +72,7 @@ struct trace_event {
   std::int64_t end_ns   = 0;
   std::uint64_t bytes   = 0;   ///< bytes the phase moved or updated (0: none named)
   std::int64_t chunk    = -1;  ///< the chunk (-1: a phase of the whole step)
-  std::uint32_t track   = 0;   ///< a thread (this_thread_track) or a staging buffer (io_track)
+  std::uint32_t track   = 0;   ///< a thread (this_thread_track), a staging buffer (io_track) or a device stream (device_track)
   trace_phase phase     = trace_phase::step;
 };
 

@@ -90,9 +90,18 @@ struct job {
   [[nodiscard]] double slot_bytes() const { return state == "fp32" ? 4 : state == "bf16" ? 2 : 1 + 4.0 / 256; }
   /// The optimizer state per element: master and slots.
   [[nodiscard]] double state_bytes() const { return master_bytes() + slots() * slot_bytes(); }
+  /// Whether the param is its own master (fp32 params, or a kahan or no master): the update then
+  /// reads the param too, and with device params it comes down over PCIe as well.
+  [[nodiscard]] bool own_master() const { return param == "fp32" || master != "fp32"; }
   /// What the host update reads and writes per element: the state twice, the gradient, the param
-  /// (fp32 params: the param is the master, read and written).
-  [[nodiscard]] double host_traffic() const { return 2 * state_bytes() + 2 * param_bytes() + (param == "fp32" ? 4 : 0); }
+  /// written (and read, where it is its own master).
+  [[nodiscard]] double host_traffic() const
+  {
+    return 2 * state_bytes() + 2 * param_bytes() + (own_master() ? param_bytes() : 0);
+  }
+  /// What crosses PCIe per element with device params: the gradient down, the param up (and
+  /// down first, where it is its own master).
+  [[nodiscard]] double pcie_traffic() const { return (own_master() ? 3 : 2) * param_bytes(); }
 };
 
 /// The machine: memories, the NVMe path, and the bandwidths (0: not known yet; measure() fills
@@ -218,7 +227,8 @@ inline double probe_disk_gb_s(std::string const& dir, std::size_t bytes, io::eng
 #if defined(TIERSTATE_ENABLE_CUDA)
 /// PCIe between PinnedHost memory and the current GPU: `bytes` to the device, then `bytes` back,
 /// on one stream (a step's params go one way and its gradients the other); bytes moved per
-/// second, median of 5. Nothing (std::nullopt) where the runtime sees no GPU.
+/// second, median of 5. Nothing (std::nullopt) where the runtime sees no GPU; a failure of the
+/// probe itself (no memory to page-lock) is thrown.
 inline std::optional<double> probe_pcie_gb_s(std::size_t bytes = std::size_t{256} << 20)
 {
   int count = 0;
@@ -229,17 +239,26 @@ inline std::optional<double> probe_pcie_gb_s(std::size_t bytes = std::size_t{256
   PinnedHost host(bytes);
   std::memset(host.data(), 1, bytes);
   device::runtime::stream s;
-  void* const dev = device::runtime::allocate_async(bytes, s);
+  struct device_buffer {
+    void* p;
+    device::runtime::stream& s;
+    ~device_buffer()
+    {
+      device::runtime::deallocate_async(p, s);
+      try {
+        s.synchronize();
+      } catch (...) {  // (the probe's own failure is the one reported)
+      }
+    }
+  } const dev{device::runtime::allocate_async(bytes, s), s};
   std::vector<double> t;
   for (int r = 0; r < 6; ++r) {
     auto const t0 = std::chrono::steady_clock::now();
-    device::runtime::copy_async(dev, host.data(), bytes, s);
-    device::runtime::copy_async(host.data(), dev, bytes, s);
+    device::runtime::copy_async(dev.p, host.data(), bytes, s);
+    device::runtime::copy_async(host.data(), dev.p, bytes, s);
     s.synchronize();
     if (r > 0) { t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()); }  // the first warms up
   }
-  device::runtime::deallocate_async(dev, s);
-  s.synchronize();
   std::sort(t.begin(), t.end());
   return 2.0 * static_cast<double>(bytes) / t[t.size() / 2] / 1e9;
 }
@@ -267,10 +286,14 @@ inline void measure(machine& m, job const& j, bool probe = true, std::size_t scr
     m.disk_source = "measured";
   }
 #if defined(TIERSTATE_ENABLE_CUDA)
+  std::string no_pcie = "assumed: no GPU seen";
   if (probe && m.pcie_gb_s == 0) {
-    if (auto const g = probe_pcie_gb_s()) { m.pcie_gb_s = *g, m.pcie_source = "measured"; }
+    try {
+      if (auto const g = probe_pcie_gb_s()) { m.pcie_gb_s = *g, m.pcie_source = "measured"; }
+    } catch (std::exception const& e) {  // the plan goes on with PCIe assumed, saying why
+      no_pcie = std::string("assumed: the PCIe probe failed: ") + e.what();
+    }
   }
-  char const* const no_pcie = "assumed: no GPU seen";
 #else
   char const* const no_pcie = "assumed: a build without CUDA";
 #endif
@@ -289,7 +312,7 @@ inline std::vector<composition> compositions(job const& j, machine const& m)
   double const pcie_rings = (j.depth + 2.0) * chunk * 2 * p;  // CudaOverlapped's gradients and params
   double const host_gb_s = m.host_gb_s > 0 ? m.host_gb_s : 20, pcie_gb_s = m.pcie_gb_s > 0 ? m.pcie_gb_s : 25;
   double const compute = n * j.host_traffic() / (host_gb_s * 1e9);
-  double const pcie    = n * 2 * p / (pcie_gb_s * 1e9);
+  double const pcie    = n * j.pcie_traffic() / (pcie_gb_s * 1e9);
   auto disk = [&](double bytes) { return m.disk_gb_s > 0 ? bytes / (m.disk_gb_s * 1e9) : NAN; };
   std::vector<composition> out;
   auto fill = [&](composition c) {
@@ -377,8 +400,10 @@ inline std::string table(job const& j, machine const& m, std::vector<composition
                 detail::plan_size(m.host_bytes).c_str());
   o += line;
   if (!m.nvme.empty()) { o += ", NVMe " + m.nvme + " (" + detail::plan_size(m.nvme_free.value_or(0)) + " free)"; }
-  std::snprintf(line, sizeof line, "\nbandwidths: host memory %.1f GB/s (%s), disk %.2f GB/s (%s), PCIe %.0f GB/s (%s)\n\n",
-                m.host_gb_s, m.host_source.c_str(), m.disk_gb_s, m.disk_source.c_str(), m.pcie_gb_s, m.pcie_source.c_str());
+  char disk[96] = "disk: no NVMe folder given";
+  if (m.disk_gb_s > 0) { std::snprintf(disk, sizeof disk, "disk %.2f GB/s (%s)", m.disk_gb_s, m.disk_source.c_str()); }
+  std::snprintf(line, sizeof line, "\nbandwidths: host memory %.1f GB/s (%s), %s, PCIe %.0f GB/s (%s)\n\n", m.host_gb_s,
+                m.host_source.c_str(), disk, m.pcie_gb_s, m.pcie_source.c_str());
   o += line;
   std::snprintf(line, sizeof line, "%-52s %-14s %11s %11s %11s %11s %10s  %s\n", "composition", "fits", "GPU", "host", "NVMe",
                 "memlock", "step", "bound by");

@@ -133,11 +133,16 @@ class TierstateConan(ConanFile):
         self._headers_info(self.cpp_info.components["headers"])
         self.cpp_info.components["headers"].set_property("cmake_target_name", "tierstate::tierstate")
         if self.options.tools:
-            plan = self.cpp_info.components["plan"]  # bin/tierstate-plan, on the run environment's PATH
+            plan = self.cpp_info.components["plan"]  # bin/tierstate-plan
             plan.set_property("cmake_target_name", "tierstate::plan")
             plan.bindirs = ["bin"]
             plan.libdirs = []
             plan.includedirs = []
+            # On the run (and build) environment's PATH, whatever the requirement's traits (a
+            # package of type "unknown", tools without c_api, has no run trait of its own).
+            bindir = os.path.join(self.package_folder, "bin")
+            self.runenv_info.prepend_path("PATH", bindir)
+            self.buildenv_info.prepend_path("PATH", bindir)
         if not self.options.c_api:
             return
         c_api = self.cpp_info.components["c_api"]

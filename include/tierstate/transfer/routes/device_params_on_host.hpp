@@ -102,6 +102,7 @@ class device_params_on_host : public detail::route_base<Optimizer> {
     for (auto const& pc : o_.store_.pieces(k)) {
       auto const& t  = o_.tensors_[pc.tensor];
       if (o_.update_params_on_device(pc.tensor) && grads_[pc.tensor].data != nullptr) {
+        up.open();
         device::copy_async(t.param + pc.tensor_begin, param_ring_ + b * ce_ + pc.chunk_begin,
                            pc.count * sizeof(param_type), d_.h2d);
         sent += pc.count * sizeof(param_type);
@@ -134,10 +135,11 @@ class device_params_on_host : public detail::route_base<Optimizer> {
   void abandon()
   {
     io_.drain();
-    try {
-      d_.d2h.synchronize();
-      d_.h2d.synchronize();
-    } catch (...) {  // the first failure is the one reported
+    for (auto* s : {&d_.d2h, &d_.h2d}) {  // each, whatever the other says
+      try {
+        s->synchronize();
+      } catch (...) {  // the first failure is the one reported
+      }
     }
   }
 
@@ -176,6 +178,7 @@ class device_params_on_host : public detail::route_base<Optimizer> {
       }
       if (g.data == nullptr) { continue; }  // no gradient
       if (g.where == location::device) {
+        down.open();  // (here: a gradient read back from a source above is no device work)
         device::copy_async(grad_ring_ + b * ce_ + pc.chunk_begin, g.data + pc.tensor_begin,
                            pc.count * sizeof(grad_type), d_.d2h);
         stats_.d2h_bytes += pc.count * sizeof(grad_type);
@@ -183,6 +186,7 @@ class device_params_on_host : public detail::route_base<Optimizer> {
       if constexpr (!has_master) {  // the param is its own master: it comes too
         auto const& t = o_.tensors_[pc.tensor];
         if (o_.update_params_on_device(pc.tensor)) {
+          down.open();
           device::copy_async(param_ring_ + b * ce_ + pc.chunk_begin, t.param + pc.tensor_begin,
                              pc.count * sizeof(param_type), d_.d2h);
           stats_.d2h_bytes += pc.count * sizeof(param_type);

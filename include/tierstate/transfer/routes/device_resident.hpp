@@ -37,6 +37,7 @@ class device_resident : public detail::route_base<Optimizer> {
     changed_ = true;
     tierstate::detail::stream_span run(o_.tracer_, o_.store_.device().compute, trace_phase::device_compute,
                                        static_cast<std::int64_t>(k), tracer::device_stream::compute);
+    run.open();
     o_.launch_chunk(k, o_.store_.tier().device_data() + k * o_.store_.layout().chunk_bytes(), grads_, coefficients_);
     run.close(o_.store_.layout().chunk_bytes());
   }

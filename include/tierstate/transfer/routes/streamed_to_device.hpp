@@ -63,6 +63,7 @@ class streamed_to_device : public detail::route_base<Optimizer> {
     changed_ = true;
     tierstate::detail::stream_span run(o_.tracer_, d_.compute, trace_phase::device_compute,
                                        static_cast<std::int64_t>(o_.chunk_at(j)), tracer::device_stream::compute);
+    run.open();
     o_.launch_chunk(o_.chunk_at(j), device_chunk(j), grads_, coefficients_);
     run.close(bytes_);
     d_.computed[b].record(d_.compute);
@@ -73,6 +74,7 @@ class streamed_to_device : public detail::route_base<Optimizer> {
     d_.d2h.wait(d_.computed[b]);
     tierstate::detail::stream_span down(o_.tracer_, d_.d2h, trace_phase::from_device,
                                         static_cast<std::int64_t>(o_.chunk_at(j)), tracer::device_stream::from_device);
+    down.open();
     device::copy_async(host_chunk(j), device_chunk(j), bytes_, d_.d2h);
     down.close(bytes_);
     d_.out[b].record(d_.d2h);
@@ -104,11 +106,11 @@ class streamed_to_device : public detail::route_base<Optimizer> {
   /// After a leg threw: nothing of the step is left in flight.
   void abandon()
   {
-    try {
-      d_.compute.synchronize();
-      d_.h2d.synchronize();
-      d_.d2h.synchronize();
-    } catch (...) {  // the first failure is the one reported
+    for (auto* s : {&d_.compute, &d_.h2d, &d_.d2h}) {  // each, whatever the others say
+      try {
+        s->synchronize();
+      } catch (...) {  // the first failure is the one reported
+      }
     }
     io_.drain();
   }
@@ -132,6 +134,7 @@ class streamed_to_device : public detail::route_base<Optimizer> {
     d_.h2d.wait(d_.out[b]);  // chunk j - B has left the device buffer
     tierstate::detail::stream_span up(o_.tracer_, d_.h2d, trace_phase::to_device,
                                       static_cast<std::int64_t>(o_.chunk_at(j)), tracer::device_stream::to_device);
+    up.open();
     device::copy_async(device_chunk(j), host_chunk(j), bytes_, d_.h2d);
     up.close(bytes_);
     d_.in[b].record(d_.h2d);
